@@ -1,0 +1,101 @@
+"""Config dataclasses, one per layer. Hydra builds them at the entry points (``OmegaConf.to_object``);
+core code only ever sees these dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    """The target model. ``source`` is a preset name (random init), an HF folder, a ``.gguf`` file,
+    or ``smollm2`` (the embedded SmolLM2-135M-Instruct)."""
+
+    source: str = "smollm2"
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto = cuda when available
+    attn_backend: str = "auto"  # auto = triton on CUDA, torch on CPU; or torch | triton | flash_attn
+    seed: int = 0  # random-init seed for presets
+    cache_dir: str | None = None  # converted weights cache; None = $SPECSCHED_CACHE_DIR or ~/.cache/specsched
+    max_model_len: int | None = None  # None = the model's own
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"model.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+
+
+@dataclass
+class DraftConfig:
+    """The draft model for the ``draft`` proposer. ``source``: ``self`` (the target's first
+    ``num_layers`` layers + its head), a preset, an HF folder or a ``.gguf`` file."""
+
+    source: str = "self"
+    num_layers: int = 8  # for source=self
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"draft.num_layers must be >= 1, got {self.num_layers}")
+
+
+@dataclass
+class NgramConfig:
+    min_n: int = 1
+    max_n: int = 4
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.min_n <= self.max_n):
+            raise ValueError(f"need 1 <= ngram.min_n <= ngram.max_n, got {self.min_n}, {self.max_n}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None = sized from memory_fraction (GPU) or cpu_kv_gb (CPU)
+    gpu_memory_fraction: float = 0.8
+    cpu_kv_gb: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"cache.block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"cache.num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running requests at most
+    max_num_batched_tokens: int = 2048  # prefill chunk budget per step
+    max_queue: int = 1024  # waiting requests at most (more: error 'overloaded')
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"scheduler.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class SpecConfig:
+    """Speculation: the proposer, the scorers to build, the max k, and the policy that picks."""
+
+    proposer: str = "ngram"  # none | ngram | draft | synthetic
+    scorers: list[str] = field(default_factory=lambda: ["batch_expansion", "mqa"])
+    max_k: int = 8
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    synthetic_acceptance: float = 0.7  # for proposer=synthetic (benchmarks only)
+
+    def __post_init__(self) -> None:
+        if self.max_k < 0:
+            raise ValueError(f"spec.max_k must be >= 0, got {self.max_k}")
+        if not self.scorers:
+            raise ValueError("spec.scorers must name at least one scorer")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    policy: dict = field(default_factory=lambda: {"name": "fixed"})  # built by policies.registry

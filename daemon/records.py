@@ -1,0 +1,60 @@
+"""What the engine records each step: the input of cost models, the SQLite log and the replay."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRequestRecord:
+    request_id: str
+    context_len: int  # tokens before this step's input token (KV cached), i.e. position of the input token
+    k: int  # drafts scored (<= planned k when the proposer had fewer)
+    num_accepted: int  # drafts accepted (0..k); emitted = num_accepted + 1
+    match_bits: str = ""  # greedy only: "1" per draft that matched the target, up to the first "0"
+
+
+@dataclass
+class StepRecord:
+    step: int
+    kind: str  # "prefill" | "decode"
+    start_time: float  # time.time() at step start
+    batch_size: int
+    num_tokens: int  # tokens run through the target this step
+    scorer: str | None = None  # decode steps only
+    policy: str | None = None
+    proposer: str | None = None
+    is_synthetic: bool = False
+    predicted_propose_ms: float | None = None
+    predicted_score_ms: float | None = None
+    predicted_verify_ms: float | None = None
+    predicted_ms: float | None = None  # predicted total
+    propose_ms: float = 0.0
+    score_ms: float = 0.0
+    verify_ms: float = 0.0
+    total_ms: float = 0.0  # schedule .. commit, measured
+    num_emitted: int = 0
+    requests: list[StepRequestRecord] = field(default_factory=list)
+
+    @property
+    def num_proposed(self) -> int:
+        return sum(r.k for r in self.requests)
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(r.num_accepted for r in self.requests)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (streamed to its client)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    num_proposed: int = 0  # drafts proposed for it this step
+    num_accepted: int = 0
+    finish_reason: str | None = None  # set when the request finished this step
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,78 @@
+"""Policy interface: the per-step decision of k per request and the scorer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestView:
+    """What a policy sees of one running request this step."""
+
+    request_id: str
+    context_len: int  # tokens in the KV cache + the step's input token
+    proposer: str  # proposer name
+    max_k: int  # the most this request may speculate now (n-gram match length, spec.max_k, ...)
+    acceptance: float  # estimated per-token acceptance rate a in [0, 1)
+    acceptance_std: float  # its uncertainty
+    last_k: int = 0  # k chosen last step (for hysteresis / hf_heuristic)
+    last_accepted: int = 0  # drafts accepted last step
+
+
+@dataclass
+class BatchView:
+    """What a policy sees of the whole step."""
+
+    requests: list[RequestView]
+    num_free_blocks: int
+    block_size: int
+    scorers: list[str]  # scorers available this run
+    step: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_context_tokens(self) -> int:
+        return sum(r.context_len for r in self.requests)
+
+
+@dataclass
+class Plan:
+    """A policy's decision for one step."""
+
+    k: list[int]  # [B] proposals per request, 0 allowed
+    scorer: str  # scorer name
+    policy: str  # policy name that decided
+    predicted_ms: float | None = None  # predicted step time (propose + score + verify + overhead)
+    expected_tokens: float | None = None  # expected emitted tokens this step
+    info: dict = field(default_factory=dict)  # policy's reasoning, for the log
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.k if k < 0]
+        if bad:
+            raise ValueError(f"plan k must be >= 0 for every request, got {bad[0]}")
+
+    @property
+    def max_k(self) -> int:
+        return max(self.k, default=0)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the scorer runs: sum over requests of k_i + 1."""
+        return sum(k + 1 for k in self.k)
+
+
+class Policy(ABC):
+    """Decides a :class:`Plan` each step from a :class:`BatchView` and the cost models."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def decide(self, view: BatchView, costs) -> Plan:  # costs: specsched.policies.cost_model.CostModels
+        ...
+
+    def observe(self, plan: Plan, num_accepted: list[int]) -> None:  # noqa: B027
+        """Feedback after verification (per-request accepted draft tokens)."""

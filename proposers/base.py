@@ -1,0 +1,78 @@
+"""Proposer interface: cheap facts for the policy (peek), then ragged draft tokens (propose)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specsched.daemon.request import Request
+
+
+@dataclass
+class Proposals:
+    """Ragged draft tokens for a batch. Request i's drafts are
+    ``draft_tokens[cu_num_draft[i]:cu_num_draft[i+1]]``; ``num_draft[i]`` may be 0."""
+
+    draft_tokens: torch.Tensor  # [N] int64
+    cu_num_draft: torch.Tensor  # [B+1] int64
+    draft_probs: torch.Tensor | None  # [N, vocab] float32, None for deterministic proposers
+    num_draft: list[int]  # [B] host ints (the k actually proposed; <= planned k)
+    is_synthetic: bool = False  # True for the benchmark-only synthetic-acceptance proposer
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.num_draft)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_draft)
+
+    @property
+    def max_k(self) -> int:
+        return max(self.num_draft, default=0)
+
+    @staticmethod
+    def from_lists(drafts: list[list[int]], device: torch.device | str = "cpu") -> Proposals:
+        """Build deterministic proposals (one-hot q) from plain lists."""
+        num = [len(d) for d in drafts]
+        cu = [0]
+        for n in num:
+            cu.append(cu[-1] + n)
+        flat = [t for d in drafts for t in d]
+        return Proposals(
+            draft_tokens=torch.tensor(flat, dtype=torch.int64, device=device),
+            cu_num_draft=torch.tensor(cu, dtype=torch.int64, device=device),
+            draft_probs=None,
+            num_draft=num,
+        )
+
+
+@dataclass
+class ProposerPeek:
+    """What a proposer can say about a request before the plan: ``max_k`` it could propose now
+    (e.g. the n-gram match length; a large number for a draft model)."""
+
+    max_k: list[int]  # [B]
+
+
+class Proposer(ABC):
+    """Draft-token source. Registered by name in ``specsched.proposers.registry``."""
+
+    name: str = "base"
+    is_synthetic: bool = False
+
+    def peek(self, batch: list[Request]) -> ProposerPeek:
+        """Cheap per-request facts for the policy. Default: no limit beyond the engine's."""
+        return ProposerPeek(max_k=[1 << 30] * len(batch))
+
+    @abstractmethod
+    def propose(self, batch: list[Request], k: list[int]) -> Proposals:
+        """Propose up to ``k[i]`` tokens for request i (0 allowed)."""
+
+    def on_commit(self, batch: list[Request]) -> None:
+        """Called after the step's tokens are committed (roll back own state)."""
+
+    def on_finish(self, request: Request) -> None:
+        """Called when a request leaves the engine."""

@@ -1,0 +1,22 @@
+"""Scorer interface: one target forward over each request's last token plus its drafts."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from specsched.daemon.request import Request
+from specsched.proposers.base import Proposals
+
+
+class Scorer(ABC):
+    """Returns target logits at the k_i+1 positions of every request, flattened in request order:
+    rows ``cu_num_draft[i] + i .. cu_num_draft[i+1] + i`` belong to request i (its last token's
+    logits first, then one row per draft)."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def score(self, batch: list[Request], proposals: Proposals) -> torch.Tensor:  # [sum(k_i+1), vocab]
+        ...
