@@ -34,6 +34,7 @@ class StepRecord:
     verify_ms: float = 0.0
     total_ms: float = 0.0  # schedule .. commit, measured
     num_emitted: int = 0
+    plan_info: dict = field(default_factory=dict)  # the policy's reasoning (JSON in the log)
     requests: list[StepRequestRecord] = field(default_factory=list)
 
     @property

@@ -83,6 +83,9 @@ class Request:
     num_accepted: int = 0
     num_spec_steps: int = 0
     num_preemptions: int = 0
+    last_k: int = 0  # drafts scored last decode step
+    last_accepted: int = 0  # drafts accepted last decode step
+    first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     client: bytes | None = None  # opaque: the daemon's routing identity
@@ -106,6 +109,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def proposer(self) -> str | None:
+        return self.spec.proposer
 
     @property
     def is_prefill(self) -> bool:

@@ -1,0 +1,275 @@
+"""The engine: continuous batching with speculative decoding, one step at a time.
+
+The step (DESIGN.md): schedule -> peek -> decide -> propose -> score -> verify -> commit -> log.
+Prefill steps (chunked) run the target over new prompts and sample each request's first token;
+decode steps speculate with the plan's k per request and scorer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from specsched.daemon.components import EngineParts, build_parts, merge_proposals
+from specsched.daemon.config import EngineConfig
+from specsched.daemon.records import RequestOutput, StepRecord, StepRequestRecord
+from specsched.daemon.request import FinishReason, Request, SamplingParams, SpecParams
+from specsched.daemon.scheduler import ScheduledBatch, Scheduler
+from specsched.daemon.stats import EngineStats
+from specsched.kernels.metadata import build_metadata
+from specsched.kernels.rejection_sampling import verify
+from specsched.policies.base import BatchView, Policy, RequestView
+from specsched.proposers.base import Proposals
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, parts: EngineParts | None = None, policy: Policy | None = None) -> None:
+        self.cfg = cfg
+        p = parts or build_parts(cfg)
+        self.model, self.tokenizer, self.kv_cache = p.model, p.tokenizer, p.kv_cache
+        self.proposers, self.scorers, self.costs, self.acceptance = p.proposers, p.scorers, p.costs, p.acceptance
+        self.policy = policy or p.policy
+        self.model_name, self.device = p.model_name, p.device
+        self.max_model_len = p.max_model_len
+        self.eos_token_ids = set(p.eos_token_ids)
+        self.scheduler = Scheduler(cfg.scheduler, cfg.cache, p.num_blocks)
+        self.requests: dict[str, Request] = {}
+        self.on_step: Callable[[StepRecord], None] | None = None
+        self.stats = EngineStats()
+        self.num_steps = 0
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> Engine:
+        return cls(cfg)
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        n, vocab = req.num_prompt_tokens, self.model.cfg.vocab_size
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; the model's context is {self.max_model_len} (prompt + output)")
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(req.prompt_ids)}..{max(req.prompt_ids)}")
+        if req.proposer is not None and req.proposer not in self.proposers:
+            raise ValueError(f"unknown proposer {req.proposer!r}; available: {', '.join(sorted(self.proposers))}")
+        if self.scheduler.blocks_for(n + 1) > self.scheduler.allocator.num_usable:
+            raise ValueError(f"prompt of {n} tokens needs more KV blocks than the cache has")
+        req.sampling.max_tokens = min(req.sampling.max_tokens, self.max_model_len - n)
+        req.arrival_time = req.arrival_time or time.time()
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, reason)
+        return RequestOutput(request_id, [], finish_reason=reason.value)
+
+    # ---- the step -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        if batch.is_prefill:
+            outputs, rec = self._prefill(batch)
+        else:
+            outputs, rec = self._decode(batch.requests)
+        rec.total_ms = (time.perf_counter() - t0) * 1e3
+        if not batch.is_prefill and rec.batch_size:
+            self.costs.observe(rec)
+        self.stats.observe(rec)
+        self.num_steps += 1
+        if self.on_step is not None:
+            self.on_step(rec)
+        return outputs
+
+    def _decode(self, reqs: list[Request]) -> tuple[list[RequestOutput], StepRecord]:
+        rec = StepRecord(self.num_steps, "decode", time.time(), 0, 0)
+        plan = self.policy.decide(self._view(reqs), self.costs)
+        if plan.scorer not in self.scorers:
+            raise ValueError(f"policy {plan.policy!r} chose scorer {plan.scorer!r}, which is not built here; "
+                             f"built: {', '.join(self.scorers)}")
+        reqs, ks = self.scheduler.reserve_lookahead(reqs, plan.k)  # may lower k or preempt
+        with self._timed(rec, "propose_ms"):
+            props = self._propose(reqs, ks)
+        with self._timed(rec, "score_ms"):
+            logits = self.scorers[plan.scorer].score(reqs, props)  # [sum(k_i+1), vocab]
+        with self._timed(rec, "verify_ms"):
+            result = verify(logits, props, [r.sampling for r in reqs], [r.generator for r in reqs])
+            emitted = result.to_lists()
+        outputs = self._commit(reqs, emitted, props.num_draft, True)
+        bits = result.match_bits()
+        rec.requests = [
+            StepRequestRecord(r.request_id, r.num_tokens - len(e), k, len(e) - 1, b)
+            for r, e, k, b in zip(reqs, emitted, props.num_draft, bits)
+        ]
+        rec.batch_size, rec.num_tokens, rec.num_emitted = len(reqs), sum(k + 1 for k in props.num_draft), sum(map(len, emitted))
+        rec.scorer, rec.policy, rec.proposer, rec.is_synthetic = plan.scorer, plan.policy, self._proposer_label(reqs), props.is_synthetic
+        rec.predicted_ms, rec.plan_info = plan.predicted_ms, plan.info
+        for name in ("propose", "score", "verify"):
+            setattr(rec, f"predicted_{name}_ms", plan.info.get(f"predicted_{name}_ms"))
+        self.policy.observe(plan, [len(e) - 1 for e in emitted])
+        return outputs, rec
+
+    def _prefill(self, batch: ScheduledBatch) -> tuple[list[RequestOutput], StepRecord]:
+        reqs, chunks = batch.requests, batch.chunk_lens
+        rec = StepRecord(self.num_steps, "prefill", time.time(), len(reqs), sum(chunks))
+        starts = [r.num_computed for r in reqs]
+        ends = [s + c for s, c in zip(starts, chunks)]
+        meta = build_metadata(chunks, ends, [r.block_table for r in reqs], self.cfg.cache.block_size, self.device)
+        ids = torch.tensor([t for r, s, e in zip(reqs, starts, ends) for t in r.token_ids[s:e]], dtype=torch.int64)
+        pos = torch.tensor([p for s, e in zip(starts, ends) for p in range(s, e)], dtype=torch.int64)
+        sample = [i for i, (r, e) in enumerate(zip(reqs, ends)) if not r.output_ids and e == r.num_prompt_tokens]
+        last = torch.tensor(chunks).cumsum(0)[sample] - 1
+        with self._timed(rec, "score_ms"):
+            logits = self.model(ids.to(self.device), pos.to(self.device), meta, self.kv_cache, last.to(self.device))
+        for r, e in zip(reqs, ends):
+            r.num_computed = e
+        done = [reqs[i] for i in sample]
+        empty = Proposals.from_lists([[] for _ in done], self.device)
+        with self._timed(rec, "verify_ms"):
+            first = verify(logits, empty, [r.sampling for r in done], [r.generator for r in done]).to_lists()
+        now = time.time()
+        for r in done:
+            r.first_token_time = now
+        rec.num_emitted = len(done)
+        return self._commit(done, first, [0] * len(done), False), rec
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _view(self, reqs: list[Request]) -> BatchView:
+        names = [self._proposer_of(r) for r in reqs]
+        peek = {n: iter(self.proposers[n].peek([r for r, m in zip(reqs, names) if m == n]).max_k) for n in set(names)}
+        views = []
+        for r, n in zip(reqs, names):
+            cap = min(next(peek[n]), self.cfg.spec.max_k, r.sampling.max_tokens - r.num_output_tokens - 1,
+                      self.max_model_len - r.num_tokens)
+            if r.spec.max_k is not None:
+                cap = min(cap, r.spec.max_k)
+            views.append(RequestView(
+                r.request_id, r.num_tokens, n, max(cap, 0), self.acceptance.mean(r.request_id, n),
+                self.acceptance.std(r.request_id, n), r.last_k, r.last_accepted))
+        return BatchView(views, self.scheduler.num_free_blocks, self.cfg.cache.block_size, list(self.scorers), self.num_steps)
+
+    def _proposer_of(self, req: Request) -> str:
+        return req.proposer or self.cfg.spec.proposer
+
+    def _proposer_label(self, reqs: list[Request]) -> str:
+        return "+".join(sorted({self._proposer_of(r) for r in reqs}))
+
+    def _propose(self, reqs: list[Request], ks: list[int]) -> Proposals:
+        names = [self._proposer_of(r) for r in reqs]
+        parts = []
+        for n in sorted(set(names)):
+            idx = [i for i, m in enumerate(names) if m == n]
+            parts.append((idx, self.proposers[n].propose([reqs[i] for i in idx], [ks[i] for i in idx])))
+        return merge_proposals(parts, len(reqs), self.model.cfg.vocab_size, self.device)
+
+    def _commit(
+        self, reqs: list[Request], emitted: list[list[int]], num_draft: list[int], is_decode: bool
+    ) -> list[RequestOutput]:
+        """Append each request's emitted tokens (accepted drafts + one recovered/bonus token), stop
+        at EOS/stop ids/length, roll back the KV of rejected drafts by length."""
+        outputs = []
+        for r, toks, k in zip(reqs, emitted, num_draft):
+            n_acc = len(toks) - 1
+            reason = None
+            kept = []
+            for t in toks:
+                kept.append(t)
+                r.output_ids.append(t)
+                reason = self._stop_reason(r, t)
+                if reason is not None:
+                    break
+            if is_decode:
+                r.num_proposed += k
+                r.num_accepted += n_acc
+                r.num_spec_steps += 1
+                r.last_k, r.last_accepted = k, n_acc
+                self.acceptance.observe(r.request_id, self._proposer_of(r), k, n_acc)
+            r.num_computed = r.num_tokens - 1
+            outputs.append(RequestOutput(r.request_id, kept, k, n_acc, reason.value if reason else None))
+            if reason is not None:
+                self._finish(r, reason)
+            else:
+                self.scheduler.trim(r)
+        for p in self.proposers.values():
+            p.on_commit([r for r in reqs if not r.is_finished])
+        return outputs
+
+    def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
+        s = r.sampling
+        if (token in self.eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
+            return FinishReason.STOP
+        if r.num_output_tokens >= s.max_tokens or r.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(req, reason)
+        for p in self.proposers.values():
+            p.on_finish(req)
+        self.acceptance.forget(req.request_id)
+        self.requests.pop(req.request_id, None)
+
+    def _timed(self, rec: StepRecord, field: str):
+        return _Timer(rec, field, self.device.type == "cuda")
+
+    # ---- status -------------------------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.scheduler.allocator.num_usable
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams], spec: SpecParams | None = None
+    ) -> list[list[int]]:
+        """In-process convenience: run the given prompts to completion, return their output ids."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        reqs = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            r = Request(f"generate-{self.num_steps}-{i}", list(p), SamplingParams(**vars(sp)), spec or SpecParams())
+            self.add_request(r)
+            reqs.append(r)
+        while any(not r.is_finished for r in reqs):
+            self.step()
+        return [r.output_ids for r in reqs]
+
+
+class _Timer:
+    """Adds the block's wall time in ms to ``rec.<field>`` (synchronising CUDA when on GPU)."""
+
+    def __init__(self, rec: StepRecord, field: str, is_cuda: bool) -> None:
+        self.rec, self.field, self.is_cuda = rec, field, is_cuda
+
+    def __enter__(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize()
+        self.t = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize()
+        setattr(self.rec, self.field, getattr(self.rec, self.field) + (time.perf_counter() - self.t) * 1e3)

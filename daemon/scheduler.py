@@ -1,0 +1,178 @@
+"""Admission, KV blocks and preemption.
+
+Block 0 of the cache is reserved (the pad target of captured graphs); blocks 1.. are handed out
+from a free list. A request owns ``ceil(slots / block_size)`` blocks for the slots it needs: its
+tokens, plus the k+1 lookahead slots a speculative step writes; after verification the rejected
+slots are rolled back by length and whole blocks beyond the committed tokens are freed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specsched.daemon.config import CacheConfig, SchedulerConfig
+from specsched.daemon.request import FinishReason, Request
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    """Free-list allocator over blocks ``1 .. num_blocks-1`` (block 0 is the reserved pad block)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"need at least 2 KV blocks (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise NoFreeBlocks(f"asked for {n} KV blocks, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: either prefill chunks or a decode (speculative) batch."""
+
+    requests: list[Request]
+    is_prefill: bool
+    chunk_lens: list[int]  # prefill: tokens computed this step per request; decode: unused
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> None:
+        self.cfg = cfg
+        self.block_size = cache.block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def blocks_for(self, num_slots: int) -> int:
+        return -(-num_slots // self.block_size)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def reserve(self, req: Request, num_slots: int) -> bool:
+        """Make ``req.block_table`` cover ``num_slots`` slots; False (nothing changed) if out of blocks."""
+        need = self.blocks_for(num_slots) - len(req.block_table)
+        if need <= 0:
+            return True
+        if need > self.allocator.num_free:
+            return False
+        req.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    def trim(self, req: Request) -> None:
+        """Free whole blocks beyond the request's tokens (rollback of rejected lookahead slots)."""
+        keep = self.blocks_for(req.num_tokens)
+        if len(req.block_table) > keep:
+            self.allocator.free(req.block_table[keep:])
+            del req.block_table[keep:]
+
+    def release(self, req: Request) -> None:
+        """Free every block of a request (finished, aborted or preempted)."""
+        self.allocator.free(req.block_table)
+        req.block_table = []
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        self.release(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop its KV, requeue at the front; its tokens are kept."""
+        self.release(req)
+        req.num_computed = 0
+        req.num_draft_computed = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    @staticmethod
+    def prefill_target(req: Request) -> int:
+        """Tokens to compute before decoding: the prompt for a fresh request; every token but the
+        last for a resumed (preempted) one."""
+        return req.num_prompt_tokens if not req.output_ids else req.num_tokens - 1
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Prefill first (chunked under a token budget), else one decode step over all running."""
+        budget = self.cfg.max_num_batched_tokens
+        # admit waiting requests while there is room
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            first_chunk = min(self.prefill_target(req) - req.num_computed, budget)
+            # keep one block of headroom per running request so decodes are not starved at once
+            if self.blocks_for(req.num_computed + first_chunk + 1) > self.allocator.num_free - len(self.running):
+                break
+            self.running.append(self.waiting.popleft())
+        prefills, chunks = [], []
+        for req in self.running:
+            todo = self.prefill_target(req) - req.num_computed
+            if todo <= 0 or budget <= 0:
+                continue
+            n = min(todo, budget)
+            # a chunk that completes a fresh prompt samples the first token: reserve its slot too
+            if not self.reserve(req, req.num_computed + n + 1):
+                continue
+            prefills.append(req)
+            chunks.append(n)
+            budget -= n
+        if prefills:
+            return ScheduledBatch(prefills, True, chunks)
+        decodes = [r for r in self.running if self.prefill_target(r) <= r.num_computed]
+        if not decodes:
+            return None
+        return ScheduledBatch(decodes, False, [])
+
+    def reserve_lookahead(self, batch: list[Request], k: list[int]) -> tuple[list[Request], list[int]]:
+        """Reserve ``num_tokens + k_i`` slots per request. When blocks run out, k drops to 0 for the
+        requests that do not fit; when even one slot does not fit, the newest running request is
+        preempted. Returns the requests that stay in this step and their k."""
+        kept, ks = [], []
+        for req, ki in zip(batch, k):
+            if req not in self.running:  # preempted below in this call
+                continue
+            while not self.reserve(req, req.num_tokens + ki):
+                if ki > 0:
+                    ki = 0
+                    continue
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is req:
+                    break
+            else:
+                kept.append(req)
+                ks.append(ki)
+        survivors = [(r, ki) for r, ki in zip(kept, ks) if r in self.running]
+        return [r for r, _ in survivors], [ki for _, ki in survivors]

@@ -1,0 +1,58 @@
+"""Process settings from the environment: the one place ``SPECSCHED_*`` variables are read.
+
+Everything else (model, policy, endpoint, log path, ...) is hydra config; environment variables are
+only for what belongs to the machine rather than the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+ENV_PREFIX = "SPECSCHED_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+logger = logging.getLogger(__name__)
+
+
+def _default_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "specsched")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Machine-level settings. Field ``x`` is read from ``SPECSCHED_X``."""
+
+    cache_dir: str = ""  # converted weights etc.; "" = ~/.cache/specsched
+    log_level: str = "INFO"  # python logging level of the CLI entry points
+
+    def __post_init__(self) -> None:
+        level = self.log_level.upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"{ENV_PREFIX}LOG_LEVEL must be one of {'|'.join(LOG_LEVELS)}, got {self.log_level!r}")
+        object.__setattr__(self, "log_level", level)
+        object.__setattr__(self, "cache_dir", os.path.expanduser(self.cache_dir or _default_cache_dir()))
+
+    @classmethod
+    def variables(cls) -> dict[str, str]:
+        """Environment variable name -> field name."""
+        return {ENV_PREFIX + f.name.upper(): f.name for f in fields(cls)}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read the settings from ``environ`` (default ``os.environ``). An unknown ``SPECSCHED_*``
+        variable (likely a typo) is warned about, naming the known ones."""
+        env = os.environ if environ is None else environ
+        known = cls.variables()
+        unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
+        if unknown:
+            logger.warning("ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
+                           ", ".join(sorted(known)))
+        return cls(**{name: env[var] for var, name in known.items() if var in env})
+
+
+def load_settings() -> Settings:
+    """The current process's settings (read fresh from ``os.environ`` on every call)."""
+    return Settings.from_env()

@@ -1,0 +1,296 @@
+"""Triton paged varlen attention (bottom-right causal, GQA) and a Triton KV store.
+
+One launch serves any mix of rows: decode and batch-expansion rows (q_len 1), MQA rows (q_len k+1)
+and prefill chunks (long q_len); see ``metadata.py`` for the layout. The grid is sized from host
+upper bounds only (``meta.num_rows``, ``meta.max_q``) and every per-row length is read inside the
+kernel, so a launch has no host synchronisation and can be captured in a CUDA graph and replayed
+with new metadata contents of the same shapes. Rows with q_len 0 (padding) write nothing.
+
+Program (row, q-tile, kv-head) handles ``BLOCK_Q`` query tokens of one row times the ``GROUP``
+query heads that share one KV head, flattened into ``BLOCK_M = BLOCK_Q * GROUP_PAD`` matrix rows,
+so each K/V tile is loaded once per group. It walks the row's keys in tiles of ``BLOCK_N``
+(gathered through the block table, so ``BLOCK_N`` and the cache block size are independent) with
+the online softmax of FlashAttention (Dao et al., 2022; Milakov & Gimelshein, 2018) in fp32: a
+running max ``m``, a running normaliser ``l`` and an unnormalised accumulator ``acc`` that is
+rescaled by ``exp(m_old - m_new)`` whenever the max grows. Keys before the tile's first query
+position are visible to every query of the tile and take an unmasked loop; the rest take a masked
+loop up to the causal limit of the tile's last query.
+
+TODO(split-KV): decode rows with long context get only ``num_rows * kv_heads`` programs; a split-KV
+(flash-decoding) path that reduces partial (m, l, acc) across key splits would fill the GPU at
+small batch. Not done: add it only if the H200 profiles show attention is the bottleneck there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from specsched.kernels.attention import check_attention_args
+from specsched.kernels.metadata import AttentionMetadata
+from triton.runtime.interpreter import InterpretedFunction
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _attn_tile(
+    acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, start, kv_end, q_pos, offs_d, d_valid,
+    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys ``start .. start+BLOCK_N-1`` of the row."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_valid = offs_n < kv_end
+        blk = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+    else:
+        blk = tl.load(bt_row_ptr + offs_n // PAGE).to(tl.int64)
+        kv_mask = d_valid[None, :] & (offs_n[:, None] >= 0)
+    in_page = (offs_n % PAGE).to(tl.int64)
+    k_off = blk * stride_kb + in_page * stride_ks
+    v_off = blk * stride_vb + in_page * stride_vs
+    k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    if UPCAST:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N] fp32
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    if UPCAST:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, seq_k_ptr, bt_ptr, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    q_start = tl.program_id(1) * BLOCK_Q  # first query index (within the row) of this tile
+    kvh = tl.program_id(2)
+    q_begin = tl.load(cu_q_ptr + row)
+    q_len = tl.load(cu_q_ptr + row + 1) - q_begin
+    if q_start >= q_len:  # padding row, or a tile past this row's queries
+        return
+    k_len = tl.load(seq_k_ptr + row)
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_start + offs_m // GROUP_PAD  # query index within the row
+    head = kvh * GROUP + offs_m % GROUP_PAD  # query head
+    m_valid = (tok < q_len) & (offs_m % GROUP_PAD < GROUP)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    q_rows = (q_begin + tok).to(tl.int64)
+    qo_mask = m_valid[:, None] & d_valid[None, :]
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=qo_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    q_pos = k_len - q_len + tok  # key position of each query: it sees keys [0, q_pos]
+    full_end = k_len - q_len + q_start  # keys below this are visible to every query of the tile
+    kv_end = k_len - q_len + tl.minimum(q_start + BLOCK_Q, q_len)  # one past the last query's limit
+    k_ptr += kvh * stride_kh
+    v_ptr += kvh * stride_vh
+    bt_row_ptr = bt_ptr + row.to(tl.int64) * stride_bt
+
+    # m starts finite so fully masked matrix rows (padding) never compute inf - inf.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    unmasked_end = (full_end // BLOCK_N) * BLOCK_N
+    for start in range(0, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(
+            acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, start, kv_end, q_pos, offs_d, d_valid,
+            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+            PAGE, BLOCK_N, False, PRECISION, UPCAST,
+        )  # fmt: skip
+    for start in range(unmasked_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(
+            acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, start, kv_end, q_pos, offs_d, d_valid,
+            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+            PAGE, BLOCK_N, True, PRECISION, UPCAST,
+        )  # fmt: skip
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=qo_mask)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_vt, stride_ct,
+    ROW: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    offs = tl.arange(0, BLOCK)
+    mask = (offs < ROW) & (slot >= 0)
+    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + offs, mask=mask)
+    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + offs, mask=mask)
+    tl.store(kc_ptr + slot * stride_ct + offs, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + slot * stride_ct + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_q: int  # query tokens per program
+    group_pad: int  # query heads per KV head, rounded up to a power of two
+    block_n: int  # keys per inner step
+    block_d: int  # head_dim rounded up to a power of two (>= 16)
+    num_warps: int
+
+    @property
+    def block_m(self) -> int:
+        return self.block_q * self.group_pad
+
+
+def launch_config(max_q: int, group: int, head_dim: int, block_n: int | None = None) -> LaunchConfig:
+    """Tile sizes for one launch. ``tl.dot`` needs every matrix dimension >= 16."""
+    group_pad = triton.next_power_of_2(group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    target_m = 64 if block_d <= 128 else 32
+    block_q = min(triton.next_power_of_2(max(max_q, 1)), max(1, target_m // group_pad))
+    block_q = max(block_q, 16 // group_pad, 1)
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    num_warps = 8 if block_q * group_pad * block_d >= 128 * 128 else 4
+    return LaunchConfig(block_q, group_pad, block_n, block_d, num_warps)
+
+
+def is_interpreted() -> bool:
+    """True when Triton was imported with ``TRITON_INTERPRET=1`` (kernels run on CPU via numpy)."""
+    return isinstance(_paged_attn_kernel, InterpretedFunction)
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    device = tensors[0].device
+    if device.type != "cuda" and not is_interpreted():
+        raise RuntimeError(
+            f"the Triton backend needs CUDA tensors, got {device}; on CPU use backend 'torch' "
+            f"(or set TRITON_INTERPRET=1 before triton is first imported)"
+        )
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on {device}, got one on {t.device}")
+
+
+def _check_metadata(meta: AttentionMetadata) -> None:
+    for name in ("cu_seqlens_q", "seq_lens_k", "block_tables"):
+        t = getattr(meta, name)
+        if t.dtype != torch.int32:
+            raise ValueError(f"meta.{name} must be int32, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"meta.{name} must be contiguous in its last dimension")
+    if meta.cu_seqlens_q.dim() != 1 or meta.cu_seqlens_q.shape[0] != meta.num_rows + 1:
+        raise ValueError(
+            f"meta.cu_seqlens_q must be [num_rows+1] = [{meta.num_rows + 1}], "
+            f"got {tuple(meta.cu_seqlens_q.shape)}"
+        )
+    if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != meta.num_rows:
+        raise ValueError(
+            f"meta.block_tables must be [num_rows={meta.num_rows}, max_blocks], "
+            f"got {tuple(meta.block_tables.shape)}"
+        )
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,  # [T, num_heads, head_dim], written in place when given
+    block_n: int | None = None,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """Paged varlen attention with the signature of ``paged_attention_torch``; one launch, no sync.
+
+    Tokens of ``q`` past ``cu_seqlens_q[-1]`` and rows with q_len 0 are left untouched in ``out``.
+    ``meta.max_q`` must be an upper bound of every row's q_len (rows beyond it are cut short).
+    """
+    check_attention_args(q, k_cache, v_cache, meta)
+    _check_metadata(meta)
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"dtype {q.dtype} not supported; use one of {_DTYPES}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim (stride(-1) == 1)")
+    _check_device(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables)
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if meta.num_rows == 0 or meta.max_q <= 0 or num_tokens == 0:
+        return out
+    cfg = launch_config(meta.max_q, num_heads // kv_heads, head_dim, block_n)
+    # The interpreter (triton 3.9) gets tl.dot wrong on bf16 operands: compute those dots in fp32.
+    upcast = q.dtype == torch.bfloat16 and is_interpreted()
+    grid = (meta.num_rows, triton.cdiv(meta.max_q, cfg.block_q), kv_heads)
+    _paged_attn_kernel[grid](
+        q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        GROUP=num_heads // kv_heads, GROUP_PAD=cfg.group_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
+        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=cfg.block_d,
+        PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def store_kv_triton(
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    v: torch.Tensor,  # [T, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], contiguous
+    slot_mapping: torch.Tensor,  # [T] int64; a negative slot skips its token
+) -> None:
+    """Triton twin of ``store_kv``: one launch writes K and V of every token into its slot."""
+    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"k/v must both be [T, kv_heads, head_dim] matching cache {tuple(k_cache.shape)}, "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache differ in shape or dtype")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (k.shape[0],):
+        raise ValueError(
+            f"slot_mapping must be [{k.shape[0]}] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
+        )
+    _check_device(k, v, k_cache, v_cache, slot_mapping)
+    if k.shape[0] == 0:
+        return
+    k2, v2 = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
+    if k2.stride(1) != 1 or v2.stride(1) != 1:
+        k2, v2 = k2.contiguous(), v2.contiguous()
+    row = k2.shape[1]
+    _store_kv_kernel[(k.shape[0],)](
+        k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0), k_cache.stride(1),
+        ROW=row, BLOCK=triton.next_power_of_2(row),
+    )  # fmt: skip

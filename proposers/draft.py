@@ -1,0 +1,96 @@
+"""Draft-model proposer: a smaller model (or the target's first L layers) proposes k tokens.
+
+The draft keeps its own paged KV cache, indexed by the request's block table (same slots as the
+target, separate tensors), and tracks ``req.num_draft_computed``. Each propose call first *catches
+up*: it feeds every token the draft has not seen (the prompt after prefill, or the accepted drafts +
+bonus token of the last step) as one varlen row, whose last position gives draft 1; drafts 2..k are
+single-token steps. After verification, ``on_commit`` rolls the draft's KV back by length to the
+committed prefix, so partial acceptance never leaves stale KV in use.
+
+For sampled requests the drafts are drawn from q = the draft's distribution under the request's own
+temperature/top-k/top-p, and q is returned for rejection sampling (Leviathan et al. 2023).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specsched.daemon.request import Request
+from specsched.kernels.metadata import build_metadata
+from specsched.kernels.sampling import SamplingTensors, logits_to_probs, sample_from_probs
+from specsched.models.llama import KVCache, LlamaForCausalLM
+from specsched.proposers.base import Proposals, Proposer
+
+
+class DraftModelProposer(Proposer):
+    name = "draft"
+
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, num_layers: int | None = None
+    ) -> None:
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.num_layers = num_layers
+        self.device = model.lm_head.weight.device
+
+    def _forward(self, reqs: list[Request], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Feed ``tokens[i]`` at positions ``starts[i]..`` for each request; logits at each row's last token."""
+        q_lens = [len(t) for t in tokens]
+        k_lens = [s + q for s, q in zip(starts, q_lens)]
+        meta = build_metadata(q_lens, k_lens, [r.block_table for r in reqs], self.block_size, self.device)
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64).to(self.device)
+        pos = torch.tensor([p for s, q in zip(starts, q_lens) for p in range(s, s + q)], dtype=torch.int64)
+        last = torch.tensor(q_lens).cumsum(0) - 1
+        return self.model(
+            ids, pos.to(self.device), meta, self.kv_cache, last.to(self.device), num_layers=self.num_layers
+        )
+
+    def _pick(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next draft token per row: argmax for greedy requests, a sample from q otherwise."""
+        if all(r.sampling.is_greedy for r in reqs):
+            return logits.argmax(-1), None
+        st = SamplingTensors.from_params([r.sampling for r in reqs], None, logits.device)
+        probs = logits_to_probs(logits, st)  # greedy rows are one-hot
+        u = torch.stack([torch.rand((), generator=r.generator) for r in reqs]).to(logits.device)
+        return sample_from_probs(probs, u), probs
+
+    @torch.inference_mode()
+    def propose(self, batch: list[Request], k: list[int]) -> Proposals:
+        active = [i for i, ki in enumerate(k) if ki > 0]
+        drafts: list[list[int]] = [[] for _ in batch]
+        probs: list[list[torch.Tensor]] = [[] for _ in batch]
+        any_probs = False
+        if active:
+            reqs = [batch[i] for i in active]
+            tokens = [r.token_ids[r.num_draft_computed :] for r in reqs]
+            logits = self._forward(reqs, tokens, [r.num_draft_computed for r in reqs])
+            for r in reqs:
+                r.num_draft_computed = r.num_tokens
+            for step in range(max(k[i] for i in active)):
+                if step > 0:
+                    active = [i for i in active if k[i] > step]
+                    reqs = [batch[i] for i in active]
+                    logits = self._forward(reqs, [[drafts[i][-1]] for i in active], [r.num_draft_computed for r in reqs])
+                    for r in reqs:
+                        r.num_draft_computed += 1
+                tok, q = self._pick(logits, reqs)
+                for row, i in enumerate(active):
+                    drafts[i].append(int(tok[row]))
+                    if q is not None and not batch[i].sampling.is_greedy:
+                        probs[i].append(q[row])
+                any_probs |= q is not None
+        out = Proposals.from_lists(drafts, self.device)
+        if any_probs:
+            vocab = self.model.cfg.vocab_size
+            rows = []
+            for i, d in enumerate(drafts):
+                for j, t in enumerate(d):
+                    if batch[i].sampling.is_greedy:  # q is unused for greedy rows: one-hot
+                        rows.append(torch.nn.functional.one_hot(torch.tensor(t, device=self.device), vocab).float())
+                    else:
+                        rows.append(probs[i][j])
+            out.draft_probs = torch.stack(rows) if rows else None
+        return out
+
+    def on_commit(self, batch: list[Request]) -> None:
+        for r in batch:
+            r.num_draft_computed = min(r.num_draft_computed, r.num_tokens - 1)

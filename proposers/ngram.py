@@ -1,0 +1,134 @@
+"""N-gram proposer: prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding").
+
+The drafts for a request are the tokens that followed an earlier occurrence of its current
+suffix: for n from ``max_n`` down to ``min_n``, find the most recent earlier position where the
+last n tokens occurred, and propose what came after it. No probabilities: verification treats
+the drafts as one-hot q.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from specsched.daemon.config import NgramConfig
+from specsched.daemon.request import Request
+from specsched.proposers.base import Proposals, Proposer, ProposerPeek
+
+
+def _check_n(min_n: int, max_n: int) -> None:
+    if not (1 <= min_n <= max_n):
+        raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+
+
+def ngram_match(tokens: np.ndarray, min_n: int, max_n: int) -> int | None:
+    """Start of the continuation after the best earlier match of the suffix, or None.
+
+    Best = the longest n in [min_n, max_n] whose last-n-token suffix occurred earlier (the
+    occurrence may overlap the suffix but not be it), the most recent such occurrence. The
+    continuation is ``tokens[start:]`` (at least one token).
+    """
+    _check_n(min_n, max_n)
+    last = len(tokens) - 1
+    max_n = min(max_n, last)  # an earlier occurrence of length n ends at <= last - 1
+    if max_n < min_n:
+        return None
+    ends = np.flatnonzero(tokens[:last] == tokens[last])  # [C] candidate occurrence ends, ascending
+    if ends.size == 0:
+        return None
+    match_len = np.ones(ends.size, dtype=np.int64)  # length of the common suffix, capped at max_n
+    for i in range(1, max_n):
+        pos = ends - i
+        same = (pos >= 0) & (tokens[np.maximum(pos, 0)] == tokens[last - i])
+        match_len += same & (match_len == i)
+    best = int(match_len.max())
+    if best < min_n:
+        return None
+    return int(ends[np.flatnonzero(match_len == best)[-1]]) + 1
+
+
+def ngram_lookup(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to ``k`` tokens that followed the best earlier match of the suffix (see
+    :func:`ngram_match`); ``[]`` when nothing matches or ``k == 0``."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    _check_n(min_n, max_n)
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    if k == 0:
+        return []
+    start = ngram_match(arr, min_n, max_n)
+    return [] if start is None else arr[start : start + k].tolist()
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup over each request's prompt + output (``req.token_ids``).
+
+    Keeps a numpy copy of each request's tokens, extended by appends. The copy is rebuilt when the
+    request's prompt length, total length (shorter) or the last cached token no longer agree with
+    the request, and dropped in :meth:`on_finish`.
+    """
+
+    name = "ngram"
+
+    def __init__(self, cfg: NgramConfig, device: torch.device | str = "cpu") -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self._cache: dict[str, tuple[int, np.ndarray, int]] = {}  # id -> (num_prompt, buf, num_tokens)
+
+    def _tokens(self, req: Request) -> np.ndarray:
+        num_prompt, num = req.num_prompt_tokens, req.num_tokens
+        cached = self._cache.get(req.request_id)
+        if cached is not None:
+            c_prompt, buf, c_num = cached
+            if (
+                c_prompt == num_prompt
+                and c_num <= num
+                and c_num > 0
+                and buf[c_num - 1] == _token_at(req, c_num - 1)
+            ):
+                if c_num < num:
+                    if num > buf.shape[0]:
+                        grown = np.empty(max(num, 2 * buf.shape[0]), dtype=np.int64)
+                        grown[:c_num] = buf[:c_num]
+                        buf = grown
+                    buf[c_num:num] = req.output_ids[c_num - num_prompt :]
+                    self._cache[req.request_id] = (num_prompt, buf, num)
+                return buf[:num]
+        buf = np.empty(max(num, 16) * 2, dtype=np.int64)
+        buf[:num] = req.token_ids
+        self._cache[req.request_id] = (num_prompt, buf, num)
+        return buf[:num]
+
+    def peek(self, batch: list[Request]) -> ProposerPeek:
+        """``max_k[i]``: how many tokens follow request i's best match (0 when none)."""
+        max_k = []
+        for req in batch:
+            tokens = self._tokens(req)
+            start = ngram_match(tokens, self.cfg.min_n, self.cfg.max_n)
+            max_k.append(0 if start is None else len(tokens) - start)
+        return ProposerPeek(max_k=max_k)
+
+    def propose(self, batch: list[Request], k: list[int]) -> Proposals:
+        """Request i's drafts: ``ngram_lookup(req.token_ids, min_n, max_n, k[i])`` (may be fewer
+        than ``k[i]``; ``num_draft`` holds the actual count)."""
+        if len(k) != len(batch):
+            raise ValueError(f"k has {len(k)} entries for a batch of {len(batch)} requests")
+        if any(ki < 0 for ki in k):
+            raise ValueError(f"k must be >= 0 for every request, got {k}")
+        drafts = [
+            ngram_lookup(self._tokens(req), self.cfg.min_n, self.cfg.max_n, ki) if ki > 0 else []
+            for req, ki in zip(batch, k, strict=True)
+        ]
+        return Proposals.from_lists(drafts, device=self.device)
+
+    def on_finish(self, request: Request) -> None:
+        self._cache.pop(request.request_id, None)
+
+
+def _token_at(req: Request, i: int) -> int:
+    n = req.num_prompt_tokens
+    return req.prompt_ids[i] if i < n else req.output_ids[i - n]

@@ -1,0 +1,48 @@
+"""Proposers by their config names (``proposer=...``)."""
+
+from __future__ import annotations
+
+from specsched.daemon.config import SpecConfig
+from specsched.models.llama import LlamaForCausalLM
+from specsched.proposers.base import Proposer
+
+PROPOSER_NAMES = ("none", "ngram", "draft", "synthetic")
+
+
+def check_proposer_name(name: str) -> None:
+    if name not in PROPOSER_NAMES:
+        raise ValueError(f"unknown proposer {name!r}; known: {', '.join(PROPOSER_NAMES)}")
+
+
+def build_proposers(
+    spec: SpecConfig,
+    target: LlamaForCausalLM,
+    num_blocks: int,
+    block_size: int,
+    draft_model: LlamaForCausalLM | None = None,
+) -> dict[str, Proposer]:
+    """The configured proposer plus the always-available cheap ones (``none``, ``ngram``), so a
+    request may pick any of them through ``spec.proposer``."""
+    from specsched.proposers.ngram import NgramProposer
+    from specsched.proposers.none import NoProposer
+
+    check_proposer_name(spec.proposer)
+    device = target.lm_head.weight.device
+    out: dict[str, Proposer] = {"none": NoProposer(device), "ngram": NgramProposer(spec.ngram, device)}
+    if spec.proposer == "draft":
+        from specsched.proposers.draft import DraftModelProposer
+
+        if draft_model is None:  # self-speculation: the target's first layers + its head
+            n = min(spec.draft.num_layers, target.cfg.num_layers)
+            out["draft"] = DraftModelProposer(target, target.allocate_kv_cache(num_blocks, block_size, n), block_size, n)
+        else:
+            if draft_model.cfg.vocab_size != target.cfg.vocab_size:
+                raise ValueError(
+                    f"draft vocab {draft_model.cfg.vocab_size} != target vocab {target.cfg.vocab_size}"
+                )
+            out["draft"] = DraftModelProposer(draft_model, draft_model.allocate_kv_cache(num_blocks, block_size), block_size)
+    elif spec.proposer == "synthetic":
+        from specsched.proposers.synthetic import SyntheticProposer
+
+        out["synthetic"] = SyntheticProposer(target, spec.synthetic_acceptance, block_size)
+    return out
