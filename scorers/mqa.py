@@ -6,24 +6,9 @@ pays the CPU launch overhead of every kernel (see DESIGN.md, "why two scorers").
 
 from __future__ import annotations
 
-import torch
-
-from specsched.daemon.request import Request
-from specsched.models.llama import KVCache, LlamaForCausalLM
-from specsched.proposers.base import Proposals
-from specsched.scorers.base import Scorer
-from specsched.scorers.inputs import build_scoring_inputs
+from specsched.scorers.eager import EagerScorer
 
 
-class MQAScorer(Scorer):
+class MQAScorer(EagerScorer):
     name = "mqa"
     is_expanded = False
-
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int) -> None:
-        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
-        self.device = model.lm_head.weight.device
-
-    @torch.inference_mode()
-    def score(self, batch: list[Request], proposals: Proposals) -> torch.Tensor:  # [sum(k_i+1), vocab]
-        x = build_scoring_inputs(batch, proposals, self.block_size, self.device, is_expanded=self.is_expanded)
-        return self.model(x.input_ids, x.positions, x.meta, self.kv_cache)

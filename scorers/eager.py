@@ -1,0 +1,24 @@
+"""Eager scorers: one model forward over the flat scoring inputs, rows cut per scorer."""
+
+from __future__ import annotations
+
+import torch
+
+from specsched.daemon.request import Request
+from specsched.models.llama import KVCache, LlamaForCausalLM
+from specsched.proposers.base import Proposals
+from specsched.scorers.base import Scorer
+from specsched.scorers.inputs import build_scoring_inputs
+
+
+class EagerScorer(Scorer):
+    is_expanded: bool = False  # True: k_i+1 single-query rows per request; False: one varlen row
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int) -> None:
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.device = model.lm_head.weight.device
+
+    @torch.inference_mode()
+    def score(self, batch: list[Request], proposals: Proposals) -> torch.Tensor:  # [sum(k_i+1), vocab]
+        x = build_scoring_inputs(batch, proposals, self.block_size, self.device, is_expanded=self.is_expanded)
+        return self.model(x.input_ids, x.positions, x.meta, self.kv_cache)
