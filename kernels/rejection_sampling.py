@@ -230,19 +230,16 @@ def verify(
     if all(sp.is_greedy for sp in sampling):
         return verify_greedy(target_logits, proposals)
     device = target_logits.device
-    draws = []
+    u_accept, u_resample = [], []  # host tensors: request i's k_i accept uniforms, then 1 resample
     for sp, gen, k in zip(sampling, generators, proposals.num_draft, strict=True):
         if sp.is_greedy:
-            draws.append(torch.zeros(k + 1))
+            u = torch.zeros(k + 1)
         elif gen is None:
-            draws.append(torch.rand(k + 1))
+            u = torch.rand(k + 1)
         else:
-            draws.append(torch.rand(k + 1, generator=gen, device=gen.device).cpu())
-    uniforms = torch.cat(draws).to(device)  # per request: k_i accept uniforms, then 1 resample
-    last = torch.tensor(proposals.num_draft).cumsum(0) + torch.arange(num_req)  # [B] index of the resample u
-    is_accept = torch.ones(uniforms.shape[0], dtype=torch.bool)
-    is_accept[last] = False
-    is_accept = is_accept.to(device)
+            u = torch.rand(k + 1, generator=gen, device=gen.device).cpu()
+        u_accept.append(u[:k])
+        u_resample.append(u[k:])
     repeats = [k + 1 for k in proposals.num_draft]
     probs = logits_to_probs(target_logits, SamplingTensors.from_params(sampling, repeats, device))
-    return verify_sampled(probs, proposals, uniforms[is_accept], uniforms[~is_accept])
+    return verify_sampled(probs, proposals, torch.cat(u_accept).to(device), torch.cat(u_resample).to(device))

@@ -9,6 +9,7 @@ the drafts as one-hot q.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -64,12 +65,20 @@ def ngram_lookup(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k: 
     return [] if start is None else arr[start : start + k].tolist()
 
 
+@dataclass
+class _CachedTokens:
+    owner: int  # id() of the Request whose tokens these are
+    num_prompt: int
+    buf: np.ndarray  # [capacity] int64, first num_tokens valid
+    num_tokens: int
+
+
 class NgramProposer(Proposer):
     """Prompt lookup over each request's prompt + output (``req.token_ids``).
 
-    Keeps a numpy copy of each request's tokens, extended by appends. The copy is rebuilt when the
-    request's prompt length, total length (shorter) or the last cached token no longer agree with
-    the request, and dropped in :meth:`on_finish`.
+    Keeps a numpy copy of each request's tokens, extended by appends (tokens only grow while a
+    request runs). The copy is rebuilt when the Request object, its prompt length, a shorter
+    total length or the last cached token disagree with it, and dropped in :meth:`on_finish`.
     """
 
     name = "ngram"
@@ -77,30 +86,29 @@ class NgramProposer(Proposer):
     def __init__(self, cfg: NgramConfig, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
         self.device = torch.device(device)
-        self._cache: dict[str, tuple[int, np.ndarray, int]] = {}  # id -> (num_prompt, buf, num_tokens)
+        self._cache: dict[str, _CachedTokens] = {}  # request_id -> its tokens
 
-    def _tokens(self, req: Request) -> np.ndarray:
+    def _tokens(self, req: Request) -> np.ndarray:  # [num_tokens] int64
         num_prompt, num = req.num_prompt_tokens, req.num_tokens
-        cached = self._cache.get(req.request_id)
-        if cached is not None:
-            c_prompt, buf, c_num = cached
-            if (
-                c_prompt == num_prompt
-                and c_num <= num
-                and c_num > 0
-                and buf[c_num - 1] == _token_at(req, c_num - 1)
-            ):
-                if c_num < num:
-                    if num > buf.shape[0]:
-                        grown = np.empty(max(num, 2 * buf.shape[0]), dtype=np.int64)
-                        grown[:c_num] = buf[:c_num]
-                        buf = grown
-                    buf[c_num:num] = req.output_ids[c_num - num_prompt :]
-                    self._cache[req.request_id] = (num_prompt, buf, num)
-                return buf[:num]
-        buf = np.empty(max(num, 16) * 2, dtype=np.int64)
+        c = self._cache.get(req.request_id)
+        if (
+            c is not None
+            and c.owner == id(req)
+            and c.num_prompt == num_prompt
+            and 0 < c.num_tokens <= num
+            and c.buf[c.num_tokens - 1] == _token_at(req, c.num_tokens - 1)
+        ):
+            if c.num_tokens < num:
+                if num > c.buf.shape[0]:
+                    grown = np.empty(2 * num, dtype=np.int64)
+                    grown[: c.num_tokens] = c.buf[: c.num_tokens]
+                    c.buf = grown
+                c.buf[c.num_tokens : num] = req.output_ids[c.num_tokens - num_prompt :]
+                c.num_tokens = num
+            return c.buf[:num]
+        buf = np.empty(2 * max(num, 16), dtype=np.int64)
         buf[:num] = req.token_ids
-        self._cache[req.request_id] = (num_prompt, buf, num)
+        self._cache[req.request_id] = _CachedTokens(id(req), num_prompt, buf, num)
         return buf[:num]
 
     def peek(self, batch: list[Request]) -> ProposerPeek:

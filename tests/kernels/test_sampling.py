@@ -100,12 +100,17 @@ def test_logits_to_probs_hand_built(sp, expected):
 
 
 def test_top_k_keeps_ties_and_greedy_is_one_hot():
-    probs = probs_for([[1.0, 1.0, 0.0, 2.0], [0.0, 3.0, 3.0, -1e9]], [
-        SamplingParams(temperature=1.0, top_k=2),
-        SamplingParams(temperature=0.0),
-    ])
+    probs = probs_for(
+        [[1.0, 1.0, 0.0, 2.0], [0.0, 3.0, 3.0, -1e9]],
+        [
+            SamplingParams(temperature=1.0, top_k=2),
+            SamplingParams(temperature=0.0),
+        ],
+    )
     e = math.e
-    assert probs[0].tolist() == pytest.approx([e / (2 * e + e * e), e / (2 * e + e * e), 0, e * e / (2 * e + e * e)])
+    assert probs[0].tolist() == pytest.approx(
+        [e / (2 * e + e * e), e / (2 * e + e * e), 0, e * e / (2 * e + e * e)]
+    )
     assert probs[1].tolist() == [0.0, 1.0, 0.0, 0.0]  # argmax takes the first of tied maxima
 
 

@@ -1,0 +1,156 @@
+"""Prompt lookup (n-gram) proposer on plain lists, against a brute-force reference."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specsched.daemon.config import NgramConfig
+from specsched.daemon.request import Request, SamplingParams
+from specsched.proposers.ngram import NgramProposer, ngram_lookup
+
+
+def brute_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Plain loops: longest n first, then the most recent earlier start."""
+    if k == 0:
+        return []
+    length = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if n >= length:
+            continue
+        suffix = tokens[length - n :]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_repeated_pattern_gives_continuation():
+    assert ngram_lookup([1, 2, 3, 4, 5, 9, 1, 2, 3], 1, 3, 4) == [4, 5, 9, 1]
+
+
+def test_longest_n_preferred_over_more_recent_shorter_match():
+    # "7 8" occurs at 0 (followed by 1); "8" alone last occurred at 4 (followed by 2)
+    tokens = [7, 8, 1, 5, 8, 2, 6, 7, 8]
+    assert ngram_lookup(tokens, 1, 2, 1) == [1]
+    assert ngram_lookup(tokens, 1, 1, 1) == [2]  # max_n = 1: most recent "8"
+
+
+def test_most_recent_occurrence_chosen():
+    assert ngram_lookup([5, 1, 5, 2, 5, 3, 5], 1, 4, 1) == [3]
+
+
+def test_no_match_and_k_zero():
+    assert ngram_lookup([1, 2, 3, 4], 1, 4, 5) == []
+    assert ngram_lookup([1, 2, 1], 1, 4, 0) == []
+    assert ngram_lookup([], 1, 4, 3) == []
+    assert ngram_lookup([4], 1, 4, 3) == []
+
+
+def test_k_caps_and_fewer_available():
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert ngram_lookup(tokens, 1, 2, 2) == [3, 4]
+    assert ngram_lookup(tokens, 1, 2, 100) == [3, 4, 5, 6, 1, 2]
+    assert ngram_lookup([3, 3, 3], 1, 4, 5) == [3]  # overlapping match ends right before the suffix
+
+
+def test_min_n_max_n_bounds():
+    tokens = [9, 1, 2, 3, 8, 2, 3]  # suffix "2 3" matches at 2; "1 2 3" does not
+    assert ngram_lookup(tokens, 3, 4, 2) == []  # min_n = 3: the 2-gram is not enough
+    assert ngram_lookup(tokens, 2, 2, 2) == [8, 2]
+    assert ngram_lookup([1, 2, 3, 1, 2, 3], 1, 2, 3) == [1, 2, 3]  # 3-gram would match too; 2 is the cap
+    with pytest.raises(ValueError, match="min_n"):
+        ngram_lookup(tokens, 0, 2, 1)
+    with pytest.raises(ValueError, match="min_n"):
+        ngram_lookup(tokens, 3, 2, 1)
+    with pytest.raises(ValueError, match="k must be"):
+        ngram_lookup(tokens, 1, 2, -1)
+
+
+def test_matches_brute_force_on_random_sequences():
+    rng = random.Random(0)
+    for _ in range(400):
+        vocab = rng.choice([2, 3, 5, 20])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        min_n = rng.randint(1, 4)
+        max_n = rng.randint(min_n, 6)
+        k = rng.randint(0, 10)
+        expected = brute_lookup(tokens, min_n, max_n, k)
+        assert ngram_lookup(tokens, min_n, max_n, k) == expected, (tokens, min_n, max_n, k)
+        assert ngram_lookup(np.array(tokens, dtype=np.int64), min_n, max_n, k) == expected
+
+
+def test_4k_context_under_a_millisecond():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, 4096)  # small vocab: many candidate positions
+    ngram_lookup(tokens, 1, 4, 8)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(50):
+            ngram_lookup(tokens, 1, 4, 8)
+        best = min(best, (time.perf_counter() - t0) / 50)
+    assert best < 1e-3, f"{best * 1e3:.3f} ms per lookup"
+
+
+def make_request(rid: str, prompt: list[int], output: list[int] | None = None) -> Request:
+    return Request(
+        request_id=rid, prompt_ids=prompt, sampling=SamplingParams(), output_ids=list(output or [])
+    )
+
+
+def test_proposer_propose_and_peek_agree():
+    prop = NgramProposer(NgramConfig(min_n=1, max_n=3))
+    batch = [
+        make_request("a", [1, 2, 3, 4, 5, 1, 2], [3]),  # continuation [4, 5, 1, 2, 3]
+        make_request("b", [1, 2, 3, 4]),  # no match
+        make_request("c", [6, 7, 6], [7]),  # "6 7" at 0 -> [6, 7]
+    ]
+    peek = prop.peek(batch)
+    assert peek.max_k == [5, 0, 2]
+    full = prop.propose(batch, [100, 100, 100])
+    assert full.num_draft == peek.max_k
+    out = prop.propose(batch, [3, 2, 0])
+    assert out.num_draft == [3, 0, 0]
+    assert out.draft_tokens.tolist() == [4, 5, 1]
+    assert out.cu_num_draft.tolist() == [0, 3, 3, 3]
+    assert out.draft_probs is None
+    assert out.draft_tokens.dtype == torch.int64
+    for req, ki in zip(batch, [3, 2, 0], strict=True):
+        assert brute_lookup(req.token_ids, 1, 3, ki)[:ki] == ngram_lookup(req.token_ids, 1, 3, ki)
+
+
+def test_proposer_follows_token_changes():
+    prop = NgramProposer(NgramConfig(min_n=1, max_n=2))
+    req = make_request("r", [1, 2, 3, 1])
+    assert prop.propose([req], [2]).draft_tokens.tolist() == [2, 3]
+    rng = random.Random(1)
+    for _ in range(60):  # appends beyond the cached buffer
+        req.output_ids.append(rng.randrange(6))
+        got = prop.propose([req], [4]).draft_tokens.tolist()
+        assert got == brute_lookup(req.token_ids, 1, 2, 4)
+    req.output_ids[-3:] = [0, 1]  # shrunk in place (e.g. a stop string trimmed the output)
+    assert prop.propose([req], [4]).draft_tokens.tolist() == brute_lookup(req.token_ids, 1, 2, 4)
+    # same id, different tokens (e.g. a reused id): no stale cache
+    other = make_request("r", [5, 6, 7, 5])
+    assert prop.propose([other], [2]).draft_tokens.tolist() == [6, 7]
+    same_shape = make_request("r", [5, 7, 6, 5])  # same length and last token, new content
+    assert prop.propose([same_shape], [2]).draft_tokens.tolist() == [7, 6]
+    shorter = make_request("r", [5, 6, 5])
+    assert prop.propose([shorter], [2]).draft_tokens.tolist() == [6, 5]
+    prop.on_finish(shorter)
+    assert prop.propose([shorter], [2]).draft_tokens.tolist() == [6, 5]
+
+
+def test_proposer_rejects_bad_k():
+    prop = NgramProposer(NgramConfig())
+    req = make_request("x", [1, 2, 1])
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        prop.propose([req], [-1])
+    with pytest.raises(ValueError, match="entries"):
+        prop.propose([req], [1, 1])
+    assert prop.name == "ngram"
