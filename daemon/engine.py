@@ -105,12 +105,11 @@ class Engine:
         with self._timed(rec, "verify_ms"):
             result = verify(logits, props, [r.sampling for r in reqs], [r.generator for r in reqs])
             emitted = result.to_lists()
-        outputs = self._commit(reqs, emitted, props.num_draft, True)
-        bits = result.match_bits()
         rec.requests = [
-            StepRequestRecord(r.request_id, r.num_tokens - len(e), k, len(e) - 1, b)
-            for r, e, k, b in zip(reqs, emitted, props.num_draft, bits)
+            StepRequestRecord(r.request_id, r.num_tokens - 1, k, len(e) - 1, b)
+            for r, e, k, b in zip(reqs, emitted, props.num_draft, result.match_bits())
         ]
+        outputs = self._commit(reqs, emitted, props.num_draft, True)
         rec.batch_size, rec.num_tokens, rec.num_emitted = len(reqs), sum(k + 1 for k in props.num_draft), sum(map(len, emitted))
         rec.scorer, rec.policy, rec.proposer, rec.is_synthetic = plan.scorer, plan.policy, self._proposer_label(reqs), props.is_synthetic
         rec.predicted_ms, rec.plan_info = plan.predicted_ms, plan.info

@@ -52,7 +52,9 @@ class AcceptanceConfig:
     def __post_init__(self) -> None:
         for name, (alpha, beta) in {**self.priors, "default": self.default_prior}.items():
             if not (alpha > 0 and beta > 0):
-                raise ValueError(f"acceptance prior for {name!r} needs alpha, beta > 0, got ({alpha}, {beta})")
+                raise ValueError(
+                    f"acceptance prior for {name!r} needs alpha, beta > 0, got ({alpha}, {beta})"
+                )
         for name in ("aggregate_decay", "request_decay"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:

@@ -1,0 +1,525 @@
+"""Online cost models: predicted ms of each step component from the step's shape.
+
+One :class:`OnlineLinearModel` (recursive least squares with forgetting) per component:
+``("score", scorer)``, ``("propose", proposer)``, ``("verify",)``, ``("overhead",)``. Features (ms
+coefficients; context counts in thousands of tokens so all features are of similar magnitude):
+
+- score: ``[1, rows_padded, tokens_padded, Σ ctx_i / 1e3, Σ (k_i+1)·ctx_i / 1e3, is_eager]``.
+  rows = Σ(k_i+1) for batch expansion (one single-query row per token), = batch size for MQA.
+  ``Σ ctx_i`` is reading each prefix once (MQA), ``Σ (k_i+1)·ctx_i`` reading it once per row (batch
+  expansion) or the q·K work of k_i+1 queries (MQA). Graph scorers (``graph_buckets``) pad rows and
+  tokens up to the next captured bucket; a shape above the largest bucket runs eagerly: no padding
+  and ``is_eager = 1`` (the launch overhead the graph saved).
+- propose: ``[1, max_k, max_k · num_spec_requests, num_draft_tokens]`` (a draft model runs max_k
+  sequential forwards over the requests that draft; n-gram is about constant); 0 when max_k = 0.
+- verify: ``[1, num_tokens]``; overhead (step total minus the three above): ``[1, batch_size]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specsched.daemon.records import StepRecord
+
+__all__ = ["CostModels", "CostSlopes", "OnlineLinearModel", "ShapeStats", "StepCost", "StepShape"]
+
+
+@dataclass
+class ShapeStats:
+    """The aggregates of a step shape that the features use. Fields are ints, or numpy arrays of
+    equal shape when many candidate shapes are predicted at once (the goodput search)."""
+
+    batch_size: int
+    num_tokens: int  # Σ (k_i + 1)
+    max_k: int
+    num_spec_requests: int  # requests with k_i > 0
+    num_draft_tokens: int  # Σ k_i
+    num_context_tokens: int  # Σ ctx_i
+    num_weighted_context_tokens: int  # Σ (k_i + 1) · ctx_i
+
+
+@dataclass
+class StepShape:
+    """One decode step's shape: per request k (drafts scored) and context length (KV-cached tokens
+    plus the step's input token, as ``RequestView.context_len``)."""
+
+    k: list[int]  # [B]
+    context_lens: list[int]  # [B]
+
+    def __post_init__(self) -> None:
+        if len(self.k) != len(self.context_lens):
+            raise ValueError(
+                f"StepShape needs one k per context length, got {len(self.k)} vs {len(self.context_lens)}"
+            )
+        if any(k < 0 for k in self.k) or any(c < 0 for c in self.context_lens):
+            raise ValueError("StepShape k and context_lens must be >= 0")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.k)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.k) + len(self.k)
+
+    @property
+    def max_k(self) -> int:
+        return max(self.k, default=0)
+
+    @property
+    def num_context_tokens(self) -> int:
+        return sum(self.context_lens)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(self.k)
+
+    def stats(self) -> ShapeStats:
+        return ShapeStats(
+            batch_size=self.batch_size,
+            num_tokens=self.num_tokens,
+            max_k=self.max_k,
+            num_spec_requests=sum(1 for k in self.k if k > 0),
+            num_draft_tokens=self.num_draft_tokens,
+            num_context_tokens=self.num_context_tokens,
+            num_weighted_context_tokens=sum(
+                (k + 1) * c for k, c in zip(self.k, self.context_lens, strict=True)
+            ),
+        )
+
+
+class OnlineLinearModel:
+    """y ≈ max(0, w·x), fitted by exponentially weighted recursive least squares (RLS).
+
+    Haykin, *Adaptive Filter Theory* (4th ed., 2002), Table 9.1 (the RLS algorithm) with forgetting
+    factor λ in (0, 1]: with P the inverse weighted correlation matrix of the features,
+    ``g = P x / (λ + xᵀ P x)``, ``w ← w + g (y − wᵀ x)``, ``P ← (P − g xᵀ P) / λ``. Past samples
+    weigh λ^age (memory ≈ 1 / (1 − λ) samples), so the fit follows drift. Prior: ``w = coef``,
+    ``P = diag(prior_var)`` (large = weak). Against covariance wind-up in directions the data does
+    not excite (P grows by 1/λ per step there), each diagonal entry is capped at its prior variance
+    by a symmetric rescaling D P D, which keeps P positive semidefinite.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        forgetting: float = 0.99,
+        prior_var: float | Sequence[float] = 1e4,
+        coef: Sequence[float] | None = None,
+    ) -> None:
+        if num_features < 1:
+            raise ValueError(f"num_features must be >= 1, got {num_features}")
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting factor must be in (0, 1], got {forgetting}")
+        self.forgetting = float(forgetting)
+        self.prior_var = np.broadcast_to(np.asarray(prior_var, dtype=np.float64), (num_features,)).copy()
+        if np.any(self.prior_var <= 0):
+            raise ValueError(f"prior_var must be > 0, got {self.prior_var.tolist()}")
+        self.coef = np.zeros(num_features) if coef is None else np.asarray(coef, dtype=np.float64).copy()
+        if self.coef.shape != (num_features,):
+            raise ValueError(f"coef must have {num_features} entries, got {len(self.coef)}")
+        self.cov = np.diag(self.prior_var)  # [F, F]
+        self.num_updates = 0
+
+    @property
+    def num_features(self) -> int:
+        return len(self.coef)
+
+    def predict(self, x: Sequence) -> float | np.ndarray:
+        """max(0, w·x); entries of ``x`` may be arrays of one shape (then an array comes back)."""
+        if len(x) != self.num_features:
+            raise ValueError(f"expected {self.num_features} features, got {len(x)}")
+        y = sum(float(w) * xi for w, xi in zip(self.coef, x, strict=True))
+        return np.maximum(y, 0.0) if isinstance(y, np.ndarray) else max(float(y), 0.0)
+
+    def update(self, x: Sequence[float], y: float) -> None:
+        x = np.asarray(x, dtype=np.float64)
+        if x.shape != (self.num_features,):
+            raise ValueError(f"expected {self.num_features} features, got shape {x.shape}")
+        if not (np.all(np.isfinite(x)) and np.isfinite(y)):
+            raise ValueError(f"non-finite sample x={x.tolist()}, y={y}")
+        lam = self.forgetting
+        px = self.cov @ x
+        gain = px / (lam + x @ px)
+        self.coef = self.coef + gain * (float(y) - self.coef @ x)
+        cov = (self.cov - np.outer(gain, px)) / lam
+        cov = 0.5 * (cov + cov.T)
+        diag = np.diag(cov)
+        if np.any(diag > self.prior_var):
+            scale = np.sqrt(np.minimum(1.0, self.prior_var / np.maximum(diag, 1e-300)))
+            cov = cov * np.outer(scale, scale)
+        self.cov = cov
+        self.num_updates += 1
+
+    def state_dict(self) -> dict:
+        return {
+            "coef": self.coef.tolist(),
+            "cov": self.cov.tolist(),
+            "prior_var": self.prior_var.tolist(),
+            "num_updates": self.num_updates,
+            "forgetting": self.forgetting,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        n = self.num_features
+        coef = np.asarray(state["coef"], dtype=np.float64)
+        cov = np.asarray(state["cov"], dtype=np.float64)
+        prior_var = np.asarray(state.get("prior_var", self.prior_var), dtype=np.float64)
+        if coef.shape != (n,) or cov.shape != (n, n) or prior_var.shape != (n,):
+            raise ValueError(
+                f"state shapes {coef.shape}, {cov.shape}, {prior_var.shape} do not fit {n} features"
+            )
+        if not (np.all(np.isfinite(coef)) and np.all(np.isfinite(cov))):
+            raise ValueError("state holds non-finite numbers")
+        forgetting = float(state.get("forgetting", self.forgetting))
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting factor must be in (0, 1], got {forgetting}")
+        self.coef, self.cov, self.prior_var = coef, cov, prior_var
+        self.num_updates = int(state.get("num_updates", 0))
+        self.forgetting = forgetting
+
+
+FEATURES: dict[str, list[str]] = {
+    "score": ["bias", "rows_padded", "tokens_padded", "context_ktokens", "row_context_ktokens", "is_eager"],
+    "propose": ["bias", "max_k", "max_k_x_spec_requests", "draft_tokens"],
+    "verify": ["bias", "tokens"],
+    "overhead": ["bias", "batch_size"],
+}
+EXPANSION_SCORERS = ("batch_expansion",)  # scorers with one row per scored token
+_FLOOR = {  # smallest prior std scale per feature (ms per unit) so unseeded features still learn
+    "score": [1.0, 0.01, 0.01, 0.01, 0.01, 1.0],
+    "propose": [0.1, 0.1, 0.01, 0.01],
+    "verify": [0.1, 0.001],
+    "overhead": [0.1, 0.01],
+}
+# Seed coefficients ("*" = any other name). cpu: the tiny / 135M models in float32 on a few cores;
+# cuda: a 7B-shaped model on an H200 (graph replay ~5 ms, eager ~15 ms, KV reads ~0.1 ms per 1k tokens).
+PRIORS: dict[str, dict] = {
+    "cpu": {
+        "score": {
+            "batch_expansion": [2.0, 0.05, 0.2, 0.01, 0.02, 0.0],
+            "mqa": [2.0, 0.05, 0.2, 0.01, 0.01, 0.0],
+            "*": [2.0, 0.05, 0.2, 0.01, 0.02, 0.0],
+        },
+        "propose": {
+            "draft": [0.2, 0.6, 0.05, 0.0],
+            "ngram": [0.05, 0.0, 0.0, 0.002],
+            "*": [0.05, 0.0, 0.0, 0.01],
+        },
+        "verify": [0.05, 0.005],
+        "overhead": [0.3, 0.02],
+    },
+    "cuda": {
+        "score": {
+            "batch_expansion": [5.0, 0.01, 0.02, 0.0, 0.1, 10.0],
+            "mqa": [15.0, 0.0, 0.02, 0.1, 0.005, 0.0],
+            "mqa_graph": [5.5, 0.01, 0.02, 0.1, 0.005, 10.0],
+            "*": [15.0, 0.0, 0.02, 0.1, 0.05, 0.0],
+        },
+        "propose": {
+            "draft": [0.2, 0.4, 0.005, 0.0],
+            "ngram": [0.05, 0.0, 0.0, 0.001],
+            "*": [0.05, 0.0, 0.0, 0.001],
+        },
+        "verify": [0.1, 0.001],
+        "overhead": [0.5, 0.01],
+    },
+}
+TABLE = "cost_models"
+_COLUMNS = (
+    "run_id",
+    "component",
+    "key",
+    "features",
+    "coefficients",
+    "covariance",
+    "prior_var",
+    "num_updates",
+)
+
+
+@dataclass
+class StepCost:
+    """Predicted ms per component (floats, or arrays when predicted for many shapes at once)."""
+
+    propose_ms: float
+    score_ms: float
+    verify_ms: float
+    overhead_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.propose_ms + self.score_ms + self.verify_ms + self.overhead_ms
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            name: float(getattr(self, name))
+            for name in ("propose_ms", "score_ms", "verify_ms", "overhead_ms")
+        }
+
+
+@dataclass
+class CostSlopes:
+    """Marginal ms of one more draft token, linearised (bucket padding ignored), for a search."""
+
+    token_ms: float  # per draft token
+    context_ms: float  # per draft token, per context token of its request
+    spec_request_ms: float  # per drafting request, per unit of the batch's max k
+
+
+def _pad(n, buckets: np.ndarray | None):
+    """(padded n, is over the largest bucket) for ints or arrays; no buckets: (n, False)."""
+    if buckets is None:
+        return n, np.zeros_like(n, dtype=bool) if isinstance(n, np.ndarray) else False
+    idx = np.searchsorted(buckets, n, side="left")
+    over = idx >= len(buckets)
+    padded = np.where(over, n, buckets[np.minimum(idx, len(buckets) - 1)])
+    return (padded, over) if isinstance(n, np.ndarray) else (int(padded), bool(over))
+
+
+class CostModels:
+    """All components' online models; see the module docstring for the features."""
+
+    def __init__(
+        self,
+        graph_buckets: dict[str, list[int]] | None = None,
+        device: str = "cpu",
+        forgetting: float = 0.99,
+        prior_rel_std: float = 10.0,
+        expansion_scorers: Sequence[str] = EXPANSION_SCORERS,
+    ) -> None:
+        self.graph_buckets: dict[str, np.ndarray] = {}
+        for name, buckets in (graph_buckets or {}).items():
+            if not buckets or any(int(b) < 1 for b in buckets):
+                raise ValueError(
+                    f"graph_buckets[{name!r}] must be a non-empty list of sizes >= 1, got {buckets}"
+                )
+            self.graph_buckets[name] = np.array(sorted({int(b) for b in buckets}), dtype=np.int64)
+        self.forgetting = forgetting
+        self.prior_rel_std = prior_rel_std
+        self.expansion_scorers = tuple(expansion_scorers)
+        self.models: dict[tuple[str, ...], OnlineLinearModel] = {}
+        self.seed_defaults(device)
+
+    # ---- models and priors ----
+    def seed_defaults(self, device: str = "cpu") -> None:
+        """Reset every model to the seed coefficients of ``device`` ("cpu" or "cuda")."""
+        if device not in PRIORS:
+            raise ValueError(f"no cost-model priors for device {device!r}; known: {sorted(PRIORS)}")
+        self.device = device
+        self.models.clear()
+
+    def _prior(self, key: tuple[str, ...]) -> list[float]:
+        table = PRIORS[self.device][key[0]]
+        if not isinstance(table, dict):
+            return list(table)
+        if key[0] == "score":
+            return list(table.get(key[1], table["*"]))
+        # a mixed batch's proposer label joins its proposers with "+": their costs add up
+        parts = [table.get(name, table["*"]) for name in key[1].split("+") if name != "none"]
+        return [sum(c) for c in zip(*parts, strict=True)] if parts else [0.0] * len(FEATURES["propose"])
+
+    def model(self, *key: str) -> OnlineLinearModel:
+        """The model of ``key`` (e.g. ``model("score", "mqa")``), made from the seeds on first use."""
+        found = self.models.get(key)
+        if found is None:
+            if key[0] not in FEATURES or len(key) != (2 if key[0] in ("score", "propose") else 1):
+                raise ValueError(
+                    f"bad cost-model key {key}; use (score, name), (propose, name), (verify,), (overhead,)"
+                )
+            coef = self._prior(key)
+            scale = np.maximum(np.abs(coef), _FLOOR[key[0]]) * self.prior_rel_std
+            found = OnlineLinearModel(len(coef), self.forgetting, prior_var=scale**2, coef=coef)
+            self.models[key] = found
+        return found
+
+    # ---- features ----
+    def score_features(self, scorer: str, s: ShapeStats) -> list:
+        is_expansion = scorer in self.expansion_scorers
+        rows = s.num_tokens if is_expansion else s.batch_size
+        buckets = self.graph_buckets.get(scorer)
+        rows_p, rows_over = _pad(rows, buckets)
+        tokens_p, tokens_over = (rows_p, rows_over) if is_expansion else _pad(s.num_tokens, buckets)
+        eager = rows_over | tokens_over
+        if buckets is not None:  # eager runs are not padded
+            rows_p, tokens_p = np.where(eager, rows, rows_p), np.where(eager, s.num_tokens, tokens_p)
+        ctx, row_ctx = s.num_context_tokens / 1e3, s.num_weighted_context_tokens / 1e3
+        return [1.0, rows_p, tokens_p, ctx, row_ctx, eager * 1.0]
+
+    @staticmethod
+    def propose_features(s: ShapeStats) -> list:
+        return [1.0, s.max_k, s.max_k * s.num_spec_requests, s.num_draft_tokens]
+
+    @staticmethod
+    def verify_features(s: ShapeStats) -> list:
+        return [1.0, s.num_tokens]
+
+    @staticmethod
+    def overhead_features(s: ShapeStats) -> list:
+        return [1.0, s.batch_size]
+
+    # ---- prediction ----
+    def predict(self, scorer: str, proposer: str, shape: StepShape) -> StepCost:
+        """Predicted ms of a step of ``shape`` scored by ``scorer`` with drafts from ``proposer``."""
+        return self.predict_stats(scorer, proposer, shape.stats())
+
+    def predict_stats(self, scorer: str, proposer: str, s: ShapeStats) -> StepCost:
+        """As :meth:`predict` from aggregates; array fields give array predictions (vectorised search)."""
+        propose = self.model("propose", proposer).predict(self.propose_features(s))
+        propose = np.where(np.asarray(s.max_k) > 0, propose, 0.0)
+        cost = StepCost(
+            propose_ms=propose,
+            score_ms=self.model("score", scorer).predict(self.score_features(scorer, s)),
+            verify_ms=self.model("verify").predict(self.verify_features(s)),
+            overhead_ms=self.model("overhead").predict(self.overhead_features(s)),
+        )
+        if np.ndim(cost.total_ms) == 0:
+            cost = StepCost(
+                *(float(v) for v in (cost.propose_ms, cost.score_ms, cost.verify_ms, cost.overhead_ms))
+            )
+        return cost
+
+    def slopes(self, scorer: str, proposer: str) -> CostSlopes:
+        """Linearised marginal cost of a draft token under the current coefficients."""
+        sc = self.model("score", scorer).coef
+        pc = self.model("propose", proposer).coef
+        vc = self.model("verify").coef
+        rows = sc[1] if scorer in self.expansion_scorers else 0.0
+        return CostSlopes(
+            token_ms=float(rows + sc[2] + vc[1] + pc[3]),
+            context_ms=float(sc[4] / 1e3),
+            spec_request_ms=float(pc[2]),
+        )
+
+    # ---- learning ----
+    def observe(self, record: StepRecord) -> bool:
+        """Update from a decode step's measured times; returns False for records it skips (prefill,
+        empty). Overhead = ``total_ms`` minus propose + score + verify (skipped when total is 0)."""
+        if record.kind != "decode" or not record.requests:
+            return False
+        if not record.scorer:
+            raise ValueError(f"decode step record {record.step} has no scorer")
+        times = {n: getattr(record, n) for n in ("propose_ms", "score_ms", "verify_ms", "total_ms")}
+        bad = {n: t for n, t in times.items() if not np.isfinite(t) or t < 0}
+        if bad:
+            raise ValueError(f"step record {record.step} has invalid timings {bad}")
+        shape = StepShape([r.k for r in record.requests], [r.context_len + 1 for r in record.requests])
+        s = shape.stats()
+        if s.max_k > 0:
+            self.model("propose", record.proposer or "none").update(
+                self.propose_features(s), record.propose_ms
+            )
+        self.model("score", record.scorer).update(self.score_features(record.scorer, s), record.score_ms)
+        self.model("verify").update(self.verify_features(s), record.verify_ms)
+        if record.total_ms > 0:
+            overhead = max(0.0, record.total_ms - record.propose_ms - record.score_ms - record.verify_ms)
+            self.model("overhead").update(self.overhead_features(s), overhead)
+        return True
+
+    def profile(
+        self,
+        fn: Callable[[StepShape], StepRecord | Iterable[StepRecord]],
+        grid: Iterable[StepShape],
+        repeats: int = 1,
+    ) -> int:
+        """Start-up profile: ``fn(shape)`` runs (or times) a step of each grid shape and returns its
+        record(s); each is observed. Returns the number of records used."""
+        num = 0
+        for _ in range(repeats):
+            for shape in grid:
+                out = fn(shape)
+                for record in [out] if isinstance(out, StepRecord) else out:
+                    num += self.observe(record)
+        return num
+
+    @staticmethod
+    def shape_grid(
+        batch_sizes: Iterable[int], ks: Iterable[int], context_lens: Iterable[int]
+    ) -> list[StepShape]:
+        """Uniform shapes (every request the same k and context) over the product of the three."""
+        return [StepShape([k] * b, [c] * b) for b in batch_sizes for k in ks for c in context_lens]
+
+    # ---- persistence ----
+    def save(self, db, run_id: int) -> None:
+        """Write every model to ``db``'s ``cost_models`` table under ``run_id`` (replacing it)."""
+        self.model("verify"), self.model("overhead")  # so a fresh set still records device and buckets
+        buckets = json.dumps({n: b.tolist() for n, b in self.graph_buckets.items()})
+        rows = []
+        for key, m in sorted(self.models.items()):
+            state = m.state_dict()
+            rows.append(
+                {
+                    "run_id": int(run_id),
+                    "component": key[0],
+                    "key": key[1] if len(key) > 1 else "",
+                    "features": json.dumps(FEATURES[key[0]]),
+                    "coefficients": json.dumps(state["coef"]),
+                    "covariance": json.dumps(state["cov"]),
+                    "prior_var": json.dumps(state["prior_var"]),
+                    "num_updates": state["num_updates"],
+                    "forgetting": state["forgetting"],
+                    "device": self.device,
+                    "graph_buckets": buckets,
+                }
+            )
+        table = _database(db)[TABLE]
+        if table.exists():
+            table.delete_where("run_id = ?", [int(run_id)])
+        table.insert_all(rows, pk=("run_id", "component", "key"))
+
+    @classmethod
+    def load(
+        cls, db, run_id: int | None = None, graph_buckets: dict[str, list[int]] | None = None
+    ) -> CostModels:
+        """Models saved for ``run_id`` (None = the latest run saved); graph buckets as saved unless given."""
+        db = _database(db)
+        files = [row[2] for row in db.execute("PRAGMA database_list").fetchall() if row[1] == "main"]
+        where = f"in {files[0] if files and files[0] else 'the database'}"
+        if TABLE not in db.table_names():
+            raise ValueError(f"no {TABLE!r} table {where}: no cost models were saved there")
+        missing = [c for c in _COLUMNS if c not in db[TABLE].columns_dict]
+        if missing:
+            raise ValueError(f"malformed {TABLE!r} table {where}: missing columns {missing}")
+        if run_id is None:
+            run_id = next(iter(db.query(f"select max(run_id) as r from {TABLE}")))["r"]
+        rows = list(db[TABLE].rows_where("run_id = ?", [run_id]))
+        if not rows:
+            raise ValueError(f"no cost models saved for run_id {run_id} {where}")
+        try:
+            first = rows[0]
+            saved_buckets = json.loads(first.get("graph_buckets") or "{}")
+            out = cls(
+                graph_buckets if graph_buckets is not None else saved_buckets,
+                device=first.get("device") or "cpu",
+            )
+            for row in rows:
+                component = row["component"]
+                if component not in FEATURES:
+                    raise ValueError(f"unknown component {component!r}")
+                if json.loads(row["features"]) != FEATURES[component]:
+                    raise ValueError(
+                        f"{component} saved with features {row['features']}, expected {FEATURES[component]}"
+                    )
+                key = (component, row["key"]) if component in ("score", "propose") else (component,)
+                m = out.model(*key)
+                state = {
+                    "coef": json.loads(row["coefficients"]),
+                    "cov": json.loads(row["covariance"]),
+                    "prior_var": json.loads(row["prior_var"]),
+                    "num_updates": row["num_updates"],
+                    "forgetting": row.get("forgetting") or out.forgetting,
+                }
+                m.load_state_dict(state)
+        except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
+            raise ValueError(f"malformed {TABLE!r} row {where} (run_id {run_id}): {e}") from e
+        return out
+
+
+def _database(db):
+    import sqlite_utils
+
+    return db if isinstance(db, sqlite_utils.Database) else sqlite_utils.Database(db)

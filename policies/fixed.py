@@ -1,0 +1,145 @@
+"""Static policies: ``fixed`` (one k, one scorer), ``threshold`` (scorer by batch size) and
+``disable_by_batch`` (vLLM 0.6's ``speculative_disable_by_batch_size``); plus the helpers every
+built-in uses to fill a plan's prediction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specsched.policies.acceptance import expected_tokens
+from specsched.policies.base import BatchView, Plan, Policy
+from specsched.policies.cost_model import CostModels, StepShape
+
+
+def step_proposer(view: BatchView) -> str:
+    """The proposer label of the step, as the engine logs it: the batch's proposers joined by "+"."""
+    return "+".join(sorted({r.proposer for r in view.requests})) or "none"
+
+
+def check_scorer(policy: str, scorer: str, view: BatchView) -> str:
+    if scorer not in view.scorers:
+        available = ", ".join(view.scorers)
+        raise ValueError(
+            f"policy {policy!r}: scorer {scorer!r} is not available this run (available: {available})"
+        )
+    return scorer
+
+
+def make_plan(
+    policy: str,
+    view: BatchView,
+    costs: CostModels | None,
+    k: list[int],
+    scorer: str,
+    info: dict | None = None,
+) -> Plan:
+    """A plan with its expected tokens (from each request's acceptance estimate) and, when cost
+    models are given, its predicted step time; the per-component prediction goes to ``info`` as
+    ``predicted_{propose,score,verify,overhead}_ms``."""
+    info = dict(info or {})
+    expected = sum(
+        expected_tokens(min(max(r.acceptance, 0.0), 1.0), ki) for r, ki in zip(view.requests, k, strict=True)
+    )
+    predicted = None
+    if costs is not None and view.requests:
+        shape = StepShape(list(k), [r.context_len for r in view.requests])
+        cost = costs.predict(scorer, step_proposer(view), shape)
+        predicted = cost.total_ms
+        info.update({f"predicted_{name}": value for name, value in cost.as_dict().items()})
+    return Plan(list(k), scorer, policy, predicted_ms=predicted, expected_tokens=expected, info=info)
+
+
+def capped_k(view: BatchView, k: int) -> list[int]:
+    """``k`` for every request, capped by each request's ``max_k``."""
+    return [max(0, min(k, r.max_k)) for r in view.requests]
+
+
+def _check_k(name: str, k: int) -> None:
+    if k < 0:
+        raise ValueError(f"policy {name}: k must be >= 0, got {k}")
+
+
+def _check_batch(name: str, batch_size: int) -> None:
+    if batch_size < 1:
+        raise ValueError(f"policy {name}: batch_size must be >= 1, got {batch_size}")
+
+
+@dataclass
+class FixedConfig:
+    k: int = 4
+    scorer: str = "mqa"
+
+    def __post_init__(self) -> None:
+        _check_k("fixed", self.k)
+
+
+class FixedPolicy(Policy):
+    """Every request speculates ``min(k, its max_k)``; always the same scorer."""
+
+    name = "fixed"
+    config_cls = FixedConfig
+
+    def __init__(self, config: FixedConfig | None = None) -> None:
+        self.config = config or FixedConfig()
+
+    def decide(self, view: BatchView, costs: CostModels | None) -> Plan:
+        scorer = check_scorer(self.name, self.config.scorer, view)
+        return make_plan(self.name, view, costs, capped_k(view, self.config.k), scorer)
+
+
+@dataclass
+class ThresholdConfig:
+    batch_size: int = 8  # batch < batch_size: small_scorer, else large_scorer
+    k: int = 4
+    small_scorer: str = "batch_expansion"
+    large_scorer: str = "mqa"
+
+    def __post_init__(self) -> None:
+        _check_batch("threshold", self.batch_size)
+        _check_k("threshold", self.k)
+
+
+class ThresholdPolicy(Policy):
+    """vLLM 0.6's rule of thumb, with a batch-size switch: small batches go to the graph-captured
+    batch-expansion scorer (launch overhead dominates), large ones to MQA (KV reads dominate)."""
+
+    name = "threshold"
+    config_cls = ThresholdConfig
+
+    def __init__(self, config: ThresholdConfig | None = None) -> None:
+        self.config = config or ThresholdConfig()
+
+    def decide(self, view: BatchView, costs: CostModels | None) -> Plan:
+        cfg = self.config
+        scorer = cfg.small_scorer if view.batch_size < cfg.batch_size else cfg.large_scorer
+        check_scorer(self.name, scorer, view)
+        return make_plan(self.name, view, costs, capped_k(view, cfg.k), scorer)
+
+
+@dataclass
+class DisableByBatchConfig:
+    batch_size: int = 16  # batch >= batch_size: k = 0 for everyone
+    k: int = 4
+    scorer: str = "mqa"
+
+    def __post_init__(self) -> None:
+        _check_batch("disable_by_batch", self.batch_size)
+        _check_k("disable_by_batch", self.k)
+
+
+class DisableByBatchPolicy(Policy):
+    """vLLM 0.6 ``speculative_disable_by_batch_size``: speculation off once the batch reaches
+    ``batch_size``, else a fixed k; always the same scorer."""
+
+    name = "disable_by_batch"
+    config_cls = DisableByBatchConfig
+
+    def __init__(self, config: DisableByBatchConfig | None = None) -> None:
+        self.config = config or DisableByBatchConfig()
+
+    def decide(self, view: BatchView, costs: CostModels | None) -> Plan:
+        cfg = self.config
+        scorer = check_scorer(self.name, cfg.scorer, view)
+        is_off = view.batch_size >= cfg.batch_size
+        k = [0] * view.batch_size if is_off else capped_k(view, cfg.k)
+        return make_plan(self.name, view, costs, k, scorer, {"is_disabled": is_off})
