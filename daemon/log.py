@@ -25,21 +25,29 @@ SCHEMA_VERSION = 1  # bump on any change to the tables below; readers refuse oth
 
 logger = logging.getLogger(__name__)
 
-TABLES: dict[str, dict[str, type]] = {
-    "runs": {"id": int, "started_at": float, "config": str, "model": str, "device": str, "version": str,
-             "schema_version": int},
-    "requests": {"run_id": int, "request_id": str, "client": str, "arrival": float, "first_token_time": float,
-                 "finish_time": float, "prompt_tokens": int, "output_tokens": int, "finish_reason": str,
-                 "proposed": int, "accepted": int},
-    "steps": {"run_id": int, "step": int, "kind": str, "start_time": float, "batch_size": int, "num_tokens": int,
-              "scorer": str, "policy": str, "proposer": str, "is_synthetic": bool,
-              "predicted_propose_ms": float, "predicted_score_ms": float, "predicted_verify_ms": float,
-              "predicted_ms": float, "propose_ms": float, "score_ms": float, "verify_ms": float,
-              "total_ms": float, "num_emitted": int, "plan_info": str},
-    "step_requests": {"run_id": int, "step": int, "request_id": str, "context_len": int, "k": int,
-                      "num_accepted": int, "match_bits": str},
-}
-INDEXES = {"requests": ["run_id", "request_id"], "steps": ["run_id", "step"], "step_requests": ["run_id", "step"]}
+# Times are time.time() seconds (unix epoch); durations are milliseconds. See docs/logging.md.
+SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY, started_at REAL, config TEXT, model TEXT,
+    device TEXT, version TEXT, schema_version INTEGER);
+CREATE TABLE IF NOT EXISTS requests (run_id INTEGER, request_id TEXT, client TEXT, arrival REAL,
+    first_token_time REAL, finish_time REAL, prompt_tokens INTEGER, output_tokens INTEGER,
+    finish_reason TEXT, proposed INTEGER, accepted INTEGER);
+CREATE TABLE IF NOT EXISTS steps (run_id INTEGER, step INTEGER, kind TEXT, start_time REAL,
+    batch_size INTEGER, num_tokens INTEGER, scorer TEXT, policy TEXT, proposer TEXT, is_synthetic INTEGER,
+    predicted_propose_ms REAL, predicted_score_ms REAL, predicted_verify_ms REAL, predicted_ms REAL,
+    propose_ms REAL, score_ms REAL, verify_ms REAL, total_ms REAL, num_emitted INTEGER, plan_info TEXT);
+CREATE TABLE IF NOT EXISTS step_requests (run_id INTEGER, step INTEGER, request_id TEXT,
+    context_len INTEGER, k INTEGER, num_accepted INTEGER, match_bits TEXT);
+CREATE INDEX IF NOT EXISTS requests_run_request ON requests (run_id, request_id);
+CREATE INDEX IF NOT EXISTS steps_run_step ON steps (run_id, step);
+CREATE INDEX IF NOT EXISTS step_requests_run_step ON step_requests (run_id, step);
+"""
+# StepRecord / StepRequestRecord fields copied as they are (plan_info is converted to JSON)
+STEP_FIELDS = (
+    "step kind start_time batch_size num_tokens scorer policy proposer is_synthetic predicted_propose_ms "
+    "predicted_score_ms predicted_verify_ms predicted_ms propose_ms score_ms verify_ms total_ms num_emitted"
+).split()
+STEP_REQUEST_FIELDS = ("request_id", "context_len", "k", "num_accepted", "match_bits")
 
 
 class LogFormatError(Exception):
@@ -62,7 +70,9 @@ class LogConfig:
         if self.batch_size < 1:
             raise ValueError(f"log.batch_size must be >= 1, got {self.batch_size}")
         if self.queue_max < self.batch_size:
-            raise ValueError(f"log.queue_max must be >= log.batch_size ({self.batch_size}), got {self.queue_max}")
+            raise ValueError(
+                f"log.queue_max must be >= log.batch_size ({self.batch_size}), got {self.queue_max}"
+            )
         if self.busy_timeout_s < 0:
             raise ValueError(f"log.busy_timeout_s must be >= 0, got {self.busy_timeout_s}")
 
@@ -77,13 +87,18 @@ def _check_schema(db: sqlite_utils.Database, path: str, allow_new: bool) -> None
         raise
     except sqlite3.DatabaseError as e:  # "file is not a database", "malformed"
         raise LogFormatError(f"{path}: not a readable SQLite file ({e})") from e
-    if version == SCHEMA_VERSION and "runs" in tables:
-        return
+    if version == SCHEMA_VERSION:
+        if "runs" in tables:
+            return
+        raise LogFormatError(f"{path}: damaged specsched log (schema version {version} but no runs table)")
     if version == 0 and not tables and allow_new:
         return
     if version == 0:
         raise LogFormatError(f"{path}: not a specsched log (no schema version; tables: {sorted(tables)})")
-    raise LogFormatError(f"{path}: log schema version {version}, this specsched reads version {SCHEMA_VERSION}")
+    raise LogFormatError(
+        f"{path}: log schema version {version} (another specsched version wrote it); "
+        f"this specsched reads version {SCHEMA_VERSION}"
+    )
 
 
 def open_log(path: str | os.PathLike) -> sqlite_utils.Database:
@@ -100,25 +115,19 @@ def open_log(path: str | os.PathLike) -> sqlite_utils.Database:
 
 
 def _json(obj) -> str:
-    def default(x):
-        return x.item() if hasattr(x, "item") else str(x)  # numpy / torch scalars, enums, ...
+    def default(x):  # numpy / torch scalars, enums, anything else as its str
+        try:
+            return x.item()
+        except Exception:  # noqa: BLE001
+            return str(x)
 
     return json.dumps(obj, default=default)
 
 
 def _step_rows(r: StepRecord) -> tuple[dict, list[dict]]:
-    plan_info = getattr(r, "plan_info", None)
-    step = {
-        "step": r.step, "kind": r.kind, "start_time": r.start_time, "batch_size": r.batch_size,
-        "num_tokens": r.num_tokens, "scorer": r.scorer, "policy": r.policy, "proposer": r.proposer,
-        "is_synthetic": bool(r.is_synthetic), "predicted_propose_ms": r.predicted_propose_ms,
-        "predicted_score_ms": r.predicted_score_ms, "predicted_verify_ms": r.predicted_verify_ms,
-        "predicted_ms": r.predicted_ms, "propose_ms": r.propose_ms, "score_ms": r.score_ms,
-        "verify_ms": r.verify_ms, "total_ms": r.total_ms, "num_emitted": r.num_emitted,
-        "plan_info": _json(plan_info) if plan_info else None,
-    }
-    reqs = [{"step": r.step, "request_id": q.request_id, "context_len": q.context_len, "k": q.k,
-             "num_accepted": q.num_accepted, "match_bits": q.match_bits} for q in r.requests]
+    step = {f: getattr(r, f) for f in STEP_FIELDS}
+    step["plan_info"] = _json(r.plan_info) if r.plan_info else None
+    reqs = [{"step": r.step, **{f: getattr(q, f) for f in STEP_REQUEST_FIELDS}} for q in r.requests]
     return step, reqs
 
 
@@ -149,6 +158,7 @@ class LogWriter:
         self._num_written_steps = 0
         self._last_error: str | None = None
         self._is_reported = False
+        self._is_failing = False
         self._is_closed = False
         self._run_started = False
         self._run_id: int | None = None
@@ -163,15 +173,23 @@ class LogWriter:
         self._thread.start()
 
     # ---- serving side -------------------------------------------------------------------------------
-    def start_run(self, config: dict, model: str, device: str, version: str, timeout: float = 10.0) -> int | None:
+    def start_run(
+        self, config: dict, model: str, device: str, version: str, timeout: float = 10.0
+    ) -> int | None:
         """Insert this run's row (waits for the writer). Returns its id, or None when the log cannot be
         written right now (counted and reported; the row is retried with the next flush). Raises
         :class:`LogFormatError` when the file is not a log of this schema version."""
         if self._run_started:
             raise RuntimeError("start_run was already called on this LogWriter (one run per writer)")
         self._run_started = True
-        row = {"started_at": time.time(), "config": _json(config), "model": model, "device": device,
-               "version": version, "schema_version": SCHEMA_VERSION}
+        row = {
+            "started_at": time.time(),
+            "config": _json(config),
+            "model": model,
+            "device": device,
+            "version": version,
+            "schema_version": SCHEMA_VERSION,
+        }
         ctl = self._control("run", timeout, run_row=row)
         if isinstance(ctl.error, LogFormatError):
             raise ctl.error
@@ -181,21 +199,42 @@ class LogWriter:
         """Enqueue one step (→ ``steps`` + ``step_requests``). The record must not be mutated afterwards."""
         self._put(record)
 
-    def write_request(self, request_id: str, *, client: bytes | str | None, arrival: float,
-                      first_token_time: float | None, finish_time: float, prompt_tokens: int,
-                      output_tokens: int, finish_reason: str | None, proposed: int, accepted: int) -> None:
+    def write_request(
+        self,
+        request_id: str,
+        *,
+        client: bytes | str | None,
+        arrival: float,
+        first_token_time: float | None,
+        finish_time: float,
+        prompt_tokens: int,
+        output_tokens: int,
+        finish_reason: str | None,
+        proposed: int,
+        accepted: int,
+    ) -> None:
         """Enqueue one finished request (→ ``requests``). Times are ``time.time()`` seconds."""
-        self._put({"request_id": request_id, "client": client.hex() if isinstance(client, bytes) else client,
-                   "arrival": arrival, "first_token_time": first_token_time, "finish_time": finish_time,
-                   "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-                   "finish_reason": None if finish_reason is None else str(getattr(finish_reason, "value",
-                                                                                     finish_reason)),
-                   "proposed": proposed, "accepted": accepted})
+        self._put(
+            {
+                "request_id": request_id,
+                "client": client.hex() if isinstance(client, bytes) else client,
+                "arrival": arrival,
+                "first_token_time": first_token_time,
+                "finish_time": finish_time,
+                "prompt_tokens": prompt_tokens,
+                "output_tokens": output_tokens,
+                "finish_reason": None
+                if finish_reason is None
+                else str(getattr(finish_reason, "value", finish_reason)),
+                "proposed": proposed,
+                "accepted": accepted,
+            }
+        )
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Write everything enqueued so far. True when it is on disk within ``timeout``."""
         if self._is_closed:
-            return not self._thread.is_alive() and self._fatal is None
+            return self._fatal is None and not self._has_pending
         return self._control("flush", timeout).ok
 
     def close(self, timeout: float = 10.0) -> None:
@@ -248,8 +287,11 @@ class LogWriter:
             self._num_dropped += 1
             first = self._num_dropped == 1
         if first:
-            logger.warning("decision log %s: queue full or writer closed, dropping records (counted in "
-                           "num_dropped; this is reported once)", self.path)
+            logger.warning(
+                "decision log %s: dropping records (queue or retry buffer full, or writer closed); "
+                "counted in num_dropped, reported once",
+                self.path,
+            )
 
     def _control(self, kind: str, timeout: float, run_row: dict | None = None) -> _Control:
         ctl = _Control(kind, run_row)
@@ -287,6 +329,7 @@ class LogWriter:
             for ctl in controls:
                 ctl.ok, ctl.error = ok, self._fatal
                 if ctl.kind == "stop":
+                    self._discard_pending()  # what the last write could not store is lost: count it
                     self._close_db()
                     ctl.done.set()
                     return
@@ -300,7 +343,12 @@ class LogWriter:
         if self._fatal is not None or len(self._steps) + len(self._requests) >= self.cfg.queue_max:
             self._drop()  # retry buffer full (writes failing for a long time) or the file is unusable
         elif isinstance(item, StepRecord):
-            step, reqs = _step_rows(item)
+            try:
+                step, reqs = _step_rows(item)
+            except Exception as e:  # noqa: BLE001 -- a malformed record must not poison the batch
+                self._fail(e)
+                self._drop()
+                return
             self._steps.append(step)
             self._step_requests.extend(reqs)
         else:
@@ -309,15 +357,19 @@ class LogWriter:
     def _write(self) -> bool:
         if self._fatal is not None:
             return False
+        if self._run_id is None and self._run_row is None:
+            return True  # nothing to write before start_run
         try:
             db = self._open_db()
             run_id = self._run_id
             with db.atomic():
                 if run_id is None:
-                    db["runs"].insert(self._run_row)
-                    run_id = db["runs"].last_pk
-                for table, rows in (("steps", self._steps), ("step_requests", self._step_requests),
-                                    ("requests", self._requests)):
+                    run_id = db["runs"].insert(self._run_row).last_pk
+                for table, rows in (
+                    ("steps", self._steps),
+                    ("step_requests", self._step_requests),
+                    ("requests", self._requests),
+                ):
                     if rows:
                         db[table].insert_all(({"run_id": run_id, **r} for r in rows), batch_size=1000)
         except Exception as e:  # noqa: BLE001 -- any write failure must leave serving alone
@@ -326,28 +378,40 @@ class LogWriter:
         self._run_id, self._run_row = run_id, None
         self._num_written_steps += len(self._steps)
         self._steps, self._step_requests, self._requests = [], [], []
-        if self._is_reported and self._last_error is not None:
-            logger.warning("decision log %s: writes recovered after %d failed attempt(s)", self.path,
-                           self._num_failures)
-            self._last_error = None
+        if self._is_failing:
+            self._is_failing = False
+            logger.warning(
+                "decision log %s: writes recovered (%d failed attempt(s) so far)",
+                self.path,
+                self._num_failures,
+            )
         return True
 
     def _fail(self, e: Exception) -> None:
         self._num_failures += 1
+        self._is_failing = True
         self._last_error = f"{type(e).__name__}: {e}"
-        if isinstance(e, LogFormatError):
+        if isinstance(e, LogFormatError):  # the file is not ours: give up on it (start_run raises it)
             self._fatal = e
             self._close_db()
-            num_lost = len(self._steps) + len(self._requests)
-            self._steps, self._step_requests, self._requests = [], [], []
-            with self._lock:
-                self._num_dropped += num_lost
-        elif isinstance(e, sqlite3.Error):
+            self._discard_pending()
+            logger.error("decision log %s is unusable (%s); no records will be written", self.path, e)
+            return
+        if isinstance(e, sqlite3.Error):
             self._close_db()  # reopen on the next attempt (file may have been replaced, directory created)
         if not self._is_reported:
             self._is_reported = True
-            logger.error("decision log %s: write failed (%s); serving continues, later flushes retry; "
-                         "further failures are counted (num_failures), not logged", self.path, self._last_error)
+            logger.error(
+                "decision log %s: write failed (%s); serving continues, later flushes retry; "
+                "further failures are counted (num_failures), not logged",
+                self.path,
+                self._last_error,
+            )
+
+    def _discard_pending(self) -> None:
+        with self._lock:
+            self._num_dropped += len(self._steps) + len(self._requests)
+        self._steps, self._step_requests, self._requests = [], [], []
 
     def _open_db(self) -> sqlite_utils.Database:
         if self._db is not None:
@@ -359,10 +423,9 @@ class LogWriter:
             db.enable_wal()
             db.execute("PRAGMA synchronous=NORMAL")
             with db.atomic():
-                for name, columns in TABLES.items():
-                    db[name].create(columns, pk="id" if name == "runs" else None, if_not_exists=True)
-                for name, cols in INDEXES.items():
-                    db[name].create_index(cols, if_not_exists=True)
+                for statement in SCHEMA_SQL.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except BaseException:
             conn.close()

@@ -31,7 +31,9 @@ class Settings:
     def __post_init__(self) -> None:
         level = self.log_level.upper()
         if level not in LOG_LEVELS:
-            raise ValueError(f"{ENV_PREFIX}LOG_LEVEL must be one of {'|'.join(LOG_LEVELS)}, got {self.log_level!r}")
+            raise ValueError(
+                f"{ENV_PREFIX}LOG_LEVEL must be one of {'|'.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
         object.__setattr__(self, "log_level", level)
         object.__setattr__(self, "cache_dir", os.path.expanduser(self.cache_dir or _default_cache_dir()))
 
@@ -48,8 +50,11 @@ class Settings:
         known = cls.variables()
         unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
         if unknown:
-            logger.warning("ignoring unknown environment variable(s) %s; known: %s", ", ".join(unknown),
-                           ", ".join(sorted(known)))
+            logger.warning(
+                "ignoring unknown environment variable(s) %s; known: %s",
+                ", ".join(unknown),
+                ", ".join(sorted(known)),
+            )
         return cls(**{name: env[var] for var, name in known.items() if var in env})
 
 
