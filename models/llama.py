@@ -180,11 +180,10 @@ class LlamaForCausalLM(nn.Module):
 
 def init_random(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> LlamaForCausalLM:
     """Deterministic random init (presets for tests and GPU timing)."""
-    g = torch.Generator().manual_seed(seed)
+    dev = model.lm_head.weight.device
+    g = torch.Generator(device=dev).manual_seed(seed)  # drawn where the weights live (fast at 7B on GPU)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+            r = torch.randn(p.shape, generator=g, device=dev, dtype=torch.float32)
+            p.copy_(1.0 + 0.1 * r if "norm" in name else r * std)
     return model

@@ -1,0 +1,136 @@
+"""Conversion cache: a GGUF file (or an HF folder with ``*.bin`` weights) is converted once, through
+transformers, into a cache entry ``<cache_dir>/converted/<name>-<sha256[:16]>/`` holding
+``model.safetensors`` (float32), transformers' ``config.json``, the tokenizer files
+(``save_pretrained``) and our ``specsched.json`` (format version, sources, sha256, LlamaConfig).
+
+The key is the sha256 of the source bytes (~0.1 s for SmolLM2's 98 MB; exact, unlike size+mtime,
+and cheap next to a conversion). An entry is written into a temporary sibling folder and renamed
+into place when complete, so a crash never leaves a half entry; an entry is a plain HF folder that
+transformers loads too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from specsched.models.config import LlamaConfig
+from specsched.models.hf_config import llama_config_from_hf
+
+CACHE_FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+META_FILE = "specsched.json"
+
+
+def no_bar(progress: bool | None) -> bool | None:
+    """tqdm's ``disable`` for ``progress`` (None: a bar only on a TTY)."""
+    return None if progress is None else not progress
+
+
+def file_sha256(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _cached_or_build(cache_root: Path, name: str, sources: list[Path], build: Callable[[Path], dict]) -> Path:
+    """Return the complete cache entry for ``sources``, building it with ``build(tmp_dir) -> dict``
+    (written atomically: tmp dir + rename) when missing or of another format version."""
+    digest = file_sha256(sources)
+    entry = cache_root / "converted" / f"{name}-{digest[:16]}"
+    if _is_complete(entry):
+        return entry
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
+    try:
+        meta = build(tmp)
+        meta.update(
+            format_version=CACHE_FORMAT_VERSION, name=name, sources=[str(s) for s in sources], sha256=digest
+        )
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        for f in tmp.iterdir():  # mkdtemp / safetensors create owner-only modes
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        if _is_complete(entry):  # another process finished first
+            return entry
+        if entry.exists():  # an older format version or a half entry: replace
+            shutil.rmtree(entry)
+        os.rename(tmp, entry)
+    except OSError:
+        if not _is_complete(entry):  # another process did not win the race either
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return entry
+
+
+def _is_complete(entry: Path) -> bool:
+    try:
+        meta = json.loads((entry / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("format_version") == CACHE_FORMAT_VERSION and (entry / WEIGHTS_FILE).is_file()
+
+
+def convert_gguf(path: Path, cache_root: Path, name: str, progress: bool | None = None) -> Path:
+    """Convert a GGUF file once (transformers dequantises it to float32) into a cache entry."""
+
+    def build(tmp: Path) -> dict:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        steps = tqdm(total=3, desc=f"converting {path.name} (once)", disable=no_bar(progress))
+        with steps:
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32
+            )
+            lcfg = llama_config_from_hf(hf.config)  # validate before writing anything
+            steps.update()
+            _save_hf_state(hf.state_dict(), lcfg, tmp)
+            hf.config.save_pretrained(str(tmp))
+            steps.update()
+            AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
+            steps.update()
+        return {"llama_config": lcfg.to_dict()}
+
+    return _cached_or_build(cache_root, name, [path], build)
+
+
+def convert_bin_folder(
+    folder: Path, bins: list[Path], cache_root: Path, progress: bool | None = None
+) -> Path:
+    """Convert an HF folder's pickled ``*.bin`` weights once into a safetensors cache entry."""
+
+    def build(tmp: Path) -> dict:
+        lcfg = llama_config_from_hf(json.loads((folder / "config.json").read_text()))
+        state: dict[str, torch.Tensor] = {}
+        for b in tqdm(bins, desc=f"converting {folder.name} (once)", disable=no_bar(progress)):
+            state.update(torch.load(b, map_location="cpu", weights_only=True))
+        _save_hf_state(state, lcfg, tmp)
+        for f in folder.iterdir():
+            if f.is_file() and f.suffix in (".json", ".model", ".txt", ".jinja") and "index" not in f.name:
+                shutil.copy2(f, tmp / f.name)
+        return {"llama_config": lcfg.to_dict()}
+
+    return _cached_or_build(cache_root, folder.resolve().name, [folder / "config.json", *bins], build)
+
+
+def _save_hf_state(state: dict[str, torch.Tensor], lcfg: LlamaConfig, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {
+        k: v.detach().to(torch.float32).contiguous()
+        for k, v in state.items()
+        if not (lcfg.tie_embeddings and k == "lm_head.weight") and not k.endswith("rotary_emb.inv_freq")
+    }
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -1,0 +1,153 @@
+"""Tokenizer wrapper over a transformers tokenizer, and an incremental detokenizer for streaming.
+
+BOS policy: ``encode`` adds a BOS token exactly when the tokenizer itself would (its own
+``add_special_tokens=True`` output starts with ``bos_token_id`` while the plain encoding does not;
+e.g. Llama-2 adds ``<s>``, SmolLM2 and Qwen2 add nothing). Nothing else is ever added (no EOS).
+Chat templates render their own special tokens, so ``apply_chat_template`` adds none.
+
+Decoding skips special tokens (``<|im_end|>``, ``</s>``...) and never "cleans up" spaces, so the
+streamed text of :class:`IncrementalDetokenizer` concatenates to exactly ``decode(all ids)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+
+
+class Tokenizer:
+    """Text <-> token ids for one model.
+
+    ``eos_token_ids``: the tokenizer's EOS followed by any extra ids (the model config's EOS list),
+    without duplicates. ``vocab_size`` is the tokenizer's (``len(tokenizer)``, added tokens
+    included); the model's embedding table may be larger (padded).
+    """
+
+    def __init__(self, hf_tokenizer: Any, extra_eos_token_ids: Iterable[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        eos: list[int] = []
+        for i in [hf_tokenizer.eos_token_id, *extra_eos_token_ids]:
+            if i is not None and int(i) not in eos:
+                eos.append(int(i))
+        self.eos_token_ids: list[int] = eos
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.is_adding_bos: bool = _tokenizer_adds_bos(hf_tokenizer)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, gguf_file: str | None = None, extra_eos_token_ids: Iterable[int] = ()
+    ) -> Tokenizer:
+        """Load from a local folder (``tokenizer.json`` etc.), or from a GGUF file in it."""
+        from transformers import AutoTokenizer
+
+        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+        return cls(hf, extra_eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def name(self) -> str:
+        return str(getattr(self.hf, "name_or_path", "") or type(self.hf).__name__)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; a BOS first only when the tokenizer adds one (see module doc)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        ids = list(self.hf.encode(text, add_special_tokens=False))
+        if self.is_adding_bos:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(
+            [int(i) for i in ids], skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Render a chat ``[{"role": ..., "content": ...}]`` with the model's template, followed by
+        the assistant turn's opening (``add_generation_prompt=True``), as token ids."""
+        if not self.has_chat_template:
+            raise ValueError(
+                f"tokenizer {self.name!r} has no chat template; send a raw 'prompt' or 'prompt_ids' instead"
+            )
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} maps")
+        for i, m in enumerate(messages):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise ValueError(f"messages[{i}] must be a map with str 'role' and 'content', got {m!r}")
+        ids = self.hf.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if hasattr(ids, "keys"):  # BatchEncoding from a transformers that ignores return_dict
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.hf.save_pretrained(str(path))
+
+
+def _tokenizer_adds_bos(hf_tokenizer: Any) -> bool:
+    bos = hf_tokenizer.bos_token_id
+    if bos is None:
+        return False
+    probe = "a"
+    with_special = list(hf_tokenizer.encode(probe, add_special_tokens=True))
+    plain = list(hf_tokenizer.encode(probe, add_special_tokens=False))
+    return bool(with_special) and with_special[0] == bos and plain[:1] != [bos]
+
+
+class IncrementalDetokenizer:
+    """Streams the text of a growing token sequence.
+
+    ``push(new_ids)`` returns only the text the new ids complete. It decodes a short window
+    ``ids[prefix_offset:]`` and compares it with ``ids[prefix_offset:read_offset]`` (already
+    emitted), so tokenizers whose pieces decode differently at the start of a string (SentencePiece
+    drops a leading space) stay consistent; text ending in U+FFFD (an incomplete UTF-8 sequence from
+    byte-level tokens, or a partial token) is held back until later ids complete it. ``flush()``
+    returns whatever is still held (at the end of a request). For ids that decode to valid UTF-8,
+    ``"".join(pushes) + flush() == tokenizer.decode(all ids)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""  # everything emitted so far
+        self.prefix_offset = 0  # window start: first id of the last emitted chunk
+        self.read_offset = 0  # ids before this are emitted
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _advance(self, hold_incomplete: bool) -> str:
+        done = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        window = self._decode(self.token_ids[self.prefix_offset :])
+        if len(window) <= len(done) or (hold_incomplete and window.endswith(REPLACEMENT_CHAR)):
+            return ""
+        new = window[len(done) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += new
+        return new
+
+    def push(self, new_ids: Iterable[int]) -> str:
+        """Append token ids; return the newly completed text ('' when it is held back)."""
+        self.token_ids.extend(int(i) for i in new_ids)
+        return self._advance(hold_incomplete=True)
+
+    def flush(self) -> str:
+        """Return the held-back text (incomplete characters included, as U+FFFD)."""
+        return self._advance(hold_incomplete=False)
