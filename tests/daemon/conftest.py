@@ -1,0 +1,181 @@
+"""Fixtures that run the real daemon as a subprocess on a free loopback port.
+
+``start_daemon(**options)`` launches ``python -c LAUNCHER`` (a real engine + ``Server.serve_forever``)
+and waits until it answers ``health``; every daemon started is stopped at the end of the session.
+``tiny_daemon`` (preset ``tiny``, no tokenizer) and ``text_daemon`` (a tiny HF checkpoint with a
+byte-level BPE tokenizer and a chat template) are shared by the whole session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+# The daemon process: engine from the JSON spec in argv[1], optional decision log, serve until a signal.
+LAUNCHER = """
+import json, logging, sys
+import torch
+torch.set_num_threads(1)
+from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specsched.daemon.engine import Engine
+from specsched.daemon.server import DaemonConfig, Server
+spec = json.loads(sys.argv[1])
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+cfg = EngineConfig(model=ModelConfig(**spec["model"]), cache=CacheConfig(**spec["cache"]),
+                   scheduler=SchedulerConfig(**spec["scheduler"]), spec=SpecConfig(**spec["spec"]))
+engine = Engine.from_config(cfg)
+log = None
+if spec["log_path"]:
+    from specsched.daemon.log import LogConfig, LogWriter
+    log = LogWriter(LogConfig(path=spec["log_path"], flush_interval_s=0.1))
+    log.start_run(spec, model=cfg.model.source, device="cpu", version="test")
+Server(engine, DaemonConfig(**spec["daemon"]), log).serve_forever()
+print("specsched test daemon: clean exit", flush=True)
+"""
+
+DEFAULT_DAEMON = dict(
+    max_message_bytes=64 * 1024,
+    max_prompt_tokens=512,
+    max_inflight_per_client=16,
+    shutdown_grace_s=0.0,
+    linger_ms=500,
+    idle_sleep_ms=20.0,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DaemonProcess:
+    endpoint: str
+    proc: subprocess.Popen
+    output_path: Path
+    log_path: Path | None
+    options: dict = field(default_factory=dict)
+
+    def output(self) -> str:
+        return self.output_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        """Send ``sig`` and wait for the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise AssertionError(
+                f"daemon did not exit within {timeout_s} s after signal {sig}:\n{self.output()}"
+            ) from None
+
+
+def _wait_ready(d: DaemonProcess, timeout_s: float) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if d.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {d.proc.returncode} at start:\n{d.output()}")
+            sock.send(msgpack.packb({"v": 1, "type": "health"}))
+            if sock.poll(250):
+                assert msgpack.unpackb(sock.recv())["type"] == "health_reply"
+                return
+        raise AssertionError(f"daemon not ready within {timeout_s} s:\n{d.output()}")
+    finally:
+        sock.close()
+
+
+def launch(
+    tmp_dir: Path,
+    *,
+    model: dict | None = None,
+    num_blocks: int = 256,
+    daemon: dict | None = None,
+    log_db: bool = False,
+    max_num_seqs: int = 64,
+) -> DaemonProcess:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    spec = {
+        "model": {
+            "source": "tiny",
+            "dtype": "float32",
+            "device": "cpu",
+            "attn_backend": "torch",
+            **(model or {}),
+        },
+        "cache": {"block_size": 16, "num_blocks": num_blocks},
+        "scheduler": {"max_num_seqs": max_num_seqs},
+        "spec": {"proposer": "ngram", "max_k": 4},
+        "daemon": {**DEFAULT_DAEMON, **(daemon or {}), "endpoint": endpoint},
+        "log_path": str(tmp_dir / "log.sqlite") if log_db else None,
+    }
+    out = tmp_dir / "daemon.out"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER, json.dumps(spec)], stdout=f, stderr=subprocess.STDOUT, env=env
+        )
+    d = DaemonProcess(endpoint, proc, out, tmp_dir / "log.sqlite" if log_db else None, spec)
+    try:
+        _wait_ready(d, timeout_s=180.0)
+    except BaseException:
+        proc.kill()
+        raise
+    return d
+
+
+@pytest.fixture(scope="session")
+def start_daemon(tmp_path_factory):
+    """``start_daemon(**launch_options) -> DaemonProcess``; all are stopped at session end."""
+    started: list[DaemonProcess] = []
+
+    def start(**options) -> DaemonProcess:
+        d = launch(tmp_path_factory.mktemp("daemon"), **options)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def tiny_daemon(start_daemon) -> DaemonProcess:
+    return start_daemon()
+
+
+@pytest.fixture(scope="session")
+def text_daemon(start_daemon, tiny_hf_dir, tmp_path_factory) -> DaemonProcess:
+    cache = tmp_path_factory.mktemp("model-cache")
+    return start_daemon(model={"source": str(tiny_hf_dir), "cache_dir": str(cache)})
+
+
+@pytest.fixture
+def raw_socket(tiny_daemon):
+    """A DEALER socket connected to the shared tiny daemon."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(tiny_daemon.endpoint)
+    yield sock
+    sock.close()
