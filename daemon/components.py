@@ -52,6 +52,7 @@ def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
     from specsched.models.loader import load_model
     from specsched.policies.registry import build_policy
     from specsched.proposers.registry import build_proposers
+    from specsched.scorers.graph import GraphConfig, attach_draft_graphs, graph_buckets_of
     from specsched.scorers.registry import build_scorers
 
     loaded = load_model(cfg.model)
@@ -70,15 +71,20 @@ def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
     num_blocks = size_kv_cache(cfg, model, draft_layers)
     kv = model.allocate_kv_cache(num_blocks, cfg.cache.block_size)
     max_len = min(cfg.model.max_model_len or model.cfg.max_position, model.cfg.max_position)
+    graphs = GraphConfig.for_engine(cfg, max_len, enabled=cfg.model.cuda_graphs)
+    scorers = build_scorers(cfg.spec.scorers, model, kv, cfg.cache.block_size, graphs)
+    proposers = build_proposers(cfg.spec, model, num_blocks, cfg.cache.block_size, draft)
+    if "draft" in proposers:
+        attach_draft_graphs(proposers["draft"], graphs, cfg.cache.block_size)
     return EngineParts(
         model=model,
         tokenizer=loaded.tokenizer,
         kv_cache=kv,
         num_blocks=num_blocks,
-        proposers=build_proposers(cfg.spec, model, num_blocks, cfg.cache.block_size, draft),
-        scorers=build_scorers(cfg.spec.scorers, model, kv, cfg.cache.block_size),
+        proposers=proposers,
+        scorers=scorers,
         policy=policy or build_policy(dict(cfg.policy)),
-        costs=CostModels(),
+        costs=CostModels(graph_buckets_of(scorers), device=model.lm_head.weight.device.type),
         acceptance=AcceptanceEstimator(),
         model_name=loaded.name,
         device=model.lm_head.weight.device,

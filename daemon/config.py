@@ -18,6 +18,7 @@ class ModelConfig:
     seed: int = 0  # random-init seed for presets
     cache_dir: str | None = None  # converted weights cache; None = $SPECSCHED_CACHE_DIR or ~/.cache/specsched
     max_model_len: int | None = None  # None = the model's own
+    cuda_graphs: bool = True  # capture batch-expansion / MQA / draft graphs on CUDA
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

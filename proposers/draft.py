@@ -31,6 +31,7 @@ class DraftModelProposer(Proposer):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.num_layers = num_layers
         self.device = model.lm_head.weight.device
+        self.graph_forward = None  # set by scorers.graph.attach_draft_graphs (CUDA graphs)
 
     def _forward(self, reqs: list[Request], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Feed ``tokens[i]`` at positions ``starts[i]..`` for each request; logits at each row's last token."""
@@ -40,7 +41,7 @@ class DraftModelProposer(Proposer):
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64).to(self.device)
         pos = torch.tensor([p for s, q in zip(starts, q_lens) for p in range(s, s + q)], dtype=torch.int64)
         last = torch.tensor(q_lens).cumsum(0) - 1
-        return self.model(
+        return (self.graph_forward or self.model)(
             ids, pos.to(self.device), meta, self.kv_cache, last.to(self.device), num_layers=self.num_layers
         )
 

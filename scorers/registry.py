@@ -9,6 +9,7 @@ from specsched.scorers.mqa import MQAScorer
 SCORERS: dict[str, type[Scorer]] = {
     "batch_expansion": BatchExpansionScorer,
     "mqa": MQAScorer,
+    "mqa_graph": MQAScorer,  # eager stand-in off CUDA; build_scorers swaps in the graph version
 }
 
 
@@ -18,6 +19,9 @@ def get_scorer_class(name: str) -> type[Scorer]:
     return SCORERS[name]
 
 
-def build_scorers(names: list[str], model, kv_cache, block_size: int) -> dict[str, Scorer]:
-    """Instantiate the configured scorers over one model and its KV cache."""
-    return {n: get_scorer_class(n)(model, kv_cache, block_size) for n in names}
+def build_scorers(names: list[str], model, kv_cache, block_size: int, graphs=None) -> dict[str, Scorer]:
+    """Instantiate the configured scorers over one model and its KV cache; ``batch_expansion`` and
+    ``mqa_graph`` run on CUDA graphs when ``graphs`` (a ``GraphConfig``) allows, else eagerly."""
+    from specsched.scorers.graph import build_graph_scorers
+
+    return build_graph_scorers(names, model, kv_cache, block_size, graphs)

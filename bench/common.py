@@ -1,0 +1,198 @@
+"""Shared benchmark plumbing: device, fast random models, timing, the copy-bandwidth floor, engines."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specsched.daemon.components import EngineParts
+from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specsched.daemon.engine import Engine
+from specsched.models.config import get_preset
+from specsched.models.llama import KVCache, LlamaForCausalLM, rope_inv_freq
+from specsched.policies.acceptance import AcceptanceEstimator
+from specsched.policies.base import Policy
+from specsched.policies.cost_model import CostModels
+from specsched.proposers.base import Proposer
+from specsched.scorers.base import Scorer
+from specsched.scorers.graph import GraphConfig, graph_buckets_of
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"bench.device={name!r} but CUDA is not available here; use auto or cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"bench.dtype must be auto|{'|'.join(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def attn_backend_for(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def random_model(preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
+    """A random-init preset built directly on ``device`` (a 7B model in seconds: the weights are drawn
+    by the device's generator, not on the CPU). Timing only: not the loader's seeded weights."""
+    cfg = get_preset(preset)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, attn_backend_for(device))
+    model = model.to(dtype).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    std = 0.1 if preset == "tiny" else 0.02
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.requires_grad_(False).eval()
+
+
+def streamed_weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of the weights one forward streams: every parameter but the embedding table (only its
+    looked-up rows are read), unless it doubles as the LM head."""
+    embed = model.model.embed_tokens.weight
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen or (p is embed and model.lm_head.weight is not embed):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> list[float]:
+    """Milliseconds of each of ``iters`` calls after ``warmup`` calls. Each call starts on an idle
+    device (synchronised) and is timed to the end of its device work, so it is the latency a step
+    sees: host work (launches, metadata) plus the device tail. CUDA events on GPU."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    if device.type == "cuda":
+        events = []
+        for _ in range(iters):
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize(device)
+        return [s.elapsed_time(e) for s, e in events]
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def copy_bandwidth(device: torch.device, mib: int, iters: int = 5) -> float:
+    """Device copy bandwidth in bytes/s, counting read + write (a copy of n bytes moves 2n)."""
+    n = max(1, mib) * 2**20
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    ms = median(time_ms(lambda: dst.copy_(src), device, warmup=2, iters=iters))
+    return 2 * n / (ms / 1e3)
+
+
+@dataclass
+class EngineSpec:
+    """What one benchmark engine is made of (model, caches and graphs are shared between engines)."""
+
+    model: LlamaForCausalLM
+    kv_cache: KVCache
+    num_blocks: int
+    block_size: int
+    scorers: dict[str, Scorer]
+    max_batch: int
+    max_k: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    tokenizer: object | None = None
+    name: str = "model"
+
+
+def make_engine(
+    spec: EngineSpec, proposers: dict[str, Proposer], default_proposer: str, policy: Policy
+) -> Engine:
+    """A fresh engine (scheduler, cost models, acceptance) over shared model/caches/graphs."""
+    device = spec.model.lm_head.weight.device
+    cfg = EngineConfig(
+        model=ModelConfig(source=spec.name, device=str(device)),
+        cache=CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=spec.max_batch, max_num_batched_tokens=4096),
+        spec=SpecConfig(proposer=default_proposer, scorers=list(spec.scorers), max_k=spec.max_k),
+        policy={"name": policy.name},
+    )
+    parts = EngineParts(
+        model=spec.model, tokenizer=spec.tokenizer, kv_cache=spec.kv_cache, num_blocks=spec.num_blocks,
+        proposers=proposers, scorers=spec.scorers, policy=policy,
+        costs=CostModels(graph_buckets_of(spec.scorers), device="cuda" if device.type == "cuda" else "cpu"),
+        acceptance=AcceptanceEstimator(), model_name=spec.name, device=device,
+        max_model_len=spec.max_model_len, eos_token_ids=spec.eos_token_ids,
+    )  # fmt: skip
+    return Engine(cfg, parts)
+
+
+def graph_config(cfg, max_batch: int, max_k: int, max_model_len: int) -> GraphConfig:
+    """The bench's ``graphs`` section as a :class:`GraphConfig` for one model."""
+    return GraphConfig(
+        enabled=bool(cfg.enabled), max_batch=max_batch, max_k=max_k, max_model_len=max_model_len,
+        emulate=bool(cfg.emulate), progress=bool(cfg.progress),
+    )  # fmt: skip
+
+
+def random_prompts(vocab: int, num: int, length: int, seed: int, motif: bool = False) -> list[list[int]]:
+    """Token-id prompts (ids >= 3 avoid BOS/EOS); ``motif``: a repeated random motif (n-gram food)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        if motif:
+            m = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 8))]
+            out.append((m * (length // len(m) + 1))[:length])
+        else:
+            out.append([rng.randrange(3, vocab) for _ in range(length)])
+    return out
+
+
+def blocks_for(num_requests: int, tokens_per_request: int, block_size: int) -> int:
+    """KV blocks for the requests plus the reserved pad block and a little slack."""
+    return 1 + num_requests * (-(-tokens_per_request // block_size) + 1)

@@ -1,0 +1,199 @@
+"""End-to-end tokens/s and per-token latency through :class:`Engine`: non-speculative, the fixed
+(k, scorer) grid and each policy.
+
+Two suites share one runner:
+- ``synthetic``: the ``llama2-7b`` preset (random weights) with the ``llama-68m`` draft, whose
+  drafts are replaced by the target's own greedy continuation with probability a (the labelled
+  synthetic-acceptance proposer; the real draft still runs so its cost is paid). The continuation
+  (the oracle) is the non-speculative run of the same prompts.
+- ``real``: a real model (SmolLM2-135M by default) with its self-draft (first L layers) and n-gram
+  on real prompts.
+
+Each configuration gets a fresh engine (scheduler, cost models, acceptance) over the shared model,
+caches and captured graphs, a short warm-up generate (the goodput policy's cost models learn there
+too), then one timed ``generate`` of all prompts bracketed by ``torch.cuda.synchronize``.
+Per-token latency = wall time / output tokens per request (every request starts together).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from specsched.bench.common import EngineSpec, make_engine, sync
+from specsched.daemon.records import StepRecord
+from specsched.daemon.request import SamplingParams
+from specsched.policies.base import Policy
+from specsched.policies.fixed import FixedConfig, FixedPolicy
+from specsched.proposers.base import Proposer
+from specsched.scorers.graph import graph_runners_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class E2ERow:
+    suite: str  # synthetic | real
+    model: str
+    proposer: str
+    acceptance: float | None  # synthetic acceptance (None: real proposer)
+    batch: int
+    config: str  # "non-speculative", "fixed k=3 mqa_graph", "policy goodput"
+    tokens_per_s: float = float("nan")
+    ms_per_token: float = float("nan")
+    num_tokens: int = 0
+    measured_acceptance: float | None = None  # accepted / proposed drafts
+    mean_k: float | None = None  # drafts proposed per request-step
+    scorer_steps: dict | None = None
+    speedup: float | None = None  # vs the non-speculative row of the same batch
+    graph_fallbacks: int = 0
+    note: str = ""
+    error: str = ""
+
+
+@dataclass
+class RunConfig:
+    """One timed configuration: its label, the policy, the proposer set and the default proposer."""
+
+    label: str
+    make_policy: Callable[[], Policy]
+    proposers: dict[str, Proposer]
+    proposer: str
+
+
+def policy_configs(cfg, scorers: list[str]) -> list[tuple[str, Callable[[], Policy]]]:
+    """``(label, factory)`` for the fixed (k, scorer) grid and each named policy of ``cfg``."""
+    out: list[tuple[str, Callable[[], Policy]]] = []
+    for k in cfg.fixed_k:
+        for s in cfg.fixed_scorers:
+            if s in scorers:
+                out.append((f"fixed k={k} {s}", lambda k=k, s=s: FixedPolicy(FixedConfig(k=k, scorer=s))))
+    args = dict(cfg.get("policy_args") or {})
+    for name in cfg.policies:
+        options = dict(args.get(name) or {})
+        spec = {"name": name, **options}
+        shown = ", ".join(f"{k}={v}" for k, v in options.items())
+        label = f"policy {name}" + (f" ({shown})" if shown else "")
+
+        def build(spec=spec) -> Policy:
+            from specsched.policies.registry import build_policy
+
+            return build_policy(spec)
+
+        out.append((label, build))
+    return out
+
+
+def timed_generate(
+    spec: EngineSpec,
+    run: RunConfig,
+    prompts: list[list[int]],
+    batch: int,
+    max_new_tokens: int,
+    warmup_tokens: int,
+) -> tuple[dict, list[list[int]]]:
+    """Warm up, then time the prompts in groups of ``batch`` (each group one ``generate``); returns
+    metrics and the outputs."""
+    engine = make_engine(spec, run.proposers, run.proposer, run.make_policy())
+    device = spec.model.lm_head.weight.device
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    if warmup_tokens:
+        engine.generate(groups[0], SamplingParams(max_tokens=warmup_tokens, ignore_eos=True))
+    runners = graph_runners_of(spec.scorers)
+    fallbacks0 = sum(r.num_eager_fallbacks for r in runners)
+    steps = Counter()  # decode steps per scorer
+    totals = Counter()  # request-steps, proposed, accepted over decode steps
+
+    def on_step(rec: StepRecord) -> None:
+        if rec.kind == "decode":
+            steps[rec.scorer] += 1
+            totals.update(request_steps=rec.batch_size, proposed=rec.num_proposed, accepted=rec.num_accepted)
+
+    engine.on_step = on_step
+    params = SamplingParams(max_tokens=max_new_tokens, ignore_eos=True)
+    outputs: list[list[int]] = []
+    wall = per_request_tokens = 0.0
+    for group in groups:
+        sync(device)
+        t0 = time.perf_counter()
+        out = engine.generate(group, params)
+        sync(device)
+        wall += time.perf_counter() - t0
+        per_request_tokens += sum(map(len, out)) / len(group)
+        outputs += out
+    num_tokens = sum(map(len, outputs))
+    metrics = dict(
+        tokens_per_s=num_tokens / wall,
+        ms_per_token=wall * 1e3 / per_request_tokens,
+        num_tokens=num_tokens,
+        measured_acceptance=totals["accepted"] / totals["proposed"] if totals["proposed"] else None,
+        mean_k=totals["proposed"] / totals["request_steps"] if totals["request_steps"] else None,
+        scorer_steps=dict(steps),
+        graph_fallbacks=sum(r.num_eager_fallbacks for r in runners) - fallbacks0,
+    )
+    return metrics, outputs
+
+
+def run_grid(
+    suite: str,
+    spec: EngineSpec,
+    batch: int,
+    prompts: list[list[int]],
+    runs: list[RunConfig],
+    cfg,
+    acceptance: float | None = None,
+    proposer_label: str = "",
+    baseline: E2ERow | None = None,
+) -> list[E2ERow]:
+    """Time each run; a failing run becomes an error row and the grid goes on."""
+    rows = []
+    for run in runs:
+        row = E2ERow(suite, spec.name, proposer_label or run.proposer, acceptance, batch, run.label)
+        try:
+            metrics, _ = timed_generate(spec, run, prompts, batch, cfg.max_new_tokens, cfg.warmup_tokens)
+        except Exception as e:
+            logger.exception("e2e %s %s batch %d failed", suite, run.label, batch)
+            row.error = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            continue
+        for key, value in metrics.items():
+            setattr(row, key, value)
+        if baseline is not None and baseline.tokens_per_s == baseline.tokens_per_s:
+            row.speedup = row.tokens_per_s / baseline.tokens_per_s
+        logger.info("e2e %s %s a=%s batch %d %s: %.1f tok/s", suite, row.proposer, acceptance, batch,
+                    run.label, row.tokens_per_s)  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def baseline_run(
+    suite: str, spec: EngineSpec, batch: int, prompts: list[list[int]], cfg, none_proposer: Proposer
+) -> tuple[E2ERow, list[list[int]]]:
+    """The non-speculative row (k = 0, plain decode on the decode graphs) and its outputs (the oracle)."""
+    scorer = "batch_expansion" if "batch_expansion" in spec.scorers else next(iter(spec.scorers))
+    run = RunConfig("non-speculative", lambda: FixedPolicy(FixedConfig(k=0, scorer=scorer)),
+                    {"none": none_proposer}, "none")  # fmt: skip
+    row = E2ERow(suite, spec.name, "none", None, batch, run.label)
+    metrics, outputs = timed_generate(spec, run, prompts, batch, cfg.max_new_tokens, cfg.warmup_tokens)
+    for key, value in metrics.items():
+        setattr(row, key, value)
+    row.speedup = 1.0
+    return row, outputs
+
+
+def rows_as_dicts(rows: list[E2ERow]) -> list[dict]:
+    return [asdict(r) for r in rows]
+
+
+def is_cuda(spec: EngineSpec) -> bool:
+    return spec.model.lm_head.weight.device.type == "cuda"
+
+
+def free_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,43 @@
+"""Real prompts for the real-model suite and the peers: chat turns, some that quote text the answer
+is likely to repeat (where prompt lookup / n-gram drafting pays) and some open-ended ones."""
+
+from __future__ import annotations
+
+_CODE = """def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+"""
+
+_TEXT = (
+    "The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+    "the members agreed to fund the reading room, the children's corner and the extended opening hours, "
+    "but postponed the decision on the rooftop garden until the next meeting in March."
+)
+
+_QUESTIONS = [
+    f"Add type hints and a docstring to this Python function:\n\n{_CODE}",
+    f"Rewrite this paragraph in the passive voice, keeping every detail:\n\n{_TEXT}",
+    "Explain in a few sentences why the sky is blue.",
+    f"Rename the variable `total` to `running_sum` in this code:\n\n{_CODE}",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    f"Summarise this paragraph, then quote it in full:\n\n{_TEXT}",
+    "List five tips for writing clear technical documentation.",
+    "What are the main differences between a list and a tuple in Python?",
+]
+PROMPTS: list[list[dict]] = [[{"role": "user", "content": q}] for q in _QUESTIONS]
+
+
+def chat_prompts(num: int) -> list[list[dict]]:
+    """The first ``num`` prompts (cycled when more are asked for)."""
+    if num < 1:
+        raise ValueError(f"number of prompts must be >= 1, got {num}")
+    return [PROMPTS[i % len(PROMPTS)] for i in range(num)]

@@ -1,0 +1,233 @@
+"""Graph-backed scorers and draft steps: batch expansion on decode graphs, MQA on (rows, tokens) graphs.
+
+- :class:`GraphBatchExpansionScorer` (``batch_expansion``): sum(k_i + 1) single-query rows, served by
+  the decode buckets (rows 1, 2, 4, 8, 16, 24, 32, 48, 64, ...), the same graphs as plain decode.
+- :class:`MQAGraphScorer` (``mqa_graph``): one varlen row per request, served by MQA buckets that
+  capture q_len <= max_k + 1 as the upper bound (a batch with every k_i = 0 takes a decode bucket).
+Both share one :class:`~specsched.models.cuda_graphs.GraphRunner` over the target (one memory pool,
+one set of static buffers); inputs are built on the device by ``metadata_gpu``. A shape outside the
+buckets runs eagerly, logged and counted by the runner.
+
+:func:`build_graph_scorers` is the registry hook; without CUDA (or with graphs off) it builds the
+eager scorers, and ``mqa_graph`` falls back to the eager MQA scorer with one warning.
+:func:`attach_draft_graphs` gives a draft-model proposer graph-replayed single-token steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specsched.daemon.request import Request
+from specsched.kernels.metadata import AttentionMetadata
+from specsched.models.cuda_graphs import GraphRunner, decode_buckets, mqa_buckets
+from specsched.models.llama import KVCache, LlamaForCausalLM
+from specsched.proposers.base import Proposals, Proposer
+from specsched.scorers.base import Scorer
+from specsched.scorers.metadata_gpu import build_scoring_inputs_vec, pack_scoring_batch
+
+logger = logging.getLogger(__name__)
+
+SCORER_NAMES = ("batch_expansion", "mqa", "mqa_graph")
+
+
+@dataclass
+class GraphConfig:
+    """CUDA graphs of the target (decode + MQA buckets) and of the draft (decode buckets)."""
+
+    enabled: bool = True
+    max_batch: int = 64  # requests per step (scheduler.max_num_seqs): MQA and draft rows
+    max_k: int = 8  # spec.max_k: MQA buckets capture q_len <= max_k + 1
+    max_model_len: int = 4096  # captured block-table width = ceil(max_model_len / block_size)
+    max_expanded_rows: int | None = None  # batch-expansion rows; None = max_batch * (max_k + 1)
+    backend: str = "triton"  # attention backend captured into the graphs
+    emulate: bool = False  # tests only: "replay" re-runs the forward eagerly (CPU), nothing is captured
+    progress: bool = True  # tqdm bar while capturing
+    num_warmup: int = 1  # eager runs per bucket before its capture
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"graphs.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_k < 0:
+            raise ValueError(f"graphs.max_k must be >= 0, got {self.max_k}")
+        if self.max_expanded_rows is not None and self.max_expanded_rows < 1:
+            raise ValueError(f"graphs.max_expanded_rows must be >= 1, got {self.max_expanded_rows}")
+        if self.num_warmup < 0:
+            raise ValueError(f"graphs.num_warmup must be >= 0, got {self.num_warmup}")
+
+    @property
+    def expanded_rows(self) -> int:
+        return self.max_expanded_rows or self.max_batch * (self.max_k + 1)
+
+    def max_blocks(self, block_size: int) -> int:
+        return -(-self.max_model_len // block_size)
+
+    @classmethod
+    def for_engine(cls, cfg, max_model_len: int, **overrides) -> GraphConfig:
+        """From an ``EngineConfig``: max_batch = scheduler.max_num_seqs, max_k = spec.max_k."""
+        kw = dict(max_batch=cfg.scheduler.max_num_seqs, max_k=cfg.spec.max_k, max_model_len=max_model_len)
+        return cls(**{**kw, **overrides})
+
+    def uses_graphs(self, device: torch.device) -> bool:
+        return self.enabled and (device.type == "cuda" or self.emulate)
+
+
+class GraphScorer(Scorer):
+    """Scores through a runner's graphs; the flat logits layout of :class:`Scorer`."""
+
+    is_expanded: bool = False
+
+    def __init__(self, runner: GraphRunner, block_size: int) -> None:
+        self.runner, self.block_size = runner, block_size
+        self.device = runner.device
+
+    @torch.inference_mode()
+    def score(self, batch: list[Request], proposals: Proposals) -> torch.Tensor:  # [sum(k_i+1), vocab]
+        sb = pack_scoring_batch(batch, proposals, self.block_size)
+        x = build_scoring_inputs_vec(sb, proposals.draft_tokens, self.device, is_expanded=self.is_expanded)
+        return self.runner.run(x.input_ids, x.positions, x.meta)
+
+    @property
+    def graph_buckets(self) -> list[int]:
+        """Padded sizes for the cost model: rows (batch expansion) or tokens (MQA) of the buckets."""
+        runner = self.runner
+        if self.is_expanded:
+            return sorted({b.rows for b in runner.buckets if b.is_decode})
+        return sorted({b.tokens for b in runner.buckets})
+
+
+class GraphBatchExpansionScorer(GraphScorer):
+    name = "batch_expansion"
+    is_expanded = True
+
+
+class MQAGraphScorer(GraphScorer):
+    name = "mqa_graph"
+    is_expanded = False
+
+
+def check_scorer_names(names: list[str]) -> None:
+    unknown = [n for n in names if n not in SCORER_NAMES]
+    if unknown:
+        raise ValueError(f"unknown scorer {unknown[0]!r}; known: {', '.join(SCORER_NAMES)}")
+
+
+def build_target_runner(
+    names: list[str], model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, cfg: GraphConfig
+) -> GraphRunner:
+    """One runner for every graph scorer named: decode buckets (batch expansion rows, or the
+    batch size when only ``mqa_graph`` is named) plus MQA buckets when ``mqa_graph`` is named."""
+    rows = cfg.expanded_rows if "batch_expansion" in names else cfg.max_batch
+    buckets = decode_buckets(rows)
+    if "mqa_graph" in names and cfg.max_k >= 1:
+        buckets += mqa_buckets(cfg.max_batch, cfg.max_k + 1)
+    return GraphRunner(
+        model, kv_cache, buckets, cfg.max_blocks(block_size), name="target", graph_backend=cfg.backend,
+        emulate=cfg.emulate, progress=cfg.progress, num_warmup=cfg.num_warmup,
+    )  # fmt: skip
+
+
+def build_graph_scorers(
+    names: list[str], model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, cfg: GraphConfig | None
+) -> dict[str, Scorer]:
+    """The named scorers; ``batch_expansion``/``mqa_graph`` on CUDA graphs when ``cfg`` allows."""
+    from specsched.scorers.batch_expansion import BatchExpansionScorer
+    from specsched.scorers.mqa import MQAScorer
+
+    check_scorer_names(names)
+    cfg = cfg or GraphConfig(enabled=False)
+    device = model.lm_head.weight.device
+    out: dict[str, Scorer] = {}
+    if not cfg.uses_graphs(device):
+        for n in names:
+            if n == "mqa_graph":
+                why = "CUDA graphs are disabled" if not cfg.enabled else f"the model is on {device}, not CUDA"
+                logger.warning("scorer mqa_graph: %s; it runs as the eager MQA scorer", why)
+                out[n] = MQAScorer(model, kv_cache, block_size)
+            else:
+                cls = BatchExpansionScorer if n == "batch_expansion" else MQAScorer
+                out[n] = cls(model, kv_cache, block_size)
+        return out
+    graph_names = [n for n in names if n != "mqa"]
+    runner = build_target_runner(graph_names, model, kv_cache, block_size, cfg) if graph_names else None
+    for n in names:
+        if n == "batch_expansion":
+            out[n] = GraphBatchExpansionScorer(runner, block_size)
+        elif n == "mqa_graph":
+            out[n] = MQAGraphScorer(runner, block_size)
+        else:
+            out[n] = MQAScorer(model, kv_cache, block_size)
+    return out
+
+
+def graph_buckets_of(scorers: dict[str, Scorer]) -> dict[str, list[int]]:
+    """``CostModels(graph_buckets=...)`` for the graph scorers among ``scorers``."""
+    return {n: s.graph_buckets for n, s in scorers.items() if isinstance(s, GraphScorer)}
+
+
+def graph_runners_of(scorers: dict[str, Scorer]) -> list[GraphRunner]:
+    """The distinct runners behind the graph scorers (for stats: replays, fallbacks, memory)."""
+    seen: dict[int, GraphRunner] = {}
+    for s in scorers.values():
+        if isinstance(s, GraphScorer):
+            seen.setdefault(id(s.runner), s.runner)
+    return list(seen.values())
+
+
+class GraphForward:
+    """A callable with ``LlamaForCausalLM.forward``'s signature over a runner, for a draft model:
+    calls whose rows all fit a captured ``max_q`` (the single-token proposal steps) replay graphs;
+    others (the multi-token catch-up after verification) run the model eagerly by design and are
+    counted in ``num_eager_calls`` (not as fallbacks)."""
+
+    def __init__(self, runner: GraphRunner) -> None:
+        self.runner = runner
+        self.num_eager_calls = 0
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        logits_indices: torch.Tensor | None = None,  # [L] int64
+        num_layers: int | None = None,
+    ) -> torch.Tensor:  # [L, vocab] float32
+        r = self.runner
+        if kv_cache is not r.kv_cache or (num_layers or r.model.cfg.num_layers) != r.num_layers:
+            raise ValueError(
+                f"GraphForward({r.name}) was captured over another KV cache or layer count "
+                f"(runner: {r.num_layers} layers, call: {num_layers})"
+            )
+        if meta.max_q > r.max_captured_q:
+            self.num_eager_calls += 1
+            return r.model(input_ids, positions, meta, kv_cache, logits_indices, num_layers)
+        logits = r.run(input_ids, positions, meta)
+        return logits if logits_indices is None else logits.index_select(0, logits_indices)
+
+
+def attach_draft_graphs(proposer: Proposer, cfg: GraphConfig, block_size: int) -> GraphForward | None:
+    """Capture graphs of a draft-model proposer's model (its first ``num_layers`` layers for a
+    self-draft) over its own KV cache, and hand them to it as ``proposer.graph_forward``: decode
+    buckets for the single-token steps, plus q_len <= 2 buckets for the usual catch-up (the last
+    draft + the bonus token after a fully accepted step). Longer catch-ups run eagerly.
+
+    Returns None when graphs are off, or (logged) when the proposer has no ``graph_forward`` hook."""
+    model, kv_cache = proposer.model, proposer.kv_cache
+    if not cfg.uses_graphs(model.lm_head.weight.device):
+        return None
+    if not hasattr(proposer, "graph_forward"):
+        logger.warning(
+            "proposer %s has no graph_forward hook: its draft steps stay eager", type(proposer).__name__
+        )
+        return None
+    buckets = decode_buckets(cfg.max_batch) + mqa_buckets(cfg.max_batch, 2)
+    runner = GraphRunner(
+        model, kv_cache, buckets, cfg.max_blocks(block_size), proposer.num_layers, name="draft",
+        graph_backend=cfg.backend, emulate=cfg.emulate, progress=cfg.progress, num_warmup=cfg.num_warmup,
+    )  # fmt: skip
+    proposer.graph_forward = GraphForward(runner)
+    return proposer.graph_forward

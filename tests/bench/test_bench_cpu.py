@@ -1,0 +1,181 @@
+"""specsched-bench on CPU: the hydra app end-to-end with the tiny preset (``bench=smoke``), failure
+isolation between parts, the markdown report and the transformers peer runner."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import specsched.bench.cli as cli
+from specsched.bench.common import copy_bandwidth, random_model, streamed_weight_bytes
+from specsched.bench.peers import run_peers
+from specsched.bench.report import e2e_table, render, scorer_table, targets_table
+from specsched.bench.scorers import shared_prefix_batch
+
+CONF_DIR = str(Path(cli.__file__).parent / "conf")
+
+
+def smoke_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("bench", overrides=["bench=smoke", *overrides]).bench
+
+
+@pytest.mark.slow
+def test_cli_smoke_run_end_to_end(tmp_path):
+    md = tmp_path / "docs" / "benchmarks.md"
+    cmd = [sys.executable, "-m", "specsched.bench.cli", "bench=smoke", f"hydra.run.dir={tmp_path}",
+           "hydra.output_subdir=null", f"bench.out_dir={tmp_path}", f"bench.append_to={md}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["errors"] == {}
+    scorer_rows = res["scorers"]["rows"]
+    want = {(b, 2, 12, s) for b in (1, 2) for s in ("batch_expansion", "mqa", "mqa_graph")}
+    assert {(r["batch"], r["k"], r["context"], r["scorer"]) for r in scorer_rows} == want
+    assert all(r["ms"] > 0 and not r["error"] for r in scorer_rows)
+    paths = {r["scorer"]: r["path"] for r in scorer_rows}
+    assert paths["mqa_graph"] == "graph"  # emulated replay, no fallback
+    e2e = res["e2e"]
+    assert [r["config"] for r in e2e] == [
+        "non-speculative", "fixed k=2 batch_expansion", "fixed k=2 mqa_graph", "policy goodput"
+    ]  # fmt: skip
+    assert all(not r["error"] and r["num_tokens"] == 2 * 5 and r["tokens_per_s"] > 0 for r in e2e)
+    assert all(r["graph_fallbacks"] == 0 for r in e2e)
+    assert e2e[1]["scorer_steps"].keys() == {"batch_expansion"} and e2e[1]["mean_k"] > 0
+    real = res["real"]
+    assert {r["proposer"] for r in real} == {"none", "draft (self, 2 layers)", "ngram"}
+    assert all(not r["error"] and r["num_tokens"] == 5 for r in real)
+    text = (tmp_path / "tables.md").read_text()
+    for title in ("Scorer micro-benchmark", "End-to-end", "Targets (issue 5)"):
+        assert f"### {title}" in text
+    assert "Command: `specsched-bench bench=smoke" in text and text in proc.stdout
+    assert md.read_text().startswith("# Benchmarks") and text in md.read_text()
+
+
+def test_a_failing_part_does_not_stop_the_others(tmp_path):
+    cfg = smoke_cfg(
+        "bench.scorers.model=no-such-preset",
+        "bench.e2e.enabled=false",
+        f"bench.out_dir={tmp_path}",
+        "bench.real.proposers=[ngram]",
+    )
+    res = cli.run_bench(cfg, "specsched-bench test")
+    assert "unknown model preset 'no-such-preset'" in res["errors"]["scorers"]
+    assert [r["config"] for r in res["real"]] == ["non-speculative", "fixed k=2 mqa_graph"]
+    text = (tmp_path / "tables.md").read_text()
+    assert "**scorers failed**" in text and "### End-to-end" in text
+
+
+def test_shared_prefix_batch_shares_prefix_blocks_only():
+    reqs, props, used = shared_prefix_batch(3, 12, 37, 16, 1, 256, 0, "cpu")
+    shared = list(range(1, 3))  # positions 0..31 (the last cached token, 35, is in the third block)
+    tails = [r.block_table[2:] for r in reqs]
+    assert all(r.block_table[:2] == shared for r in reqs)
+    assert len({b for t in tails for b in t}) == sum(map(len, tails)) == 3 * 2  # private, disjoint
+    assert all(len(r.block_table) * 16 >= 37 + 12 and r.num_computed == 36 for r in reqs)
+    assert props.num_draft == [12, 12, 12] and used == 2 + 6
+
+
+def test_floor_inputs():
+    m = random_model("tiny", torch.device("cpu"), torch.float32)
+    cfg = m.cfg
+    attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    per_layer = attn + mlp + 2 * cfg.hidden_size
+    head = cfg.vocab_size * cfg.hidden_size
+    want = 4 * (cfg.num_layers * per_layer + cfg.hidden_size + head)  # float32; the embedding is not streamed
+    assert streamed_weight_bytes(m) == want
+    assert copy_bandwidth(torch.device("cpu"), 1, iters=2) > 1e6
+
+
+def scorer_row(batch: int, k: int, context: int, scorer: str, ms: float, vs_floor: float, path: str) -> dict:
+    return dict(batch=batch, k=k, context=context, scorer=scorer, ms=ms, vs_floor=vs_floor, path=path) | {
+        "error": ""
+    }
+
+
+SCORERS = {
+    "model": "llama2-7b",
+    "dtype": "bfloat16",
+    "device": "GPU",
+    "weight_bytes": 13e9,
+    "copy_bandwidth": 4e12,
+    "floor_ms": 3.25,
+    "rows": [
+        scorer_row(1, 3, 550, "batch_expansion", 3.9, 1.2, "graph"),
+        scorer_row(1, 3, 550, "mqa", 13.0, 4.0, "eager"),
+        scorer_row(1, 3, 550, "mqa_graph", 3.9, 1.2, "eager fallback: rows above largest bucket"),
+        scorer_row(64, 3, 2048, "batch_expansion", 30.0, 9.2, "graph"),
+        scorer_row(64, 3, 2048, "mqa_graph", 20.0, 6.2, "graph"),
+    ],
+    "draft_rows": [{"model": "llama-68m", "batch": 1, "graph_ms": 0.4, "eager_ms": 2.0}],
+}
+
+
+def e2e_row(config: str, proposer: str, tps: float, **kw) -> dict:
+    row = dict(suite="synthetic", model="m", proposer=proposer, acceptance=0.6, batch=1, config=config)
+    row |= dict(tokens_per_s=tps, ms_per_token=1e3 / tps, num_tokens=128, measured_acceptance=0.6, mean_k=3.0)
+    row |= dict(scorer_steps={"mqa_graph": 40}, speedup=None, graph_fallbacks=0, note="", error="")
+    return row | kw
+
+
+def test_report_tables_and_targets():
+    text = scorer_table(SCORERS)
+    assert "| 1 | 3 | 550 | 3.900 (1.20×) | 13.000 (4.00×) | 3.900 (1.20×) [eager fallback: rows" in text
+    assert "| 64 | 3 | 2048 | 30.000 (9.20×) | – | 20.000 (6.20×) | 1.50 |" in text
+    e2e = [
+        e2e_row("non-speculative", "none", 100.0),
+        e2e_row("fixed k=3 mqa_graph", "synthetic", 210.0),
+        e2e_row("policy goodput", "synthetic", 200.0),
+        e2e_row("policy threshold", "synthetic", float("nan"), error="boom"),
+    ]
+    e2e_text = e2e_table(e2e)
+    assert "| synthetic | m | synthetic | 1 | policy threshold | – |" in e2e_text
+    assert "error: boom" in e2e_text
+    targets = targets_table({"scorers": SCORERS, "e2e": e2e})
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in targets.splitlines()[2:]}
+    assert lines["batch expansion (graph), batch 1, k 3, ctx 550: × floor"].endswith("| yes |")
+    assert lines["MQA eager, batch 1, k 3, ctx 550: × floor"].endswith("| **no** |")
+    assert "| 1.500 | ≥ 1.4 | yes |" in lines["batch 64, k 3, ctx 2048: BE ms / best MQA ms"]
+    assert "| 0.050 | ≤ 0.03 | **no** |" in lines["e2e: largest lead of any config over goodput"]
+    assert "| 2.000 | ≥ 1 | yes |" in lines["e2e: goodput / non-speculative, worst case"]
+    assert lines["real model, batch 1: best tok/s"].endswith("| – |")
+    run = {"date": "d", "device": "GPU", "command": "specsched-bench x", "scorers": SCORERS, "e2e": e2e}
+    full = render(run | {"peers": [], "errors": {"peers": "ImportError: x"}})
+    assert full.startswith("## specsched-bench, d, GPU") and "**peers failed**: `ImportError: x`" in full
+
+
+def test_peer_runner_on_a_tiny_transformers_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, eos_token_id=2, bos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    assistant = LlamaForCausalLM(LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 1})).eval()
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11]]
+
+    class Cfg:
+        methods = ["plain", "assistant", "prompt_lookup"]
+        assistant_layers, prompt_lookup_num_tokens, max_new_tokens = 1, 3, 6
+
+    rows = run_peers(model, assistant, prompts, Cfg)
+    assert [r.method.split(",")[-1].strip() for r in rows] == [
+        "transformers generate (plain)", "assistant_model = first 1 layers", "prompt_lookup_num_tokens=3"
+    ]  # fmt: skip
+    for r in rows:
+        assert not r.error, r.error
+        assert r.num_tokens == 2 * 6 and r.num_prompts == 2
+        assert r.tokens_per_s > 0 and not math.isnan(r.ms_per_token)
+    Cfg.methods = ["beam"]
+    with pytest.raises(ValueError, match="unknown 'beam'; known: plain, assistant, prompt_lookup"):
+        run_peers(model, assistant, prompts, Cfg)
