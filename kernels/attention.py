@@ -57,37 +57,41 @@ def paged_attention_torch(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    """Reference: gather each row's keys, SDPA with an explicit bottom-right causal mask.
-
-    Loops over rows on the host: correct everywhere, fast nowhere. Used on CPU and as the
-    oracle for the Triton and flash-attn backends.
+    """Reference: gather every row's keys into a padded batch, one SDPA call with an explicit
+    bottom-right causal mask. No host sync (uses the host ints ``max_q``/``max_k``); correct
+    everywhere, used on CPU and as the oracle for the Triton and flash-attn backends.
     """
     check_attention_args(q, k_cache, v_cache, meta)
-    bs = k_cache.shape[1]
-    num_heads, kv_heads = q.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q)
-    cu = meta.cu_seqlens_q.tolist()
-    k_lens = meta.seq_lens_k.tolist()
-    tables = meta.block_tables
-    for i, n_k in enumerate(k_lens):
-        q0, q1 = cu[i], cu[i + 1]
-        n_q = q1 - q0
-        if n_q == 0:
-            continue
-        pos = torch.arange(n_k, device=q.device)
-        blocks = tables[i, pos // bs].long()
-        keys = k_cache[blocks, pos % bs]  # [n_k, kv_heads, D]
-        vals = v_cache[blocks, pos % bs]
-        if kv_heads != num_heads:
-            keys = keys.repeat_interleave(num_heads // kv_heads, dim=1)
-            vals = vals.repeat_interleave(num_heads // kv_heads, dim=1)
-        q_pos = torch.arange(n_k - n_q, n_k, device=q.device)
-        mask = pos[None, :] <= q_pos[:, None]  # [n_q, n_k] bottom-right causal
-        o = F.scaled_dot_product_attention(
-            q[q0:q1].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=scale
-        )
-        out[q0:q1] = o.transpose(0, 1)
-    return out
+    num_tokens, num_heads, head_dim = q.shape
+    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_rows, max_q, max_k = meta.num_rows, max(meta.max_q, 1), max(meta.max_k, 1)
+    dev = q.device
+    q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]  # [B]
+    k_lens = meta.seq_lens_k.long()  # [B]
+    # token t belongs to row r(t) at query offset j(t); padding tokens (past cu_seqlens_q[-1], as in
+    # captured graphs) map to a dummy slot whose output is discarded
+    t = torch.arange(num_tokens, device=dev)
+    cu = meta.cu_seqlens_q.long()
+    row = torch.searchsorted(cu[1:], t, right=True).clamp(max=num_rows - 1)
+    j = t - cu[row]
+    flat = torch.where(j < q_lens[row], row * max_q + j.clamp(max=max_q - 1), num_rows * max_q)
+    qp = q.new_zeros(num_rows * max_q + 1, num_heads, head_dim)
+    qp[flat] = q
+    qp = qp[:-1].view(num_rows, max_q, num_heads, head_dim)
+    pos = torch.arange(max_k, device=dev)  # [max_k]
+    blocks = meta.block_tables[:, (pos // bs).clamp(max=meta.block_tables.shape[1] - 1)].long()  # [B, max_k]
+    keys = k_cache[blocks, pos % bs]  # [B, max_k, kv_heads, D]
+    vals = v_cache[blocks, pos % bs]
+    if kv_heads != num_heads:
+        keys = keys.repeat_interleave(num_heads // kv_heads, dim=2)
+        vals = vals.repeat_interleave(num_heads // kv_heads, dim=2)
+    q_pos = (k_lens - q_lens.long())[:, None] + torch.arange(max_q, device=dev)[None, :]  # [B, max_q]
+    mask = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < k_lens[:, None, None])
+    o = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask[:, None], scale=scale
+    )  # [B, H, max_q, D]
+    o = torch.cat([o.transpose(1, 2).reshape(num_rows * max_q, num_heads, head_dim), q.new_zeros(1, num_heads, head_dim)])
+    return o[flat]
 
 
 def _triton_backend() -> AttentionFn:

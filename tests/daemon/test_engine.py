@@ -68,8 +68,8 @@ def test_speculative_greedy_equals_non_speculative(baseline, scorer, proposer, e
     rng = random.Random(hash((scorer, proposer, str(extra))) % 1000)
     engine = make_engine(proposer, scorer, seed=rng.randrange(100), **extra)
     total_proposed = total_accepted = 0
-    for trial in range(3):
-        prompts = random_prompts(rng, 6)
+    for trial in range(6):
+        prompts = random_prompts(rng, 8)
         params = [SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=trial % 2 == 0) for _ in prompts]
         want = baseline.generate(prompts, params)
         reqs = [Request(f"t{trial}-{i}", p, SamplingParams(**vars(sp))) for i, (p, sp) in enumerate(zip(prompts, params))]
