@@ -7,6 +7,11 @@ task; ``Client``: replies for other ids are buffered until asked for). Errors ar
 ``TimeoutError``) when no reply came within ``timeout_s``; :class:`ConnectionLost` when the connection
 to the daemon dropped while the request was in flight (the daemon aborts such requests).
 
+ZeroMQ reconnects by itself: after the daemon restarts, the same client serves new requests (those in
+flight when it went away raised :class:`ConnectionLost`). ``reconnect()`` starts over on a fresh socket
+(a new identity; everything pending fails with :class:`ConnectionLost`). ``curve=CurveKeys(...)``
+talks to a daemon that requires CURVE (docs/operations.md).
+
     with Client("tcp://127.0.0.1:5555") as c:
         print(c.generate("Hello", max_tokens=16).text)
 """
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from specsched.daemon.auth import CurveKeys
 from specsched.daemon.protocol import (
     MAX_ID_CHARS,
     SERVER_TYPES,
@@ -92,7 +98,12 @@ class RequestTimeout(SpecschedError, TimeoutError):
 
 
 class ConnectionLost(SpecschedError, ConnectionError):
-    """The connection dropped (or the client was closed) while the request was in flight."""
+    """The connection dropped (or the client was closed or reconnected) while the request was in flight."""
+
+
+class MessageTooLarge(SpecschedError, ValueError):
+    """The encoded message exceeds ``max_message_bytes`` (the daemon's ZeroMQ would drop it and close
+    the connection); nothing was sent."""
 
 
 def server_error(err: Error) -> ServerError:
@@ -113,7 +124,7 @@ class Completion:
 
 
 def _generate_msg(stream: bool, prompt, prompt_ids, messages, max_tokens, temperature, top_p, top_k, seed,
-                  stop, spec, id) -> Generate:  # fmt: skip
+                  stop, spec, id, timeout=None) -> Generate:  # fmt: skip
     rid = uuid.uuid4().hex if id is None else id
     if not isinstance(rid, str) or not 1 <= len(rid) <= MAX_ID_CHARS:
         raise ValueError(f"id must be a string of 1..{MAX_ID_CHARS} characters, got {rid!r}")
@@ -124,36 +135,65 @@ def _generate_msg(stream: bool, prompt, prompt_ids, messages, max_tokens, temper
     if isinstance(spec, dict):
         spec = SpecOptions(**spec)
     return Generate(rid, prompt, prompt_ids, messages, max_tokens, temperature, top_p, top_k, seed,
-                    list(stop or []), stream, spec or SpecOptions())  # fmt: skip
+                    list(stop or []), stream, spec or SpecOptions(), timeout)  # fmt: skip
 
 
 class _Base:
-    def __init__(self, endpoint: str, timeout_s: float, max_message_bytes: int, ctx: zmq.Context) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float,
+        max_message_bytes: int,
+        ctx: zmq.Context,
+        curve: CurveKeys | None,
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if curve is not None and not isinstance(curve, CurveKeys):
+            raise TypeError(f"curve must be a CurveKeys, got {type(curve).__name__}")
         self.endpoint, self.timeout_s, self.max_message_bytes = endpoint, timeout_s, max_message_bytes
+        self.curve = curve
         self._ctx = ctx
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 5000)  # a daemon that stopped answering counts as gone
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._is_closed = False
         try:
-            self._sock.connect(endpoint)
+            self._open_socket()
         except zmq.ZMQError as e:
             self._close_sockets()
             raise ValueError(f"cannot connect to {endpoint!r}: {e}") from e
+
+    def _open_socket(self) -> None:
+        self._sock = self._monitor = None
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 5000)  # a daemon that stopped answering counts as gone
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1e3))  # never block forever on a send
+        if self.curve is not None:
+            self.curve.apply(self._sock)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock.connect(self.endpoint)
+
+    def _close_socket(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+        if self._sock is not None:
+            self._sock.close(linger=0)
 
     def _encode(self, msg: Message) -> bytes:
         if self._is_closed:
             raise ConnectionLost("closed", "the client is closed", getattr(msg, "id", None))
         data = encode(msg)
         if len(data) > self.max_message_bytes:  # the daemon's ZMQ would drop it and disconnect us
-            raise SpecschedError(
-                "message_too_large", f"{len(data)} bytes > max_message_bytes {self.max_message_bytes}"
+            raise MessageTooLarge(
+                "message_too_large",
+                f"{len(data)} bytes > max_message_bytes {self.max_message_bytes}",
+                getattr(msg, "id", None),
             )
         return data
+
+    def _send_timeout(self, rid: str | None) -> RequestTimeout:
+        return RequestTimeout("timeout", f"could not queue a message within {self.timeout_s} s", rid)
 
     @staticmethod
     def _is_disconnect(frames: list[bytes]) -> bool:
@@ -161,9 +201,7 @@ class _Base:
 
     def _close_sockets(self) -> None:
         self._is_closed = True
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        self._close_socket()
         self._ctx.term()
 
     @staticmethod
@@ -180,12 +218,14 @@ class Client(_Base):
     """Blocking client. Not thread-safe: use one per thread (or :class:`AsyncClient`)."""
 
     def __init__(
-        self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 60.0, max_message_bytes: int = 1 << 20
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout_s: float = 60.0,
+        max_message_bytes: int = 1 << 20,
+        curve: CurveKeys | None = None,
     ):
-        super().__init__(endpoint, timeout_s, max_message_bytes, zmq.Context())
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
+        super().__init__(endpoint, timeout_s, max_message_bytes, zmq.Context(), curve)
+        self._register()
         self._buffers: dict[str, deque[Message]] = {}
         self._pending: set[str] = set()  # ids with replies still to come
         self._lost: set[str] = set()  # pending ids whose connection dropped
@@ -195,26 +235,29 @@ class Client(_Base):
     def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
                  messages: list[dict] | None = None, max_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
-                 spec: SpecOptions | dict | None = None, id: str | None = None) -> Completion:  # fmt: skip
-        """Run one request to completion (``stream=false`` on the wire)."""
+                 spec: SpecOptions | dict | None = None, id: str | None = None,
+                 timeout: float | None = None) -> Completion:  # fmt: skip
+        """Run one request to completion (``stream=false`` on the wire). ``timeout``: the daemon ends
+        the request after this many seconds (finish_reason ``timeout``, with what it had produced)."""
         msg = _generate_msg(False, prompt, prompt_ids, messages, max_tokens, temperature, top_p, top_k,
-                            seed, stop, spec, id)  # fmt: skip
+                            seed, stop, spec, id, timeout)  # fmt: skip
         self._submit(msg)
         return self._completion(self._final(msg.id, Done))
 
     def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
                messages: list[dict] | None = None, max_tokens: int = 64, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
-               spec: SpecOptions | dict | None = None, id: str | None = None) -> ChunkStream:  # fmt: skip
+               spec: SpecOptions | dict | None = None, id: str | None = None,
+               timeout: float | None = None) -> ChunkStream:  # fmt: skip
         """Send a streaming request; iterate the returned :class:`ChunkStream` for its chunks."""
         msg = _generate_msg(True, prompt, prompt_ids, messages, max_tokens, temperature, top_p, top_k,
-                            seed, stop, spec, id)  # fmt: skip
+                            seed, stop, spec, id, timeout)  # fmt: skip
         self._submit(msg)
         return ChunkStream(self, msg.id)
 
     def cancel(self, id: str) -> None:
         """Ask the daemon to abort request ``id``; its ``done`` (finish_reason ``abort``) still arrives."""
-        self._sock.send(self._encode(Cancel(id)))
+        self._send(self._encode(Cancel(id)), id)
 
     def stats(self) -> StatsReply:
         return self._final(self._submit(Stats(uuid.uuid4().hex)).id, StatsReply)
@@ -226,6 +269,19 @@ class Client(_Base):
         if not self._is_closed:
             self._close_sockets()
 
+    def reconnect(self) -> None:
+        """Start over on a fresh socket (a new identity to the daemon): every request still pending
+        raises :class:`ConnectionLost` when next waited on; the daemon aborts them when it notices."""
+        if self._is_closed:
+            raise ConnectionLost("closed", "the client is closed")
+        self._lost |= self._pending
+        self._buffers.clear()
+        self._abandoned.clear()
+        self._to_cancel.clear()
+        self._close_socket()
+        self._open_socket()
+        self._register()
+
     def __enter__(self) -> Client:
         return self
 
@@ -233,13 +289,25 @@ class Client(_Base):
         self.close()
 
     # ---- internals --------------------------------------------------------------------------------
+    def _register(self) -> None:
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def _send(self, data: bytes, rid: str | None) -> None:
+        try:
+            self._sock.send(data)
+        except zmq.Again:  # SNDTIMEO: the queue to the daemon stayed full (it is gone or stuck)
+            raise self._send_timeout(rid) from None
+
     def _submit(self, msg: Generate | Stats | Health):
         self._send_deferred_cancels()
         if msg.id in self._pending:
             raise DuplicateId(ErrorCode.DUPLICATE_ID.value, f"id {msg.id!r} is already in flight", msg.id)
         data = self._encode(msg)
+        self._send(data, msg.id)
         self._pending.add(msg.id)
-        self._sock.send(data)
+        self._lost.discard(msg.id)  # an id reused after reconnect()
         return msg
 
     def _final(self, rid: str, kind: type):
@@ -381,9 +449,13 @@ class AsyncClient(_Base):
     task routes replies to per-request queues. Create and use it inside one event loop."""
 
     def __init__(
-        self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 60.0, max_message_bytes: int = 1 << 20
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout_s: float = 60.0,
+        max_message_bytes: int = 1 << 20,
+        curve: CurveKeys | None = None,
     ):
-        super().__init__(endpoint, timeout_s, max_message_bytes, zmq.asyncio.Context())
+        super().__init__(endpoint, timeout_s, max_message_bytes, zmq.asyncio.Context(), curve)
         self._queues: dict[str, asyncio.Queue] = {}  # requests awaiting replies
         self._reader: asyncio.Task | None = None
         self._to_cancel: list[str] = []  # left before their last reply; cancelled at the next call
@@ -392,9 +464,9 @@ class AsyncClient(_Base):
                        messages: list[dict] | None = None, max_tokens: int = 64, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                        stop: list[str] | None = None, spec: SpecOptions | dict | None = None,
-                       id: str | None = None) -> Completion:  # fmt: skip
+                       id: str | None = None, timeout: float | None = None) -> Completion:  # fmt: skip
         msg = _generate_msg(False, prompt, prompt_ids, messages, max_tokens, temperature, top_p, top_k,
-                            seed, stop, spec, id)  # fmt: skip
+                            seed, stop, spec, id, timeout)  # fmt: skip
         queue = await self._submit(msg)
         try:
             return self._completion(await self._final(msg.id, queue, Done))
@@ -405,14 +477,14 @@ class AsyncClient(_Base):
                messages: list[dict] | None = None, max_tokens: int = 64, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
                spec: SpecOptions | dict | None = None, id: str | None = None,
-               ) -> AsyncChunkStream:  # fmt: skip
+               timeout: float | None = None) -> AsyncChunkStream:  # fmt: skip
         """``async for chunk in client.stream(...)``; the request is sent at the first iteration."""
         msg = _generate_msg(True, prompt, prompt_ids, messages, max_tokens, temperature, top_p, top_k,
-                            seed, stop, spec, id)  # fmt: skip
+                            seed, stop, spec, id, timeout)  # fmt: skip
         return AsyncChunkStream(self, msg)
 
     async def cancel(self, id: str) -> None:
-        await self._sock.send(self._encode(Cancel(id)))
+        await self._send(self._encode(Cancel(id)), id)
 
     async def stats(self) -> StatsReply:
         msg = Stats(uuid.uuid4().hex)
@@ -431,15 +503,29 @@ class AsyncClient(_Base):
     async def close(self) -> None:
         if self._is_closed:
             return
+        await self._stop_reader()
+        self._close_sockets()
+
+    async def reconnect(self) -> None:
+        """Start over on a fresh socket (a new identity): requests pending raise :class:`ConnectionLost`."""
+        if self._is_closed:
+            raise ConnectionLost("closed", "the client is closed")
+        await self._stop_reader()
+        self._to_cancel.clear()
+        self._close_socket()
+        self._open_socket()
+
+    async def _stop_reader(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
             try:
                 await self._reader
             except (asyncio.CancelledError, Exception):
                 pass
+            self._reader = None
         for q in self._queues.values():
             q.put_nowait(_LOST)
-        self._close_sockets()
+        self._queues.clear()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -457,8 +543,18 @@ class AsyncClient(_Base):
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
         queue = self._queues[msg.id] = asyncio.Queue()
-        await self._sock.send(data)
+        try:
+            await self._send(data, msg.id)
+        except BaseException:
+            self._queues.pop(msg.id, None)
+            raise
         return queue
+
+    async def _send(self, data: bytes, rid: str | None) -> None:
+        try:
+            await asyncio.wait_for(self._sock.send(data), self.timeout_s)
+        except (asyncio.TimeoutError, zmq.Again):  # the queue to the daemon stayed full
+            raise self._send_timeout(rid) from None
 
     async def _next(self, rid: str, queue: asyncio.Queue) -> Message:
         try:

@@ -61,10 +61,16 @@ def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
     if cfg.spec.proposer == "draft" and cfg.spec.draft.source != "self":
         from specsched.daemon.config import ModelConfig
 
-        draft = load_model(ModelConfig(
-            source=cfg.spec.draft.source, dtype=cfg.model.dtype, device=cfg.model.device,
-            attn_backend=cfg.model.attn_backend, seed=cfg.spec.draft.seed, cache_dir=cfg.model.cache_dir,
-        )).model
+        draft = load_model(
+            ModelConfig(
+                source=cfg.spec.draft.source,
+                dtype=cfg.model.dtype,
+                device=cfg.model.device,
+                attn_backend=cfg.model.attn_backend,
+                seed=cfg.spec.draft.seed,
+                cache_dir=cfg.model.cache_dir,
+            )
+        ).model
     draft_layers = 0
     if cfg.spec.proposer == "draft":
         draft_layers = draft.cfg.num_layers if draft is not None else cfg.spec.draft.num_layers
@@ -113,7 +119,9 @@ def merge_proposals(
     out.is_synthetic = any(p.is_synthetic for _, p in parts)
     if any(q is not None for q in probs):
         rows = [
-            q if q is not None else torch.nn.functional.one_hot(torch.tensor(d, dtype=torch.int64, device=device), vocab).float()
+            q
+            if q is not None
+            else torch.nn.functional.one_hot(torch.tensor(d, dtype=torch.int64, device=device), vocab).float()
             for q, d in zip(probs, drafts)
         ]
         out.draft_probs = torch.cat(rows) if out.num_tokens else None

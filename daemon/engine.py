@@ -25,11 +25,18 @@ from specsched.proposers.base import Proposals
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, parts: EngineParts | None = None, policy: Policy | None = None) -> None:
+    def __init__(
+        self, cfg: EngineConfig, parts: EngineParts | None = None, policy: Policy | None = None
+    ) -> None:
         self.cfg = cfg
         p = parts or build_parts(cfg)
         self.model, self.tokenizer, self.kv_cache = p.model, p.tokenizer, p.kv_cache
-        self.proposers, self.scorers, self.costs, self.acceptance = p.proposers, p.scorers, p.costs, p.acceptance
+        self.proposers, self.scorers, self.costs, self.acceptance = (
+            p.proposers,
+            p.scorers,
+            p.costs,
+            p.acceptance,
+        )
         self.policy = policy or p.policy
         self.model_name, self.device = p.model_name, p.device
         self.max_model_len = p.max_model_len
@@ -52,11 +59,17 @@ class Engine:
         if n == 0:
             raise ValueError("prompt is empty")
         if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; the model's context is {self.max_model_len} (prompt + output)")
+            raise ValueError(
+                f"prompt has {n} tokens; the model's context is {self.max_model_len} (prompt + output)"
+            )
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(req.prompt_ids)}..{max(req.prompt_ids)}")
+            raise ValueError(
+                f"prompt token ids must be in [0, {vocab}), got {min(req.prompt_ids)}..{max(req.prompt_ids)}"
+            )
         if req.proposer is not None and req.proposer not in self.proposers:
-            raise ValueError(f"unknown proposer {req.proposer!r}; available: {', '.join(sorted(self.proposers))}")
+            raise ValueError(
+                f"unknown proposer {req.proposer!r}; available: {', '.join(sorted(self.proposers))}"
+            )
         if self.scheduler.blocks_for(n + 1) > self.scheduler.allocator.num_usable:
             raise ValueError(f"prompt of {n} tokens needs more KV blocks than the cache has")
         req.sampling.max_tokens = min(req.sampling.max_tokens, self.max_model_len - n)
@@ -64,7 +77,9 @@ class Engine:
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
-    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
+    def abort_request(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> RequestOutput | None:
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -95,8 +110,10 @@ class Engine:
         rec = StepRecord(self.num_steps, "decode", time.time(), 0, 0)
         plan = self.policy.decide(self._view(reqs), self.costs)
         if plan.scorer not in self.scorers:
-            raise ValueError(f"policy {plan.policy!r} chose scorer {plan.scorer!r}, which is not built here; "
-                             f"built: {', '.join(self.scorers)}")
+            raise ValueError(
+                f"policy {plan.policy!r} chose scorer {plan.scorer!r}, which is not built here; "
+                f"built: {', '.join(self.scorers)}"
+            )
         reqs, ks = self.scheduler.reserve_lookahead(reqs, plan.k)  # may lower k or preempt
         with self._timed(rec, "propose_ms"):
             props = self._propose(reqs, ks)
@@ -110,8 +127,17 @@ class Engine:
             for r, e, k, b in zip(reqs, emitted, props.num_draft, result.match_bits())
         ]
         outputs = self._commit(reqs, emitted, props.num_draft, True)
-        rec.batch_size, rec.num_tokens, rec.num_emitted = len(reqs), sum(k + 1 for k in props.num_draft), sum(map(len, emitted))
-        rec.scorer, rec.policy, rec.proposer, rec.is_synthetic = plan.scorer, plan.policy, self._proposer_label(reqs), props.is_synthetic
+        rec.batch_size, rec.num_tokens, rec.num_emitted = (
+            len(reqs),
+            sum(k + 1 for k in props.num_draft),
+            sum(map(len, emitted)),
+        )
+        rec.scorer, rec.policy, rec.proposer, rec.is_synthetic = (
+            plan.scorer,
+            plan.policy,
+            self._proposer_label(reqs),
+            props.is_synthetic,
+        )
         rec.predicted_ms, rec.plan_info = plan.predicted_ms, plan.info
         for name in ("propose", "score", "verify"):
             setattr(rec, f"predicted_{name}_ms", plan.info.get(f"predicted_{name}_ms"))
@@ -123,13 +149,21 @@ class Engine:
         rec = StepRecord(self.num_steps, "prefill", time.time(), len(reqs), sum(chunks))
         starts = [r.num_computed for r in reqs]
         ends = [s + c for s, c in zip(starts, chunks)]
-        meta = build_metadata(chunks, ends, [r.block_table for r in reqs], self.cfg.cache.block_size, self.device)
-        ids = torch.tensor([t for r, s, e in zip(reqs, starts, ends) for t in r.token_ids[s:e]], dtype=torch.int64)
+        meta = build_metadata(
+            chunks, ends, [r.block_table for r in reqs], self.cfg.cache.block_size, self.device
+        )
+        ids = torch.tensor(
+            [t for r, s, e in zip(reqs, starts, ends) for t in r.token_ids[s:e]], dtype=torch.int64
+        )
         pos = torch.tensor([p for s, e in zip(starts, ends) for p in range(s, e)], dtype=torch.int64)
-        sample = [i for i, (r, e) in enumerate(zip(reqs, ends)) if not r.output_ids and e == r.num_prompt_tokens]
+        sample = [
+            i for i, (r, e) in enumerate(zip(reqs, ends)) if not r.output_ids and e == r.num_prompt_tokens
+        ]
         last = torch.tensor(chunks).cumsum(0)[sample] - 1
         with self._timed(rec, "score_ms"):
-            logits = self.model(ids.to(self.device), pos.to(self.device), meta, self.kv_cache, last.to(self.device))
+            logits = self.model(
+                ids.to(self.device), pos.to(self.device), meta, self.kv_cache, last.to(self.device)
+            )
         for r, e in zip(reqs, ends):
             r.num_computed = e
         done = [reqs[i] for i in sample]
@@ -145,17 +179,39 @@ class Engine:
     # ---- helpers ------------------------------------------------------------------------------------
     def _view(self, reqs: list[Request]) -> BatchView:
         names = [self._proposer_of(r) for r in reqs]
-        peek = {n: iter(self.proposers[n].peek([r for r, m in zip(reqs, names) if m == n]).max_k) for n in set(names)}
+        peek = {
+            n: iter(self.proposers[n].peek([r for r, m in zip(reqs, names) if m == n]).max_k)
+            for n in set(names)
+        }
         views = []
         for r, n in zip(reqs, names):
-            cap = min(next(peek[n]), self.cfg.spec.max_k, r.sampling.max_tokens - r.num_output_tokens - 1,
-                      self.max_model_len - r.num_tokens)
+            cap = min(
+                next(peek[n]),
+                self.cfg.spec.max_k,
+                r.sampling.max_tokens - r.num_output_tokens - 1,
+                self.max_model_len - r.num_tokens,
+            )
             if r.spec.max_k is not None:
                 cap = min(cap, r.spec.max_k)
-            views.append(RequestView(
-                r.request_id, r.num_tokens, n, max(cap, 0), self.acceptance.mean(r.request_id, n),
-                self.acceptance.std(r.request_id, n), r.last_k, r.last_accepted))
-        return BatchView(views, self.scheduler.num_free_blocks, self.cfg.cache.block_size, list(self.scorers), self.num_steps)
+            views.append(
+                RequestView(
+                    r.request_id,
+                    r.num_tokens,
+                    n,
+                    max(cap, 0),
+                    self.acceptance.mean(r.request_id, n),
+                    self.acceptance.std(r.request_id, n),
+                    r.last_k,
+                    r.last_accepted,
+                )
+            )
+        return BatchView(
+            views,
+            self.scheduler.num_free_blocks,
+            self.cfg.cache.block_size,
+            list(self.scorers),
+            self.num_steps,
+        )
 
     def _proposer_of(self, req: Request) -> str:
         return req.proposer or self.cfg.spec.proposer
@@ -243,13 +299,18 @@ class Engine:
         return self.scheduler.allocator.num_usable
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams], spec: SpecParams | None = None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams | list[SamplingParams],
+        spec: SpecParams | None = None,
     ) -> list[list[int]]:
         """In-process convenience: run the given prompts to completion, return their output ids."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
-            r = Request(f"generate-{self.num_steps}-{i}", list(p), SamplingParams(**vars(sp)), spec or SpecParams())
+            r = Request(
+                f"generate-{self.num_steps}-{i}", list(p), SamplingParams(**vars(sp)), spec or SpecParams()
+            )
             self.add_request(r)
             reqs.append(r)
         while any(not r.is_finished for r in reqs):

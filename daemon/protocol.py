@@ -27,6 +27,7 @@ MAX_MAX_TOKENS = 1_000_000
 MAX_TEMPERATURE = 100.0
 MAX_SPEC_K = 1024
 MAX_PROPOSER_CHARS = 64
+MAX_TIMEOUT_S = 604_800.0  # generate.timeout: one week at most
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -196,7 +197,7 @@ class SpecOptions:
 @dataclass
 class Generate:
     TYPE: ClassVar[str] = "generate"
-    OMIT_NONE: ClassVar[tuple[str, ...]] = ("prompt", "prompt_ids", "messages")
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("prompt", "prompt_ids", "messages", "timeout")
     id: str
     prompt: str | None = None  # raw text (tokenized by the daemon)
     prompt_ids: list[int] | None = None  # token ids as they are
@@ -209,6 +210,7 @@ class Generate:
     stop: list[str] = field(default_factory=list)
     stream: bool = True
     spec: SpecOptions = field(default_factory=SpecOptions)
+    timeout: float | None = None  # seconds from arrival; then done with finish_reason "timeout"
 
 
 @dataclass
@@ -301,13 +303,19 @@ class StatsReply:
     tokens_per_s: float = 0.0  # output tokens over the recent window
     num_requests_done: int = 0  # finished with stop or length
     num_requests_aborted: int = 0  # cancelled, client gone, shutdown
-    num_requests_errored: int = 0  # internal error, timeout or error finish
+    num_requests_errored: int = 0  # internal error or error finish while running
     num_requests_rejected: int = 0  # generate answered with an error before running
     num_bad_messages: int = 0  # frames that failed to decode
     num_log_failures: int = 0
     proposers: dict[str, ProposerStats] = field(default_factory=dict)
     scorers: dict[str, ScorerStats] = field(default_factory=dict)
     engine: dict = field(default_factory=dict)  # the engine's own counters, free-form
+    num_requests_timed_out: int = 0  # finished with finish_reason timeout (their deadline passed)
+    num_preemptions: int = 0  # running requests preempted (KV blocks ran out) and recomputed later
+    num_log_dropped: int = 0  # decision-log records dropped (queue full or writes failing too long)
+    num_auth_denied: int = 0  # CURVE handshakes refused (client key not allowed)
+    num_clients: int = 0  # connections with requests in flight
+    rss_bytes: int = 0  # the daemon's resident memory (VmRSS); 0 where /proc is not available
 
 
 @dataclass
@@ -391,6 +399,7 @@ def _decode_generate(r: FieldReader) -> Generate:
         stop=r.get("stop", list_(str_(1, MAX_STOP_CHARS), 0, MAX_STOP_STRINGS), default=[]),
         stream=r.get("stream", bool_, default=True),
         spec=r.get("spec", _decode_spec, default=SpecOptions()),
+        timeout=r.get("timeout", float_(0.0, MAX_TIMEOUT_S, lo_open=True), default=None, nullable=True),
     )
     given = [n for n in ("prompt", "prompt_ids", "messages") if getattr(msg, n) is not None]
     if len(given) != 1:

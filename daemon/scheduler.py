@@ -133,7 +133,9 @@ class Scheduler:
             req = self.waiting[0]
             first_chunk = min(self.prefill_target(req) - req.num_computed, budget)
             # keep one block of headroom per running request so decodes are not starved at once
-            if self.blocks_for(req.num_computed + first_chunk + 1) > self.allocator.num_free - len(self.running):
+            if self.blocks_for(req.num_computed + first_chunk + 1) > self.allocator.num_free - len(
+                self.running
+            ):
                 break
             self.running.append(self.waiting.popleft())
         prefills, chunks = [], []

@@ -6,6 +6,11 @@ the engine), answers ``stats`` / ``health`` from the engine thread's latest snap
 queues. The engine thread (serving.py) wakes it through an inproc PAIR socket after every step, so
 replies leave as soon as a step ends and a slow step never stalls receiving.
 
+Limits (daemon/limits.py, docs/operations.md): the IO thread rejects at once what it can judge from
+its own counters (duplicate id, in flight per client and in all, queue depth); the engine thread checks
+the prompt and output lengths and runs each request's deadline. A non-loopback endpoint needs CURVE
+(daemon/auth.py): the server refuses to bind one without it.
+
 A client is considered gone when a send to its identity fails (``ROUTER_MANDATORY``: the peer's
 connection is closed, or its send queue is full); its requests are then aborted and their KV blocks
 freed. SIGINT/SIGTERM: stop accepting, give in-flight requests ``shutdown_grace_s``, abort the rest
@@ -21,10 +26,11 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
 
 import zmq
 
+from specsched.daemon.auth import CurveServer, endpoint_host
+from specsched.daemon.limits import DaemonConfig
 from specsched.daemon.protocol import (
     Cancel,
     Done,
@@ -42,42 +48,7 @@ from specsched.daemon.protocol import (
 from specsched.daemon.serving import Admit, CancelRequest, DropClient, Serving, Shutdown
 
 logger = logging.getLogger(__name__)
-ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
-
-
-@dataclass
-class DaemonConfig:
-    endpoint: str = "tcp://127.0.0.1:5555"  # any ZMQ endpoint; tcp://host:* binds a free port
-    max_message_bytes: int = 1 << 20  # ZMQ MAXMSGSIZE: larger messages are dropped by ZMQ itself
-    max_prompt_tokens: int | None = None  # None = the model's context - 1
-    max_inflight_per_client: int = 256  # more: error too_many_inflight
-    max_inflight: int = 4096  # all clients together; more: error overloaded
-    idle_sleep_ms: float = 50.0  # longest the idle engine thread sleeps (new work wakes it at once)
-    shutdown_grace_s: float = 5.0  # SIGTERM: let in-flight requests finish this long, then abort
-    linger_ms: int = 1000  # at close, how long queued replies may still go out
-    send_hwm: int = 100_000  # messages queued per client; a client that falls further behind is dropped
-    heartbeat_ivl_ms: int = 5000  # ZMTP heartbeats to detect dead peers; 0 = off
-    heartbeat_timeout_ms: int = 15000
-    stats_window_s: float = 10.0  # tokens/s window
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.endpoint, str) or not self.endpoint.startswith(ENDPOINT_SCHEMES):
-            raise ValueError(
-                f"daemon.endpoint must start with one of {', '.join(ENDPOINT_SCHEMES)}, got {self.endpoint!r}"
-            )
-        for name in ("max_message_bytes", "max_inflight_per_client", "max_inflight", "send_hwm"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"daemon.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_message_bytes < 1024:
-            raise ValueError(f"daemon.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"daemon.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
-        for name in ("idle_sleep_ms", "stats_window_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"daemon.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("shutdown_grace_s", "linger_ms", "heartbeat_ivl_ms", "heartbeat_timeout_ms"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"daemon.{name} must be >= 0, got {getattr(self, name)}")
+__all__ = ["DaemonConfig", "Server"]
 
 
 class Server:
@@ -101,6 +72,7 @@ class Server:
         self._threads: list[threading.Thread] = []
         self._ctx: zmq.Context | None = None
         self._router = self._wake_rx = self._wake_tx = None
+        self._curve: CurveServer | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -110,6 +82,8 @@ class Server:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, lambda signum, frame: self._on_signal(signum))
+            # a file-size limit (ulimit -f) must fail the log's writes (counted), not kill the daemon
+            previous[signal.SIGXFSZ] = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         try:
             self.start()
             self.join()
@@ -122,8 +96,22 @@ class Server:
 
     def start(self) -> None:
         cfg = self.cfg
+        cfg.check_auth()  # again: the config may have been changed after it was validated
         self._ctx = zmq.Context()
+        try:
+            if cfg.curve:
+                self._curve = CurveServer(
+                    self._ctx, cfg.curve_key_file, cfg.curve_clients, cfg.curve_clients_file
+                )
+        except BaseException:
+            self._ctx.term()
+            self._ctx = None
+            raise
         self._router = self._ctx.socket(zmq.ROUTER)
+        if self._curve is not None:
+            self._curve.secure(self._router)
+        if ":" in (endpoint_host(cfg.endpoint) or ""):
+            self._router.setsockopt(zmq.IPV6, 1)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
         self._router.setsockopt(zmq.LINGER, cfg.linger_ms)
@@ -134,6 +122,7 @@ class Server:
         try:
             self._router.bind(cfg.endpoint)
         except zmq.ZMQError as e:
+            self.close()
             raise OSError(f"daemon.endpoint {cfg.endpoint!r}: cannot bind ({e})") from e
         self.bound_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         wake_addr = f"inproc://specsched-wake-{id(self)}"
@@ -175,6 +164,9 @@ class Server:
             for sock, linger in ((self._wake_tx, 0), (self._wake_rx, 0), (self._router, self.cfg.linger_ms)):
                 if sock is not None:
                     sock.close(linger=linger)
+            if self._curve is not None:
+                self._curve.stop()
+                self._curve = None
             self._ctx.term()
             self._ctx = None
 
@@ -329,6 +321,10 @@ class Server:
                     num_requests_rejected=snap.num_requests_rejected + self._num_rejected,
                     num_bad_messages=self._num_bad_messages,
                     num_log_failures=self.log.num_failures if self.log is not None else 0,
+                    num_log_dropped=self.log.num_dropped if self.log is not None else 0,
+                    num_auth_denied=self._curve.num_denied if self._curve is not None else 0,
+                    num_clients=len(self._inflight),
+                    rss_bytes=rss_bytes(),
                 ),
             )
         elif isinstance(msg, Health):
@@ -351,6 +347,13 @@ class Server:
             )
         elif self._num_inflight >= self.cfg.max_inflight:
             code, why = ErrorCode.OVERLOADED, f"{self._num_inflight} requests in flight (max_inflight)"
+        elif self._num_inflight - self._serving.snapshot.num_running >= self.max_queue:
+            # every request in flight that is not running is queued (or about to be): judged here, at
+            # once; the engine thread checks the exact queue again when it admits the request
+            code, why = (
+                ErrorCode.OVERLOADED,
+                f"the queue is full ({self.max_queue} waiting, scheduler.max_queue)",
+            )
         else:
             code, why = None, ""
         if code is not None:
@@ -366,5 +369,21 @@ class Server:
         return time.monotonic() - self.started_at
 
     @property
+    def max_queue(self) -> int:
+        return self.engine.cfg.scheduler.max_queue
+
+    @property
     def model_name(self) -> str:
         return str(getattr(self.engine, "model_name", None) or self.engine.cfg.model.source)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (``VmRSS`` of /proc/self/status); 0 where there is none."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

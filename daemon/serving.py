@@ -4,11 +4,14 @@ The IO thread (server.py) hands over commands (:class:`Admit`, :class:`CancelReq
 :class:`DropClient`, :class:`Shutdown`) through a queue; :class:`Serving` drains them between engine
 steps (continuous batching), tokenizes prompts (chat template for ``messages``), detokenizes outputs
 incrementally, applies stop strings (the engine handles EOS / stop ids / length), and turns each
-step's :class:`RequestOutput` s into messages for the IO thread as soon as the step ends.
+step's :class:`RequestOutput` s into messages for the IO thread as soon as the step ends. It also
+enforces the limits that need the tokenizer or the engine (prompt / output length, the KV cache's
+capacity, the queue) and each request's deadline (``generate.timeout``, ``daemon.request_timeout_s``).
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import time
@@ -42,6 +45,7 @@ class Admit:
     client: bytes  # ZMQ routing identity
     msg: Generate
     arrival_time: float  # time.time() when the IO thread received it
+    received: float = field(default_factory=time.monotonic)  # the same moment; deadlines count from it
 
 
 @dataclass
@@ -124,6 +128,7 @@ class _Stream:
     num_prompt_tokens: int
     arrival_time: float
     detok: IncrementalDetokenizer | None
+    deadline: float | None = None  # time.monotonic() after which it finishes with "timeout"
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # all text so far (cut before a stop string)
     num_sent_chars: int = 0
@@ -182,7 +187,8 @@ class Serving:
         self.streams: dict[str, _Stream] = {}  # engine request id -> stream
         self.by_client: dict[bytes, set[str]] = defaultdict(set)
         self.step_stats = StepStats(cfg.stats_window_s)
-        self.counts = {"done": 0, "aborted": 0, "errored": 0, "rejected": 0}
+        self.counts = {"done": 0, "aborted": 0, "errored": 0, "rejected": 0, "timed_out": 0}
+        self.deadlines: list[tuple[float, str]] = []  # heap of (deadline, stream key)
         self.snapshot = StatsReply()  # replaced (not mutated) after every loop iteration
         self._deadline: float | None = None  # shutdown: abort what is left at this monotonic time
         self._is_log_broken = False
@@ -208,6 +214,7 @@ class Serving:
                 self.publish()
                 self.flush()
                 return
+            self.expire()
             if self.engine.has_unfinished:
                 self.step()
             self.publish()
@@ -245,6 +252,16 @@ class Serving:
         for out in outputs:
             self._on_output(out)
 
+    def expire(self) -> None:
+        """Finish every request whose deadline passed (``done`` with finish_reason ``timeout``)."""
+        now = time.monotonic()
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, key = heapq.heappop(self.deadlines)
+            st = self.streams.get(key)
+            if st is not None and st.deadline is not None and st.deadline <= now:  # not a reused key
+                self.engine.abort_request(key, FinishReason.TIMEOUT)
+                self._finish(st, FinishReason.TIMEOUT.value)
+
     def publish(self) -> None:
         e, c = self.engine, self.counts
         self.snapshot = StatsReply(
@@ -261,6 +278,8 @@ class Serving:
             proposers=self.step_stats.proposers(),
             scorers=self.step_stats.scorers(),
             engine=_engine_counters(e),
+            num_requests_timed_out=c["timed_out"],
+            num_preemptions=int(getattr(getattr(e, "scheduler", None), "num_preemptions", 0)),
         )
 
     def abort_all(self, reason: FinishReason, error: str | None = None) -> None:
@@ -288,6 +307,7 @@ class Serving:
             self.send(cmd.client, Error(msg.id, e.code.value, e.message))
             return
         tok = self.engine.tokenizer
+        timeout = msg.timeout if msg.timeout is not None else self.cfg.request_timeout_s
         st = _Stream(
             cmd.client,
             msg.id,
@@ -297,8 +317,11 @@ class Serving:
             len(req.prompt_ids),
             cmd.arrival_time,
             IncrementalDetokenizer(tok) if tok is not None else None,
+            deadline=None if timeout is None else cmd.received + timeout,
         )
         self.streams[st.key] = st
+        if st.deadline is not None:
+            heapq.heappush(self.deadlines, (st.deadline, st.key))
         self.by_client[cmd.client].add(st.key)
 
     def _request(self, cmd: Admit) -> Request:
@@ -330,6 +353,24 @@ class Serving:
             )
         if not ids:
             raise ProtocolError(ErrorCode.INVALID_FIELD, "generate.prompt: encodes to no tokens", msg.id)
+        cap = self.cfg.max_output_tokens
+        if cap is not None and msg.max_tokens > cap:
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                f"generate.max_tokens: this daemon generates at most {cap} tokens per request "
+                f"(daemon.max_output_tokens), got {msg.max_tokens}",
+                msg.id,
+            )
+        # what the KV cache can hold for one request alone: beyond it the request could never finish
+        # (preempted, it would wait forever for blocks that do not exist), so max_tokens is capped to it
+        kv_slots = engine.num_total_blocks * engine.cfg.cache.block_size
+        if len(ids) >= kv_slots:
+            raise ProtocolError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"generate: the prompt has {len(ids)} tokens; the KV cache holds {kv_slots} "
+                "(prompt + output)",
+                msg.id,
+            )
         known = getattr(engine, "proposers", None)
         if msg.spec.proposer is not None and known is not None and msg.spec.proposer not in known:
             raise ProtocolError(
@@ -340,14 +381,16 @@ class Serving:
             )
         if engine.num_waiting >= engine.cfg.scheduler.max_queue:
             raise ProtocolError(
-                ErrorCode.OVERLOADED, f"the queue is full ({engine.num_waiting} waiting)", msg.id
+                ErrorCode.OVERLOADED,
+                f"the queue is full ({engine.num_waiting} waiting: scheduler.max_queue)",
+                msg.id,
             )
         sampling = SamplingParams(
             temperature=msg.temperature,
             top_p=msg.top_p,
             top_k=msg.top_k,
             seed=msg.seed,
-            max_tokens=msg.max_tokens,
+            max_tokens=min(msg.max_tokens, kv_slots - len(ids)),
             stop=list(msg.stop),
         )
         spec = SpecParams(max_k=msg.spec.max_k, proposer=msg.spec.proposer)
@@ -405,8 +448,8 @@ class Serving:
                     token_ids=None if st.is_streaming else list(st.token_ids),
                 ),
             )
-        kind = "done" if reason in ("stop", "length") else "aborted" if reason == "abort" else "errored"
-        self.counts[kind] += 1
+        kinds = {"stop": "done", "length": "done", "abort": "aborted", "timeout": "timed_out"}
+        self.counts[kinds.get(reason, "errored")] += 1
         del self.streams[st.key]
         keys = self.by_client[st.client]
         keys.discard(st.key)

@@ -90,7 +90,12 @@ def paged_attention_torch(
     o = F.scaled_dot_product_attention(
         qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask[:, None], scale=scale
     )  # [B, H, max_q, D]
-    o = torch.cat([o.transpose(1, 2).reshape(num_rows * max_q, num_heads, head_dim), q.new_zeros(1, num_heads, head_dim)])
+    o = torch.cat(
+        [
+            o.transpose(1, 2).reshape(num_rows * max_q, num_heads, head_dim),
+            q.new_zeros(1, num_heads, head_dim),
+        ]
+    )
     return o[flat]
 
 

@@ -26,7 +26,9 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
-                raise ValueError(f"hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}"
+                )
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
@@ -41,16 +43,32 @@ class LlamaConfig:
 PRESETS: dict[str, LlamaConfig] = {
     # tests: small enough for CPU CI, GQA on, odd sizes to catch layout bugs
     "tiny": LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-        num_kv_heads=2, max_position=2048, eos_token_ids=[2],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position=2048,
+        eos_token_ids=[2],
     ),
     "llama-68m": LlamaConfig(
-        vocab_size=32000, hidden_size=768, intermediate_size=3072, num_layers=2, num_heads=12,
-        num_kv_heads=12, max_position=2048,
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_layers=2,
+        num_heads=12,
+        num_kv_heads=12,
+        max_position=2048,
     ),
     "llama2-7b": LlamaConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
-        num_kv_heads=32, max_position=4096,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        max_position=4096,
     ),
 }
 

@@ -140,21 +140,29 @@ class LlamaForCausalLM(nn.Module):
     def set_attn_backend(self, name: str) -> None:
         self.attn, self.attn_backend = get_attention_backend(name), name
 
-    def allocate_kv_cache(
-        self, num_blocks: int, block_size: int, num_layers: int | None = None
-    ) -> KVCache:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_layers: int | None = None) -> KVCache:
         """Zeroed paged KV cache for ``num_layers`` layers (default all)."""
         p = self.lm_head.weight
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         n = num_layers or self.cfg.num_layers
         return [
-            (torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
+            (
+                torch.zeros(shape, dtype=p.dtype, device=p.device),
+                torch.zeros(shape, dtype=p.dtype, device=p.device),
+            )
             for _ in range(n)
         ]
 
     def kv_bytes_per_block(self, block_size: int, num_layers: int | None = None) -> int:
         n = num_layers or self.cfg.num_layers
-        return 2 * n * block_size * self.cfg.num_kv_heads * self.cfg.head_dim * self.lm_head.weight.element_size()
+        return (
+            2
+            * n
+            * block_size
+            * self.cfg.num_kv_heads
+            * self.cfg.head_dim
+            * self.lm_head.weight.element_size()
+        )
 
     def forward(
         self,

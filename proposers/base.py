@@ -71,8 +71,8 @@ class Proposer(ABC):
     def propose(self, batch: list[Request], k: list[int]) -> Proposals:
         """Propose up to ``k[i]`` tokens for request i (0 allowed)."""
 
-    def on_commit(self, batch: list[Request]) -> None:
+    def on_commit(self, batch: list[Request]) -> None:  # noqa: B027 (optional hook)
         """Called after the step's tokens are committed (roll back own state)."""
 
-    def on_finish(self, request: Request) -> None:
+    def on_finish(self, request: Request) -> None:  # noqa: B027 (optional hook)
         """Called when a request leaves the engine."""

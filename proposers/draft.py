@@ -34,7 +34,7 @@ class DraftModelProposer(Proposer):
         self.graph_forward = None  # set by scorers.graph.attach_draft_graphs (CUDA graphs)
 
     def _forward(self, reqs: list[Request], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Feed ``tokens[i]`` at positions ``starts[i]..`` for each request; logits at each row's last token."""
+        """Feed ``tokens[i]`` at positions ``starts[i]..``; logits at each row's last token."""
         q_lens = [len(t) for t in tokens]
         k_lens = [s + q for s, q in zip(starts, q_lens)]
         meta = build_metadata(q_lens, k_lens, [r.block_table for r in reqs], self.block_size, self.device)
@@ -70,7 +70,9 @@ class DraftModelProposer(Proposer):
                 if step > 0:
                     active = [i for i in active if k[i] > step]
                     reqs = [batch[i] for i in active]
-                    logits = self._forward(reqs, [[drafts[i][-1]] for i in active], [r.num_draft_computed for r in reqs])
+                    logits = self._forward(
+                        reqs, [[drafts[i][-1]] for i in active], [r.num_draft_computed for r in reqs]
+                    )
                     for r in reqs:
                         r.num_draft_computed += 1
                 tok, q = self._pick(logits, reqs)
@@ -86,7 +88,9 @@ class DraftModelProposer(Proposer):
             for i, d in enumerate(drafts):
                 for j, t in enumerate(d):
                     if batch[i].sampling.is_greedy:  # q is unused for greedy rows: one-hot
-                        rows.append(torch.nn.functional.one_hot(torch.tensor(t, device=self.device), vocab).float())
+                        rows.append(
+                            torch.nn.functional.one_hot(torch.tensor(t, device=self.device), vocab).float()
+                        )
                     else:
                         rows.append(probs[i][j])
             out.draft_probs = torch.stack(rows) if rows else None

@@ -34,13 +34,17 @@ def build_proposers(
 
         if draft_model is None:  # self-speculation: the target's first layers + its head
             n = min(spec.draft.num_layers, target.cfg.num_layers)
-            out["draft"] = DraftModelProposer(target, target.allocate_kv_cache(num_blocks, block_size, n), block_size, n)
+            out["draft"] = DraftModelProposer(
+                target, target.allocate_kv_cache(num_blocks, block_size, n), block_size, n
+            )
         else:
             if draft_model.cfg.vocab_size != target.cfg.vocab_size:
                 raise ValueError(
                     f"draft vocab {draft_model.cfg.vocab_size} != target vocab {target.cfg.vocab_size}"
                 )
-            out["draft"] = DraftModelProposer(draft_model, draft_model.allocate_kv_cache(num_blocks, block_size), block_size)
+            out["draft"] = DraftModelProposer(
+                draft_model, draft_model.allocate_kv_cache(num_blocks, block_size), block_size
+            )
     elif spec.proposer == "synthetic":
         from specsched.proposers.synthetic import SyntheticProposer
 

@@ -23,7 +23,11 @@ class SyntheticProposer(Proposer):
     is_synthetic = True
 
     def __init__(
-        self, target: LlamaForCausalLM, acceptance: float, block_size: int, seed: int = 0,
+        self,
+        target: LlamaForCausalLM,
+        acceptance: float,
+        block_size: int,
+        seed: int = 0,
         draft: Proposer | None = None,
     ) -> None:
         if not 0.0 <= acceptance <= 1.0:
@@ -51,8 +55,12 @@ class SyntheticProposer(Proposer):
         drafts = []
         for req, ki in zip(batch, k):
             truth = self._truth(req, ki)
-            d = [t if self.rng.random() < self.acceptance else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
-                 for t in truth]
+            d = [
+                t
+                if self.rng.random() < self.acceptance
+                else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                for t in truth
+            ]
             drafts.append(d)
         out = Proposals.from_lists(drafts, self.device)
         out.is_synthetic = True

@@ -44,7 +44,9 @@ def build_scoring_inputs(
         k = proposals.num_draft[i]
         n = req.num_tokens
         if req.num_computed != n - 1:
-            raise RuntimeError(f"request {req.request_id} is not decoding: {req.num_computed} of {n} computed")
+            raise RuntimeError(
+                f"request {req.request_id} is not decoding: {req.num_computed} of {n} computed"
+            )
         ids.append(req.last_token)
         ids.extend(drafts[cu[i] : cu[i + 1]])
         pos.extend(range(n - 1, n + k))

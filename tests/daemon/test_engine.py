@@ -7,8 +7,14 @@ import random
 import pytest
 import torch
 
-from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from specsched.daemon.config import DraftConfig
+from specsched.daemon.config import (
+    CacheConfig,
+    DraftConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from specsched.daemon.engine import Engine
 from specsched.daemon.request import Request, SamplingParams, SpecParams
 from specsched.policies.base import BatchView, Plan, Policy
@@ -23,10 +29,14 @@ class RandomKPolicy(Policy):
         self.scorer, self.rng, self.max_k = scorer, random.Random(seed), max_k
 
     def decide(self, view: BatchView, costs) -> Plan:
-        return Plan([self.rng.randint(0, min(self.max_k, r.max_k)) for r in view.requests], self.scorer, self.name)
+        return Plan(
+            [self.rng.randint(0, min(self.max_k, r.max_k)) for r in view.requests], self.scorer, self.name
+        )
 
 
-def make_engine(proposer: str = "none", scorer: str = "mqa", seed: int = 0, num_blocks: int = 512, **spec) -> Engine:
+def make_engine(
+    proposer: str = "none", scorer: str = "mqa", seed: int = 0, num_blocks: int = 512, **spec
+) -> Engine:
     cfg = EngineConfig(
         model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
         cache=CacheConfig(block_size=4, num_blocks=num_blocks),
@@ -72,7 +82,10 @@ def test_speculative_greedy_equals_non_speculative(baseline, scorer, proposer, e
         prompts = random_prompts(rng, 8)
         params = [SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=trial % 2 == 0) for _ in prompts]
         want = baseline.generate(prompts, params)
-        reqs = [Request(f"t{trial}-{i}", p, SamplingParams(**vars(sp))) for i, (p, sp) in enumerate(zip(prompts, params))]
+        reqs = [
+            Request(f"t{trial}-{i}", p, SamplingParams(**vars(sp)))
+            for i, (p, sp) in enumerate(zip(prompts, params))
+        ]
         for r in reqs:
             engine.add_request(r)
         while engine.has_unfinished:
@@ -104,7 +117,10 @@ def test_sampled_runs_are_reproducible_with_seeds():
     outs = []
     for _ in range(2):
         engine = make_engine("draft", "mqa", draft=DraftConfig(source="self", num_layers=2))
-        sp = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=20, ignore_eos=True) for s in (1, 2, 3)]
+        sp = [
+            SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=20, ignore_eos=True)
+            for s in (1, 2, 3)
+        ]
         outs.append(engine.generate([[5, 6, 7, 8], [9, 10], [11] * 9], sp))
     assert outs[0] == outs[1]
     assert outs[0][0] != outs[0][1]
@@ -146,7 +162,9 @@ def test_unknown_scorer_names_the_known_ones():
     engine = make_engine("ngram", "mqa_graph")
     engine.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=4)))
     engine.step()  # prefill
-    with pytest.raises(ValueError, match="scorer 'mqa_graph', which is not built here; built: batch_expansion, mqa"):
+    with pytest.raises(
+        ValueError, match="scorer 'mqa_graph', which is not built here; built: batch_expansion, mqa"
+    ):
         engine.step()
 
 
