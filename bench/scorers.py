@@ -26,7 +26,8 @@ from specsched.bench.common import (
 )
 from specsched.daemon.request import Request, SamplingParams
 from specsched.kernels.metadata import build_metadata
-from specsched.models.cuda_graphs import GraphRunner, decode_buckets
+from specsched.models.cuda_graphs import GraphRunner
+from specsched.models.graph_buckets import decode_buckets
 from specsched.proposers.base import Proposals
 from specsched.scorers.graph import GraphForward, build_graph_scorers, graph_runners_of
 

@@ -1,18 +1,9 @@
 """Online cost models: predicted ms of each step component from the step's shape.
 
-One :class:`OnlineLinearModel` (recursive least squares with forgetting) per component:
-``("score", scorer)``, ``("propose", proposer)``, ``("verify",)``, ``("overhead",)``. Features (ms
-coefficients; context counts in thousands of tokens so all features are of similar magnitude):
-
-- score: ``[1, rows_padded, tokens_padded, Σ ctx_i / 1e3, Σ (k_i+1)·ctx_i / 1e3, is_eager]``.
-  rows = Σ(k_i+1) for batch expansion (one single-query row per token), = batch size for MQA.
-  ``Σ ctx_i`` is reading each prefix once (MQA), ``Σ (k_i+1)·ctx_i`` reading it once per row (batch
-  expansion) or the q·K work of k_i+1 queries (MQA). Graph scorers (``graph_buckets``) pad rows and
-  tokens up to the next captured bucket; a shape above the largest bucket runs eagerly: no padding
-  and ``is_eager = 1`` (the launch overhead the graph saved).
-- propose: ``[1, max_k, max_k · num_spec_requests, num_draft_tokens]`` (a draft model runs max_k
-  sequential forwards over the requests that draft; n-gram is about constant); 0 when max_k = 0.
-- verify: ``[1, num_tokens]``; overhead (step total minus the three above): ``[1, batch_size]``.
+One :class:`~specsched.policies.rls.OnlineLinearModel` (recursive least squares with forgetting)
+per component: ``("score", scorer)``, ``("propose", proposer)``, ``("verify",)``, ``("overhead",)``,
+over the features of :mod:`specsched.policies.shapes`, seeded from per-device priors and saved to
+(loaded from) the decision log's ``cost_models`` table.
 """
 
 from __future__ import annotations
@@ -24,172 +15,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from specsched.daemon.records import StepRecord
+from specsched.policies.rls import OnlineLinearModel
+from specsched.policies.shapes import (
+    EXPANSION_SCORERS,
+    FEATURES,
+    ShapeStats,
+    StepShape,
+    overhead_features,
+    propose_features,
+    score_features,
+    verify_features,
+)
 
-__all__ = ["CostModels", "CostSlopes", "OnlineLinearModel", "ShapeStats", "StepCost", "StepShape"]
+__all__ = ["CostModels", "CostSlopes", "StepCost"]
 
-
-@dataclass
-class ShapeStats:
-    """The aggregates of a step shape that the features use. Fields are ints, or numpy arrays of
-    equal shape when many candidate shapes are predicted at once (the goodput search)."""
-
-    batch_size: int
-    num_tokens: int  # Σ (k_i + 1)
-    max_k: int
-    num_spec_requests: int  # requests with k_i > 0
-    num_draft_tokens: int  # Σ k_i
-    num_context_tokens: int  # Σ ctx_i
-    num_weighted_context_tokens: int  # Σ (k_i + 1) · ctx_i
-
-
-@dataclass
-class StepShape:
-    """One decode step's shape: per request k (drafts scored) and context length (KV-cached tokens
-    plus the step's input token, as ``RequestView.context_len``)."""
-
-    k: list[int]  # [B]
-    context_lens: list[int]  # [B]
-
-    def __post_init__(self) -> None:
-        if len(self.k) != len(self.context_lens):
-            raise ValueError(
-                f"StepShape needs one k per context length, got {len(self.k)} vs {len(self.context_lens)}"
-            )
-        if any(k < 0 for k in self.k) or any(c < 0 for c in self.context_lens):
-            raise ValueError("StepShape k and context_lens must be >= 0")
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.k)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.k) + len(self.k)
-
-    @property
-    def max_k(self) -> int:
-        return max(self.k, default=0)
-
-    @property
-    def num_context_tokens(self) -> int:
-        return sum(self.context_lens)
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return sum(self.k)
-
-    def stats(self) -> ShapeStats:
-        return ShapeStats(
-            batch_size=self.batch_size,
-            num_tokens=self.num_tokens,
-            max_k=self.max_k,
-            num_spec_requests=sum(1 for k in self.k if k > 0),
-            num_draft_tokens=self.num_draft_tokens,
-            num_context_tokens=self.num_context_tokens,
-            num_weighted_context_tokens=sum(
-                (k + 1) * c for k, c in zip(self.k, self.context_lens, strict=True)
-            ),
-        )
-
-
-class OnlineLinearModel:
-    """y ≈ max(0, w·x), fitted by exponentially weighted recursive least squares (RLS).
-
-    Haykin, *Adaptive Filter Theory* (4th ed., 2002), Table 9.1 (the RLS algorithm) with forgetting
-    factor λ in (0, 1]: with P the inverse weighted correlation matrix of the features,
-    ``g = P x / (λ + xᵀ P x)``, ``w ← w + g (y − wᵀ x)``, ``P ← (P − g xᵀ P) / λ``. Past samples
-    weigh λ^age (memory ≈ 1 / (1 − λ) samples), so the fit follows drift. Prior: ``w = coef``,
-    ``P = diag(prior_var)`` (large = weak). Against covariance wind-up in directions the data does
-    not excite (P grows by 1/λ per step there), each diagonal entry is capped at its prior variance
-    by a symmetric rescaling D P D, which keeps P positive semidefinite.
-    """
-
-    def __init__(
-        self,
-        num_features: int,
-        forgetting: float = 0.99,
-        prior_var: float | Sequence[float] = 1e4,
-        coef: Sequence[float] | None = None,
-    ) -> None:
-        if num_features < 1:
-            raise ValueError(f"num_features must be >= 1, got {num_features}")
-        if not 0.0 < forgetting <= 1.0:
-            raise ValueError(f"forgetting factor must be in (0, 1], got {forgetting}")
-        self.forgetting = float(forgetting)
-        self.prior_var = np.broadcast_to(np.asarray(prior_var, dtype=np.float64), (num_features,)).copy()
-        if np.any(self.prior_var <= 0):
-            raise ValueError(f"prior_var must be > 0, got {self.prior_var.tolist()}")
-        self.coef = np.zeros(num_features) if coef is None else np.asarray(coef, dtype=np.float64).copy()
-        if self.coef.shape != (num_features,):
-            raise ValueError(f"coef must have {num_features} entries, got {len(self.coef)}")
-        self.cov = np.diag(self.prior_var)  # [F, F]
-        self.num_updates = 0
-
-    @property
-    def num_features(self) -> int:
-        return len(self.coef)
-
-    def predict(self, x: Sequence) -> float | np.ndarray:
-        """max(0, w·x); entries of ``x`` may be arrays of one shape (then an array comes back)."""
-        if len(x) != self.num_features:
-            raise ValueError(f"expected {self.num_features} features, got {len(x)}")
-        y = sum(float(w) * xi for w, xi in zip(self.coef, x, strict=True))
-        return np.maximum(y, 0.0) if isinstance(y, np.ndarray) else max(float(y), 0.0)
-
-    def update(self, x: Sequence[float], y: float) -> None:
-        x = np.asarray(x, dtype=np.float64)
-        if x.shape != (self.num_features,):
-            raise ValueError(f"expected {self.num_features} features, got shape {x.shape}")
-        if not (np.all(np.isfinite(x)) and np.isfinite(y)):
-            raise ValueError(f"non-finite sample x={x.tolist()}, y={y}")
-        lam = self.forgetting
-        px = self.cov @ x
-        gain = px / (lam + x @ px)
-        self.coef = self.coef + gain * (float(y) - self.coef @ x)
-        cov = (self.cov - np.outer(gain, px)) / lam
-        cov = 0.5 * (cov + cov.T)
-        diag = np.diag(cov)
-        if np.any(diag > self.prior_var):
-            scale = np.sqrt(np.minimum(1.0, self.prior_var / np.maximum(diag, 1e-300)))
-            cov = cov * np.outer(scale, scale)
-        self.cov = cov
-        self.num_updates += 1
-
-    def state_dict(self) -> dict:
-        return {
-            "coef": self.coef.tolist(),
-            "cov": self.cov.tolist(),
-            "prior_var": self.prior_var.tolist(),
-            "num_updates": self.num_updates,
-            "forgetting": self.forgetting,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        n = self.num_features
-        coef = np.asarray(state["coef"], dtype=np.float64)
-        cov = np.asarray(state["cov"], dtype=np.float64)
-        prior_var = np.asarray(state.get("prior_var", self.prior_var), dtype=np.float64)
-        if coef.shape != (n,) or cov.shape != (n, n) or prior_var.shape != (n,):
-            raise ValueError(
-                f"state shapes {coef.shape}, {cov.shape}, {prior_var.shape} do not fit {n} features"
-            )
-        if not (np.all(np.isfinite(coef)) and np.all(np.isfinite(cov))):
-            raise ValueError("state holds non-finite numbers")
-        forgetting = float(state.get("forgetting", self.forgetting))
-        if not 0.0 < forgetting <= 1.0:
-            raise ValueError(f"forgetting factor must be in (0, 1], got {forgetting}")
-        self.coef, self.cov, self.prior_var = coef, cov, prior_var
-        self.num_updates = int(state.get("num_updates", 0))
-        self.forgetting = forgetting
-
-
-FEATURES: dict[str, list[str]] = {
-    "score": ["bias", "rows_padded", "tokens_padded", "context_ktokens", "row_context_ktokens", "is_eager"],
-    "propose": ["bias", "max_k", "max_k_x_spec_requests", "draft_tokens"],
-    "verify": ["bias", "tokens"],
-    "overhead": ["bias", "batch_size"],
-}
-EXPANSION_SCORERS = ("batch_expansion",)  # scorers with one row per scored token
 _FLOOR = {  # smallest prior std scale per feature (ms per unit) so unseeded features still learn
     "score": [1.0, 0.01, 0.01, 0.01, 0.01, 1.0],
     "propose": [0.1, 0.1, 0.01, 0.01],
@@ -271,18 +110,8 @@ class CostSlopes:
     spec_request_ms: float  # per drafting request, per unit of the batch's max k
 
 
-def _pad(n, buckets: np.ndarray | None):
-    """(padded n, is over the largest bucket) for ints or arrays; no buckets: (n, False)."""
-    if buckets is None:
-        return n, np.zeros_like(n, dtype=bool) if isinstance(n, np.ndarray) else False
-    idx = np.searchsorted(buckets, n, side="left")
-    over = idx >= len(buckets)
-    padded = np.where(over, n, buckets[np.minimum(idx, len(buckets) - 1)])
-    return (padded, over) if isinstance(n, np.ndarray) else (int(padded), bool(over))
-
-
 class CostModels:
-    """All components' online models; see the module docstring for the features."""
+    """All components' online models; :mod:`specsched.policies.shapes` defines their features."""
 
     def __init__(
         self,
@@ -339,28 +168,8 @@ class CostModels:
 
     # ---- features ----
     def score_features(self, scorer: str, s: ShapeStats) -> list:
-        is_expansion = scorer in self.expansion_scorers
-        rows = s.num_tokens if is_expansion else s.batch_size
-        buckets = self.graph_buckets.get(scorer)
-        rows_p, rows_over = _pad(rows, buckets)
-        tokens_p, tokens_over = (rows_p, rows_over) if is_expansion else _pad(s.num_tokens, buckets)
-        eager = rows_over | tokens_over
-        if buckets is not None:  # eager runs are not padded
-            rows_p, tokens_p = np.where(eager, rows, rows_p), np.where(eager, s.num_tokens, tokens_p)
-        ctx, row_ctx = s.num_context_tokens / 1e3, s.num_weighted_context_tokens / 1e3
-        return [1.0, rows_p, tokens_p, ctx, row_ctx, eager * 1.0]
-
-    @staticmethod
-    def propose_features(s: ShapeStats) -> list:
-        return [1.0, s.max_k, s.max_k * s.num_spec_requests, s.num_draft_tokens]
-
-    @staticmethod
-    def verify_features(s: ShapeStats) -> list:
-        return [1.0, s.num_tokens]
-
-    @staticmethod
-    def overhead_features(s: ShapeStats) -> list:
-        return [1.0, s.batch_size]
+        """The score features of ``scorer`` (see :mod:`specsched.policies.shapes`)."""
+        return score_features(s, scorer in self.expansion_scorers, self.graph_buckets.get(scorer))
 
     # ---- prediction ----
     def predict(self, scorer: str, proposer: str, shape: StepShape) -> StepCost:
@@ -369,13 +178,13 @@ class CostModels:
 
     def predict_stats(self, scorer: str, proposer: str, s: ShapeStats) -> StepCost:
         """As :meth:`predict` from aggregates; array fields give array predictions (vectorised search)."""
-        propose = self.model("propose", proposer).predict(self.propose_features(s))
+        propose = self.model("propose", proposer).predict(propose_features(s))
         propose = np.where(np.asarray(s.max_k) > 0, propose, 0.0)
         cost = StepCost(
             propose_ms=propose,
             score_ms=self.model("score", scorer).predict(self.score_features(scorer, s)),
-            verify_ms=self.model("verify").predict(self.verify_features(s)),
-            overhead_ms=self.model("overhead").predict(self.overhead_features(s)),
+            verify_ms=self.model("verify").predict(verify_features(s)),
+            overhead_ms=self.model("overhead").predict(overhead_features(s)),
         )
         if np.ndim(cost.total_ms) == 0:
             cost = StepCost(
@@ -410,14 +219,12 @@ class CostModels:
         shape = StepShape([r.k for r in record.requests], [r.context_len + 1 for r in record.requests])
         s = shape.stats()
         if s.max_k > 0:
-            self.model("propose", record.proposer or "none").update(
-                self.propose_features(s), record.propose_ms
-            )
+            self.model("propose", record.proposer or "none").update(propose_features(s), record.propose_ms)
         self.model("score", record.scorer).update(self.score_features(record.scorer, s), record.score_ms)
-        self.model("verify").update(self.verify_features(s), record.verify_ms)
+        self.model("verify").update(verify_features(s), record.verify_ms)
         if record.total_ms > 0:
             overhead = max(0.0, record.total_ms - record.propose_ms - record.score_ms - record.verify_ms)
-            self.model("overhead").update(self.overhead_features(s), overhead)
+            self.model("overhead").update(overhead_features(s), overhead)
         return True
 
     def profile(

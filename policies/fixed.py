@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from specsched.policies.acceptance import expected_tokens
 from specsched.policies.base import BatchView, Plan, Policy
-from specsched.policies.cost_model import CostModels, StepShape
+from specsched.policies.cost_model import CostModels
+from specsched.policies.shapes import StepShape
 
 
 def step_proposer(view: BatchView) -> str:

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from specsched.policies.base import BatchView, Plan, Policy
-from specsched.policies.cost_model import CostModels, ShapeStats
+from specsched.policies.cost_model import CostModels
 from specsched.policies.fixed import make_plan, step_proposer
+from specsched.policies.shapes import ShapeStats
 
 _A_MAX = 1.0 - 1e-6  # acceptance cap (E stays finite)
 

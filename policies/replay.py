@@ -1,19 +1,7 @@
 """Offline replay: re-run the step loop's decisions of a recorded run under other policies.
 
-Terms. A request's *output index* m names its m-th output token (m = 0: the token its prefill
-sampled). A decode step whose input is output token s drafts indices s+1..s+k and accepts a of
-them. Under greedy verification with a deterministic draft (a draft model), whether the draft at
-index m equals the target's token depends only on the committed tokens before m, so it is a
-property of the position, its *match bit*, whatever k reached it (DESIGN.md, "SQLite log"). A
-recorded step therefore fixes bits s+1..s+a to 1 and, when a < k, bit s+a+1 to 0; the bonus token
-of a fully accepted step, and any position no draft reached, stays unknown. Unknown bits are
-*imputed* once per run, before any policy is replayed, so that every policy sees the same world:
-a seeded Bernoulli draw (``random.Random(f"{seed}:{request index}")``) with p = the request's Beta
-posterior mean over its known bits, whose prior is the run's mean over all known bits with the
-weight of ``PRIOR_STRENGTH`` observations (the expectation of the acceptance estimators in
-``policies.acceptance``). For an n-gram proposer, drafts depend on where the match started, so the
-bits are an approximation, and the most a request can draft at index s (its match length) is the
-k recorded at s when a step started there, else the configured max k.
+A run is read, and its match bits completed, by :mod:`specsched.policies.replay_log` (whose
+docstring defines output indices, match bits and their imputation).
 
 The replay (:func:`simulate`) batches continuously: requests join in their first-step order while
 fewer than ``scheduler.max_num_seqs`` run, and leave at their recorded output length. Each decode
@@ -25,274 +13,25 @@ with their measured time, for every policy alike.
 
 from __future__ import annotations
 
-import json
-import random
-import sqlite3
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from specsched.daemon.config import SchedulerConfig, SpecConfig
-from specsched.daemon.log import SCHEMA_VERSION, LogFormatError, open_log
-from specsched.daemon.records import StepRecord, StepRequestRecord
 from specsched.policies.acceptance import AcceptanceEstimator
 from specsched.policies.base import BatchView, Policy, RequestView
-from specsched.policies.cost_model import CostModels, StepShape
+from specsched.policies.cost_model import CostModels
 from specsched.policies.registry import POLICIES, build_policy
+from specsched.policies.replay_log import (
+    MatchBits,
+    RecordedRequest,
+    RecordedRun,
+    ReplayError,
+    RunSettings,
+    complete_bits,
+)
+from specsched.policies.shapes import StepShape
 
-PRIOR_STRENGTH = 2.0  # pseudo-observations of the run mean in a request's imputation rate
 _UNBOUNDED = 1 << 30
-_MEASURED = ("propose_ms", "score_ms", "verify_ms", "total_ms")
-_STEP_COLUMNS = (
-    "step kind start_time batch_size num_tokens scorer policy proposer is_synthetic predicted_propose_ms "
-    "predicted_score_ms predicted_verify_ms predicted_ms propose_ms score_ms verify_ms total_ms num_emitted"
-).split()
-
-
-class ReplayError(ValueError):
-    """The log cannot be replayed (no runs, unknown run id, damaged rows); the message says why."""
-
-
-@dataclass
-class RunSettings:
-    """What the replay needs from the run's config (either the app layout of ``specsched-serve``,
-    ``proposer.name``/``scorer.names``, or the engine's ``spec.*``); ``defaulted`` names the
-    settings the config did not hold."""
-
-    proposer: str
-    max_k: int
-    max_num_seqs: int
-    scorers: list[str]
-    block_size: int
-    num_blocks: int | None  # None: sized from memory at the time; the replay does not limit blocks
-    policy: dict | None  # the recorded policy's config
-    graph_buckets: dict[str, list[int]] = field(default_factory=dict)
-    defaulted: list[str] = field(default_factory=list)
-
-    @classmethod
-    def from_config(cls, config: dict, steps: Sequence[StepRecord]) -> RunSettings:
-        def get(path: str):
-            node = config
-            for part in path.split("."):
-                node = node.get(part) if isinstance(node, Mapping) else None
-            return node
-
-        defaulted: list[str] = []
-
-        def pick(name: str, paths: tuple[str, ...], default):
-            for p in paths:
-                if get(p) is not None:
-                    return get(p)
-            defaulted.append(name)
-            return default
-
-        decode = [s for s in steps if s.kind == "decode"]
-        used = sorted({s.scorer for s in decode if s.scorer})
-        policy = get("policy") if isinstance(get("policy"), Mapping) else None
-        labels = {s.policy for s in decode if s.policy}
-        if policy is None and len(labels) == 1 and next(iter(labels)) in POLICIES:
-            policy = {"name": next(iter(labels))}  # the label the steps carry, with default options
-            defaulted.append("policy options")
-        return cls(
-            proposer=str(pick("proposer", ("proposer.name", "spec.proposer"), SpecConfig().proposer)),
-            max_k=int(pick("max_k", ("proposer.max_k", "spec.max_k"), SpecConfig().max_k)),
-            max_num_seqs=int(
-                pick("max_num_seqs", ("scheduler.max_num_seqs",), SchedulerConfig().max_num_seqs)
-            ),
-            scorers=list(pick("scorers", ("scorer.names", "spec.scorers"), used or SpecConfig().scorers)),
-            block_size=int(pick("block_size", ("cache.block_size",), 16)),
-            num_blocks=get("cache.num_blocks"),
-            policy=dict(policy) if policy is not None else None,
-            defaulted=defaulted,
-        )
-
-
-@dataclass
-class RecordedRequest:
-    key: str  # unique in the run: the request id, with "#n" appended when a client reused it
-    prompt_len: int
-    output_len: int  # output tokens (the prefill's first token included)
-    first_step: int | None  # its first decode step; None when it finished at prefill
-    bits: list[int | None]  # [output_len] match bit per output index; None = unknown
-    recorded_k: dict[int, int] = field(default_factory=dict)  # start index s -> k recorded there
-    is_finished: bool = True  # False: no `requests` row (still running when the log ended)
-
-    @property
-    def num_draftable(self) -> int:
-        """Indices a draft can reach: 1..output_len-2 (the last token is always a target token)."""
-        return max(self.output_len - 2, 0)
-
-
-@dataclass
-class RecordedRun:
-    path: str
-    run_id: int
-    model: str
-    device: str
-    version: str
-    settings: RunSettings
-    steps: list[StepRecord]  # every step, in order
-    requests: list[RecordedRequest]  # in first-step order
-    num_conflicts: int = 0  # bits that recorded steps disagree on (sampled or n-gram drafts)
-
-    @property
-    def decode_steps(self) -> list[StepRecord]:
-        return [s for s in self.steps if s.kind == "decode" and s.requests]
-
-    @property
-    def prefill_steps(self) -> list[StepRecord]:
-        return [s for s in self.steps if s.kind == "prefill"]
-
-
-def load_run(path: str, run_id: int | None = None) -> RecordedRun:
-    """Read run ``run_id`` (None: the latest) of a decision log. Raises :class:`LogFormatError` for a
-    file that is not a log of this schema version, :class:`ReplayError` for anything else."""
-    db = open_log(path)
-    try:
-        return _load(db, str(path), run_id)
-    except sqlite3.DatabaseError as e:
-        raise LogFormatError(f"{path}: damaged log ({e})") from e
-    except (ReplayError, LogFormatError):
-        raise
-    except (KeyError, TypeError, ValueError) as e:
-        raise ReplayError(f"{path}: damaged log (unexpected row contents: {e!r})") from e
-    finally:
-        db.close()
-
-
-def _load(db, path: str, run_id: int | None) -> RecordedRun:
-    ids = [r[0] for r in db.execute("select id from runs order by id")]
-    if not ids:
-        raise ReplayError(f"{path}: the log holds no runs")
-    run_id = ids[-1] if run_id is None else run_id
-    if run_id not in ids:
-        raise ReplayError(f"{path}: no run {run_id}; runs in this log: {', '.join(map(str, ids))}")
-    run = next(db.query("select * from runs where id = ?", [run_id]))
-    if run["schema_version"] != SCHEMA_VERSION:
-        raise LogFormatError(
-            f"{path}: run {run_id} was written with log schema version {run['schema_version']}; "
-            f"this specsched reads version {SCHEMA_VERSION}"
-        )
-    try:
-        config = json.loads(run["config"] or "{}")
-    except json.JSONDecodeError as e:
-        raise ReplayError(f"{path}: run {run_id} has an unreadable config ({e})") from e
-    steps: dict[int, StepRecord] = {}
-    for row in db.query(
-        f"select {', '.join(_STEP_COLUMNS)} from steps where run_id = ? order by step", [run_id]
-    ):
-        for name in _MEASURED:  # NULL measured times count as 0 ms
-            row[name] = row[name] or 0.0
-        row["is_synthetic"] = bool(row["is_synthetic"])
-        steps[row["step"]] = StepRecord(**row)
-    rows: dict[str, list[tuple[int, StepRequestRecord]]] = {}
-    for r in db.query(
-        "select step, request_id, context_len, k, num_accepted from step_requests"
-        " where run_id = ? order by step",
-        [run_id],
-    ):
-        q = StepRequestRecord(r["request_id"], r["context_len"], r["k"], r["num_accepted"])
-        if r["step"] in steps:
-            steps[r["step"]].requests.append(q)
-        rows.setdefault(q.request_id, []).append((r["step"], q))
-    finished = list(
-        db.query(
-            "select request_id, arrival, finish_time, prompt_tokens, output_tokens"
-            " from requests where run_id = ? order by arrival",
-            [run_id],
-        )
-    )
-    ordered = list(steps.values())
-    settings = RunSettings.from_config(config, ordered)
-    settings.graph_buckets = _saved_buckets(db, run_id)
-    requests, conflicts = _requests(rows, finished, steps)
-    return RecordedRun(
-        path,
-        run_id,
-        run["model"] or "?",
-        run["device"] or "?",
-        run["version"] or "?",
-        settings,
-        ordered,
-        requests,
-        conflicts,
-    )
-
-
-def _saved_buckets(db, run_id: int) -> dict[str, list[int]]:
-    if "cost_models" not in db.table_names() or "graph_buckets" not in db["cost_models"].columns_dict:
-        return {}
-    row = db.execute("select graph_buckets from cost_models where run_id = ? limit 1", [run_id]).fetchone()
-    return json.loads(row[0]) if row and row[0] else {}
-
-
-def _requests(rows, finished, steps) -> tuple[list[RecordedRequest], int]:
-    """One :class:`RecordedRequest` per life of a request id (a reused id is split by the times of
-    its `requests` rows), with its match bits; plus the number of conflicting bits."""
-    by_id: dict[str, list[dict]] = {}
-    for f in finished:
-        by_id.setdefault(f["request_id"], []).append(f)
-    lives: list[tuple[str, dict | None, list[tuple[int, StepRequestRecord]]]] = []
-    for rid in dict.fromkeys([*rows, *by_id]):
-        recs, done = rows.get(rid, []), by_id.get(rid, [])
-        if len(done) <= 1:
-            lives.append((rid, done[0] if done else None, recs))
-            continue
-        for n, f in enumerate(done):  # a reused id: its steps fall inside the life's [arrival, finish]
-            mine = [(s, q) for s, q in recs if f["arrival"] <= steps[s].start_time <= f["finish_time"]]
-            lives.append((rid if n == 0 else f"{rid}#{n + 1}", f, mine))
-    out, conflicts = [], 0
-    for key, f, recs in lives:
-        prompt = recs[0][1].context_len if recs else int(f["prompt_tokens"] or 0)
-        length = 1 + sum(q.num_accepted + 1 for _, q in recs) if f is None else int(f["output_tokens"] or 0)
-        if recs:  # never shorter than what the steps before its last one committed
-            length = max(length, recs[-1][1].context_len - prompt + 2)
-        bits: list[int | None] = [None] * length
-        recorded_k: dict[int, int] = {}
-        for _, q in recs:
-            s = q.context_len - prompt
-            recorded_k.setdefault(s, q.k)
-            for i in range(min(q.k, q.num_accepted + 1)):  # i < a matched; i == a < k did not
-                m, b = s + 1 + i, int(i < q.num_accepted)
-                if 0 < m < length:
-                    conflicts += bits[m] is not None and bits[m] != b
-                    bits[m] = b if bits[m] is None else bits[m]
-        first = recs[0][0] if recs else None
-        out.append(RecordedRequest(key, prompt, length, first, bits, recorded_k, f is not None))
-    out.sort(key=lambda r: (r.first_step is None, r.first_step or 0))
-    return out, conflicts
-
-
-@dataclass
-class MatchBits:
-    """The completed bits of every request (recorded where known, imputed elsewhere)."""
-
-    bits: list[list[bool]]  # per request [output_len]
-    imputed: list[list[bool]]  # per request [output_len]: True where drawn, not recorded
-    run_mean: float  # share of 1s among the recorded bits (the imputation prior)
-    num_draftable: int
-    num_imputed: int  # of the draftable positions
-    seed: int = 0
-
-    @property
-    def imputed_share(self) -> float:
-        return self.num_imputed / self.num_draftable if self.num_draftable else 0.0
-
-
-def complete_bits(run: RecordedRun, seed: int = 0) -> MatchBits:
-    """Impute every unknown bit (see the module docstring): deterministic for a given ``seed``."""
-    known = [b for r in run.requests for b in r.bits[1 : r.output_len - 1] if b is not None]
-    run_mean = sum(known) / len(known) if known else 0.5
-    bits, imputed, num_imputed = [], [], 0
-    for i, r in enumerate(run.requests):
-        mine = [b for b in r.bits[1 : r.output_len - 1] if b is not None]
-        p = (sum(mine) + PRIOR_STRENGTH * run_mean) / (len(mine) + PRIOR_STRENGTH)
-        rng = random.Random(f"{seed}:{i}")
-        draws = [rng.random() < p for _ in r.bits]  # one draw per position, used or not: stable
-        bits.append([bool(b) if b is not None else d for b, d in zip(r.bits, draws, strict=True)])
-        imputed.append([b is None for b in r.bits])
-        num_imputed += sum(imputed[-1][1 : r.output_len - 1])
-    return MatchBits(bits, imputed, run_mean, sum(r.num_draftable for r in run.requests), num_imputed, seed)
 
 
 def refit_costs(run: RecordedRun, forgetting: float = 1.0) -> CostModels:

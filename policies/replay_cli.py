@@ -23,7 +23,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specsched.daemon.log import LogFormatError
 from specsched.policies.registry import build_policy
-from specsched.policies.replay import PolicyResult, ReplayError, ReplayOptions, ReplayReport, load_run, replay
+from specsched.policies.replay import PolicyResult, ReplayOptions, ReplayReport, replay
+from specsched.policies.replay_log import ReplayError, load_run
 
 CONFIG_NAME = "specsched_replay"
 PROG = "specsched-replay"

@@ -22,7 +22,8 @@ import torch
 
 from specsched.daemon.request import Request
 from specsched.kernels.metadata import AttentionMetadata
-from specsched.models.cuda_graphs import GraphRunner, decode_buckets, mqa_buckets
+from specsched.models.cuda_graphs import GraphRunner
+from specsched.models.graph_buckets import decode_buckets, mqa_buckets
 from specsched.models.llama import KVCache, LlamaForCausalLM
 from specsched.proposers.base import Proposals, Proposer
 from specsched.scorers.base import Scorer

@@ -7,7 +7,9 @@ import pytest
 import sqlite_utils
 
 from specsched.daemon.records import StepRecord, StepRequestRecord
-from specsched.policies.cost_model import CostModels, OnlineLinearModel, StepShape
+from specsched.policies.cost_model import CostModels
+from specsched.policies.rls import OnlineLinearModel
+from specsched.policies.shapes import StepShape
 
 
 def record(scorer: str, proposer: str, k: list[int], ctx: list[int], **times) -> StepRecord:

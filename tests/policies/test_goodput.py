@@ -9,8 +9,9 @@ import pytest
 from specsched.daemon.records import StepRecord, StepRequestRecord
 from specsched.policies.acceptance import expected_tokens
 from specsched.policies.base import BatchView, RequestView
-from specsched.policies.cost_model import CostModels, StepShape
+from specsched.policies.cost_model import CostModels
 from specsched.policies.goodput import GoodputConfig, GoodputPolicy
+from specsched.policies.shapes import StepShape
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 

@@ -23,17 +23,8 @@ from specsched.daemon.log import SCHEMA_SQL, LogConfig, LogFormatError, LogWrite
 from specsched.daemon.records import StepRecord, StepRequestRecord
 from specsched.daemon.request import Request, SamplingParams
 from specsched.policies.registry import build_policy
-from specsched.policies.replay import (
-    ReplayError,
-    ReplayOptions,
-    RunSettings,
-    complete_bits,
-    load_run,
-    policy_label,
-    refit_costs,
-    replay,
-    simulate,
-)
+from specsched.policies.replay import ReplayOptions, policy_label, refit_costs, replay, simulate
+from specsched.policies.replay_log import ReplayError, RunSettings, complete_bits, load_run
 
 # ---- hand-built logs ------------------------------------------------------------------------------
 

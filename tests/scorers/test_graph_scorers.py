@@ -27,13 +27,8 @@ from specsched.daemon.engine import Engine
 from specsched.daemon.request import Request, SamplingParams
 from specsched.kernels.metadata import build_metadata
 from specsched.models.config import get_preset
-from specsched.models.cuda_graphs import (
-    GraphBucket,
-    GraphRunner,
-    decode_buckets,
-    mqa_buckets,
-    size_ladder,
-)
+from specsched.models.cuda_graphs import GraphRunner
+from specsched.models.graph_buckets import GraphBucket, decode_buckets, mqa_buckets, size_ladder
 from specsched.models.llama import LlamaForCausalLM, init_random, rope_inv_freq
 from specsched.models.loader import load_model
 from specsched.policies.acceptance import AcceptanceEstimator

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specsched.daemon.request import Request, SamplingParams
-from specsched.models.cuda_graphs import PAD_SLOT, pad_inputs
+from specsched.models.graph_buckets import PAD_SLOT, pad_inputs
 from specsched.proposers.base import Proposals
 from specsched.scorers.inputs import build_scoring_inputs
 from specsched.scorers.metadata_gpu import build_scoring_inputs_vec, pack_scoring_batch
