@@ -221,28 +221,31 @@ def launch_config(
 ) -> LaunchConfig:
     """Tile sizes for one launch, from host upper bounds only. ``tl.dot`` needs dimensions >= 16.
 
-    Keys are split (flash-decoding) when the grid would leave SMs idle, at most one split per
-    ``block_n`` keys. Defaults tuned on an H200 (bf16, head_dim 128, block 16, graph replay):
-    batch-1 decode over 550 keys 7.6 us instead of ~40 us unsplit; 64 rows x 4 queries x 2048
-    keys 0.50 ms and 256 decode rows x 2048 keys 1.97 ms, i.e. about 4.3 TB/s of KV reads.
+    Keys are split (flash-decoding) when the (row, q-tile, kv-head) grid has fewer programs than
+    SMs, at most one split per ``block_n`` keys. Defaults picked from a sweep on an H200 (bf16,
+    head_dim 128, 32 heads, block 16, CUDA-graph replay), e.g. one decode row over 550 keys
+    7.3 us (13.8 unsplit), 64 rows x 4 queries x 2048 keys 0.49 ms and 256 decode rows x 2048
+    keys 1.92 ms, i.e. about 4.4 TB/s of KV reads.
     """
     group_pad = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))
     target_m = 64 if block_d <= 128 else 32
     block_q = min(triton.next_power_of_2(max(max_q, 1)), max(1, target_m // group_pad))
     block_q = max(block_q, 16 // group_pad, 1)
+    programs = max(num_rows, 1) * triton.cdiv(max(max_q, 1), block_q) * kv_heads
+    half_full = num_sms // 2 <= programs < num_sms  # splits help, but long tiles do not
     if block_n is None:
-        block_n = (128 if block_q * group_pad <= 32 else 64) if block_d <= 128 else 32
+        small_m = block_q * group_pad <= 32
+        block_n = (128 if small_m and not half_full else 64) if block_d <= 128 else 32
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
-        programs = max(num_rows, 1) * triton.cdiv(max(max_q, 1), block_q) * kv_heads
         num_splits = min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max(max_k, 1), block_n), 16)
     num_splits = max(num_splits, 1)
     if num_warps is None:
         num_warps = 8 if block_q * group_pad * block_d >= 128 * 128 else 4
     if num_stages is None:
-        num_stages = 1 if num_splits > 1 else 2
+        num_stages = 1 if num_splits > 1 and not half_full else 2
     return LaunchConfig(block_q, group_pad, block_n, block_d, num_splits, num_warps, num_stages)
 
 
