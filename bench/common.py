@@ -16,7 +16,7 @@ from specsched.daemon.components import EngineParts
 from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specsched.daemon.engine import Engine
 from specsched.models.config import get_preset
-from specsched.models.llama import KVCache, LlamaForCausalLM, rope_inv_freq
+from specsched.models.llama import KVCache, LlamaForCausalLM, make_decisive, rope_inv_freq
 from specsched.policies.acceptance import AcceptanceEstimator
 from specsched.policies.base import Policy
 from specsched.policies.cost_model import CostModels
@@ -56,7 +56,9 @@ def attn_backend_for(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-def random_model(preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
+def random_model(
+    preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0, is_decisive: bool = True
+) -> LlamaForCausalLM:
     """A random-init preset built directly on ``device`` (a 7B model in seconds: the weights are drawn
     by the device's generator, not on the CPU). Timing only: not the loader's seeded weights."""
     cfg = get_preset(preset)
@@ -74,6 +76,8 @@ def random_model(preset: str, device: torch.device, dtype: torch.dtype, seed: in
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)
+    if is_decisive and preset != "tiny":  # keep synthetic requests on their oracle path in bf16
+        make_decisive(model, seed)
     return model.requires_grad_(False).eval()
 
 

@@ -195,3 +195,23 @@ def init_random(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> Ll
             r = torch.randn(p.shape, generator=g, device=dev, dtype=torch.float32)
             p.copy_(1.0 + 0.1 * r if "norm" in name else r * std)
     return model
+
+
+def make_decisive(model: LlamaForCausalLM, seed: int = 0, residual_scale: float = 0.05) -> LlamaForCausalLM:
+    """Timing presets only: give random weights decisive greedy choices, so that bf16 rounding in a
+    different row layout (batch expansion vs MQA, another k) cannot flip a near-tie and move a request
+    off the synthetic proposer's oracle path. The layers' output projections are scaled down (the
+    residual stream stays close to the token's embedding) and the LM head's rows are a permutation of
+    the embedding rows, so the next token is ``perm^-1(token)`` by a wide margin (|e|^2 against
+    cross terms ~|e|^2 / sqrt(hidden)). Compute and bytes moved are unchanged."""
+    emb = model.model.embed_tokens.weight
+    g = torch.Generator(device=emb.device).manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(residual_scale)
+            layer.mlp.down_proj.weight.mul_(residual_scale)
+        if model.lm_head.weight is emb:  # tied: untie first
+            model.lm_head.weight = torch.nn.Parameter(emb.detach().clone(), requires_grad=False)
+        perm = torch.randperm(emb.shape[0], generator=g, device=emb.device)
+        model.lm_head.weight.copy_(emb[perm])
+    return model
