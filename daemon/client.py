@@ -19,7 +19,9 @@ talks to a daemon that requires CURVE (docs/operations.md).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import operator
 import struct
 import time
 import uuid
@@ -101,6 +103,28 @@ class ConnectionLost(SpecschedError, ConnectionError):
     """The connection dropped (or the client was closed or reconnected) while the request was in flight."""
 
 
+class AuthenticationFailed(ConnectionLost):
+    """The CURVE handshake failed: this client's key is not allowed, the server key is wrong, or one
+    side uses CURVE and the other does not. The daemon never saw the request."""
+
+
+_HANDSHAKE_FAILED = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the daemon refused this client's CURVE key (not allowed) "
+    "or the server key is wrong",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed: the daemon requires CURVE "
+    "(pass curve=CurveKeys(...)), or this client uses CURVE and the daemon does not",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed (a CURVE mismatch, or not a specsched daemon)",
+}
+_MONITORED = zmq.EVENT_DISCONNECTED | functools.reduce(operator.or_, _HANDSHAKE_FAILED)
+
+
+def _connection_error(event: int, rid: str | None) -> ConnectionLost:
+    """The error for requests pending when the monitor reported ``event``."""
+    if event in _HANDSHAKE_FAILED:
+        return AuthenticationFailed("auth_failed", _HANDSHAKE_FAILED[event], rid)
+    return ConnectionLost("connection_lost", "the connection to the daemon dropped", rid)
+
+
 class MessageTooLarge(SpecschedError, ValueError):
     """The encoded message exceeds ``max_message_bytes`` (the daemon's ZeroMQ would drop it and close
     the connection); nothing was sent."""
@@ -170,7 +194,7 @@ class _Base:
         self._sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1e3))  # never block forever on a send
         if self.curve is not None:
             self.curve.apply(self._sock)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(_MONITORED)
         self._sock.connect(self.endpoint)
 
     def _close_socket(self) -> None:
@@ -196,8 +220,8 @@ class _Base:
         return RequestTimeout("timeout", f"could not queue a message within {self.timeout_s} s", rid)
 
     @staticmethod
-    def _is_disconnect(frames: list[bytes]) -> bool:
-        return struct.unpack("=H", frames[0][:2])[0] == zmq.EVENT_DISCONNECTED
+    def _event(frames: list[bytes]) -> int:
+        return struct.unpack("=H", frames[0][:2])[0]
 
     def _close_sockets(self) -> None:
         self._is_closed = True
@@ -228,7 +252,7 @@ class Client(_Base):
         self._register()
         self._buffers: dict[str, deque[Message]] = {}
         self._pending: set[str] = set()  # ids with replies still to come
-        self._lost: set[str] = set()  # pending ids whose connection dropped
+        self._lost: dict[str, int] = {}  # pending ids whose connection dropped -> the monitor event
         self._abandoned: set[str] = set()  # ids whose remaining replies are dropped
         self._to_cancel: list[str] = []  # abandoned by a garbage-collected stream; cancelled at the next call
 
@@ -274,7 +298,7 @@ class Client(_Base):
         raises :class:`ConnectionLost` when next waited on; the daemon aborts them when it notices."""
         if self._is_closed:
             raise ConnectionLost("closed", "the client is closed")
-        self._lost |= self._pending
+        self._lost.update(dict.fromkeys(self._pending - set(self._lost), zmq.EVENT_DISCONNECTED))
         self._buffers.clear()
         self._abandoned.clear()
         self._to_cancel.clear()
@@ -300,14 +324,22 @@ class Client(_Base):
         except zmq.Again:  # SNDTIMEO: the queue to the daemon stayed full (it is gone or stuck)
             raise self._send_timeout(rid) from None
 
+    def _drain_monitor(self) -> None:
+        """Connection events concern the requests pending now (the first event names the cause)."""
+        while self._monitor.poll(0):
+            event = self._event(self._monitor.recv_multipart())
+            for pending in self._pending:
+                self._lost.setdefault(pending, event)
+
     def _submit(self, msg: Generate | Stats | Health):
         self._send_deferred_cancels()
+        self._drain_monitor()  # events from before this request are not about it
         if msg.id in self._pending:
             raise DuplicateId(ErrorCode.DUPLICATE_ID.value, f"id {msg.id!r} is already in flight", msg.id)
         data = self._encode(msg)
         self._send(data, msg.id)
         self._pending.add(msg.id)
-        self._lost.discard(msg.id)  # an id reused after reconnect()
+        self._lost.pop(msg.id, None)  # an id reused after reconnect()
         return msg
 
     def _final(self, rid: str, kind: type):
@@ -349,9 +381,8 @@ class Client(_Base):
                     del self._buffers[rid]
                 return msg
             if rid in self._lost:
-                self._lost.discard(rid)
                 self._pending.discard(rid)
-                raise ConnectionLost("connection_lost", "the connection to the daemon dropped", rid)
+                raise _connection_error(self._lost.pop(rid), rid)
             if self._is_closed:
                 raise ConnectionLost("closed", "the client is closed", rid)
             remaining = deadline - time.monotonic()
@@ -359,8 +390,8 @@ class Client(_Base):
                 self._abandon(rid)
                 raise RequestTimeout("timeout", f"no reply for {rid!r} within {self.timeout_s} s", rid)
             events = dict(self._poller.poll(remaining * 1e3))
-            if self._monitor in events and self._is_disconnect(self._monitor.recv_multipart()):
-                self._lost |= self._pending
+            if self._monitor in events:
+                self._drain_monitor()
             if self._sock in events:
                 while self._sock.poll(0):
                     self._route(self._sock.recv())
@@ -541,6 +572,8 @@ class AsyncClient(_Base):
             raise DuplicateId(ErrorCode.DUPLICATE_ID.value, f"id {msg.id!r} is already in flight", msg.id)
         data = self._encode(msg)
         if self._reader is None:
+            while await self._monitor.poll(0):  # events from before the reader ran concern no request
+                await self._monitor.recv_multipart()
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
         queue = self._queues[msg.id] = asyncio.Queue()
         try:
@@ -568,6 +601,9 @@ class AsyncClient(_Base):
             self._queues.pop(rid, None)
             code = "closed" if self._is_closed else "connection_lost"
             raise ConnectionLost(code, "the connection to the daemon dropped or the client was closed", rid)
+        if isinstance(msg, int):  # a monitor event
+            self._queues.pop(rid, None)
+            raise _connection_error(msg, rid)
         return msg
 
     def _forget(self, rid: str) -> None:
@@ -591,9 +627,10 @@ class AsyncClient(_Base):
         poller.register(self._monitor, zmq.POLLIN)
         while True:
             events = dict(await poller.poll())
-            if self._monitor in events and self._is_disconnect(await self._monitor.recv_multipart()):
+            if self._monitor in events:
+                event = self._event(await self._monitor.recv_multipart())
                 for q in self._queues.values():
-                    q.put_nowait(_LOST)
+                    q.put_nowait(event)
                 self._queues.clear()
             if self._sock in events:
                 while await self._sock.poll(0):

@@ -28,6 +28,7 @@ MAX_TEMPERATURE = 100.0
 MAX_SPEC_K = 1024
 MAX_PROPOSER_CHARS = 64
 MAX_TIMEOUT_S = 604_800.0  # generate.timeout: one week at most
+MAX_MAP_KEYS = 1024  # any map in any message: more keys are refused while parsing, before they are built
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -465,7 +466,7 @@ def decode(frame: bytes, *, allowed: tuple[str, ...] = CLIENT_TYPES) -> Message:
     """Parse one frame into a message of one of the ``allowed`` types (the server passes
     CLIENT_TYPES, a client SERVER_TYPES). Raises :class:`ProtocolError` naming the problem."""
     try:
-        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True, max_map_len=MAX_MAP_KEYS)
     except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError, ...)
         raise ProtocolError(
             ErrorCode.BAD_MESSAGE, f"frame is not one msgpack value ({type(e).__name__}: {e})"

@@ -1,9 +1,10 @@
 """Fixtures that run the real daemon as a subprocess on a free loopback port.
 
 ``start_daemon(**options)`` launches ``python -c LAUNCHER`` (a real engine + ``Server.serve_forever``)
-and waits until it answers ``health``; every daemon started is stopped at the end of the session.
-``tiny_daemon`` (preset ``tiny``, no tokenizer) and ``text_daemon`` (a tiny HF checkpoint with a
-byte-level BPE tokenizer and a chat template) are shared by the whole session.
+and waits until it answers ``health``; ``start_cli_daemon(*overrides)`` launches ``specsched-serve``
+itself (``python -m specsched.daemon``, hydra config); every daemon started is stopped at the end of
+the session. ``tiny_daemon`` (preset ``tiny``, no tokenizer) and ``text_daemon`` (a tiny HF checkpoint
+with a byte-level BPE tokenizer and a chat template) are shared by the whole session.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import msgpack
 import pytest
 import zmq
 
+from specsched.daemon.auth import CurveKeys, KeyPair, public_key_path, read_public_key
+
 # The daemon process: engine from the JSON spec in argv[1], optional decision log, serve until a signal.
 LAUNCHER = """
 import json, logging, sys
@@ -38,7 +41,7 @@ engine = Engine.from_config(cfg)
 log = None
 if spec["log_path"]:
     from specsched.daemon.log import LogConfig, LogWriter
-    log = LogWriter(LogConfig(path=spec["log_path"], flush_interval_s=0.1))
+    log = LogWriter(LogConfig(**{"flush_interval_s": 0.1, **spec["log"], "path": spec["log_path"]}))
     log.start_run(spec, model=cfg.model.source, device="cpu", version="test")
 Server(engine, DaemonConfig(**spec["daemon"]), log).serve_forever()
 print("specsched test daemon: clean exit", flush=True)
@@ -67,9 +70,17 @@ class DaemonProcess:
     output_path: Path
     log_path: Path | None
     options: dict = field(default_factory=dict)
+    curve: CurveKeys | None = None  # the keys of an allowed client (CURVE daemons)
 
     def output(self) -> str:
         return self.output_path.read_text(errors="replace")
+
+    def rss_bytes(self) -> int:
+        """The daemon's resident memory, read from /proc (psutil is not installed)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS line")
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
         """Send ``sig`` and wait for the exit code."""
@@ -85,12 +96,26 @@ class DaemonProcess:
             ) from None
 
 
-def _wait_ready(d: DaemonProcess, timeout_s: float) -> None:
+def _curve_keys(d: DaemonProcess, client: KeyPair, deadline: float) -> CurveKeys:
+    """The client's keys for a CURVE daemon, once it has written (generated) its public key."""
+    public = public_key_path(d.options["daemon"]["curve_key_file"])
+    while not public.exists():
+        if d.proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"daemon wrote no public key {public}:\n{d.output()}")
+        time.sleep(0.05)
+    return CurveKeys(read_public_key(public), client.public, client.secret)
+
+
+def _wait_ready(d: DaemonProcess, timeout_s: float, curve_client: KeyPair | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    if curve_client is not None:
+        d.curve = _curve_keys(d, curve_client, deadline)
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if d.curve is not None:
+        d.curve.apply(sock)
     sock.connect(d.endpoint)
-    deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
             if d.proc.poll() is not None:
@@ -112,8 +137,18 @@ def launch(
     daemon: dict | None = None,
     log_db: bool = False,
     max_num_seqs: int = 64,
+    scheduler: dict | None = None,
+    log: dict | None = None,
+    log_path: Path | None = None,
+    endpoint: str | None = None,
+    curve_client: KeyPair | None = None,
 ) -> DaemonProcess:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    """Start a daemon. ``log_path`` (implies a log) lets a restart append to the same file,
+    ``endpoint`` lets it take the same port; ``curve_client``: an allowed client's key pair (the
+    daemon's config names the key files), used to wait for it and stored as ``DaemonProcess.curve``."""
+    endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
+    if log_db and log_path is None:
+        log_path = tmp_dir / "log.sqlite"
     spec = {
         "model": {
             "source": "tiny",
@@ -123,10 +158,11 @@ def launch(
             **(model or {}),
         },
         "cache": {"block_size": 16, "num_blocks": num_blocks},
-        "scheduler": {"max_num_seqs": max_num_seqs},
+        "scheduler": {"max_num_seqs": max_num_seqs, **(scheduler or {})},
         "spec": {"proposer": "ngram", "max_k": 4},
         "daemon": {**DEFAULT_DAEMON, **(daemon or {}), "endpoint": endpoint},
-        "log_path": str(tmp_dir / "log.sqlite") if log_db else None,
+        "log_path": str(log_path) if log_path is not None else None,
+        "log": log or {},
     }
     out = tmp_dir / "daemon.out"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -134,9 +170,39 @@ def launch(
         proc = subprocess.Popen(
             [sys.executable, "-c", LAUNCHER, json.dumps(spec)], stdout=f, stderr=subprocess.STDOUT, env=env
         )
-    d = DaemonProcess(endpoint, proc, out, tmp_dir / "log.sqlite" if log_db else None, spec)
+    d = DaemonProcess(endpoint, proc, out, log_path, spec)
     try:
-        _wait_ready(d, timeout_s=180.0)
+        _wait_ready(d, timeout_s=180.0, curve_client=curve_client)
+    except BaseException:
+        proc.kill()
+        raise
+    return d
+
+
+def launch_cli(
+    tmp_dir: Path, *overrides: str, endpoint: str | None = None, curve_client: KeyPair | None = None
+) -> DaemonProcess:
+    """``python -m specsched.daemon model=tiny ... *overrides`` (the real ``specsched-serve``), in
+    ``tmp_dir``; the options recorded are the ``daemon.*`` overrides."""
+    endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
+    args = ["model=tiny", "model.device=cpu", "cache.num_blocks=64", f"daemon.endpoint={endpoint}"]
+    args += overrides
+    pairs = [a.split("=", 1) for a in args]
+    daemon = {k[len("daemon.") :]: v for k, v in pairs if k.startswith("daemon.")}
+    out = tmp_dir / "daemon.out"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specsched.daemon", *args],
+            cwd=tmp_dir,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    log_path = next((tmp_dir / a.split("=", 1)[1] for a in args if a.startswith("log.path=")), None)
+    d = DaemonProcess(endpoint, proc, out, log_path, {"daemon": daemon, "args": args})
+    try:
+        _wait_ready(d, timeout_s=180.0, curve_client=curve_client)
     except BaseException:
         proc.kill()
         raise
@@ -146,10 +212,20 @@ def launch(
 @pytest.fixture(scope="session")
 def start_daemon(tmp_path_factory):
     """``start_daemon(**launch_options) -> DaemonProcess``; all are stopped at session end."""
+    yield from _starter(lambda **options: launch(tmp_path_factory.mktemp("daemon"), **options))
+
+
+@pytest.fixture(scope="session")
+def start_cli_daemon(tmp_path_factory):
+    """``start_cli_daemon(*overrides, **launch_cli_options) -> DaemonProcess``; stopped at session end."""
+    yield from _starter(lambda *a, **kw: launch_cli(tmp_path_factory.mktemp("cli-daemon"), *a, **kw))
+
+
+def _starter(launcher):
     started: list[DaemonProcess] = []
 
-    def start(**options) -> DaemonProcess:
-        d = launch(tmp_path_factory.mktemp("daemon"), **options)
+    def start(*args, **options) -> DaemonProcess:
+        d = launcher(*args, **options)
         started.append(d)
         return d
 

@@ -173,6 +173,7 @@ KNOWN = {
     "seed",
     "stop",
     "stream",
+    "timeout",
     "spec",
 }
 
