@@ -18,10 +18,10 @@ from specsched.daemon.records import RequestOutput, StepRecord, StepRequestRecor
 from specsched.daemon.request import FinishReason, Request, SamplingParams, SpecParams
 from specsched.daemon.scheduler import ScheduledBatch, Scheduler
 from specsched.daemon.stats import EngineStats
-from specsched.kernels.metadata import build_metadata
 from specsched.kernels.rejection_sampling import verify
 from specsched.policies.base import BatchView, Policy, RequestView
 from specsched.proposers.base import Proposals
+from specsched.scorers.inputs import build_chunk_inputs, tokens_from
 
 
 class Engine:
@@ -72,7 +72,9 @@ class Engine:
             )
         if self.scheduler.blocks_for(n + 1) > self.scheduler.allocator.num_usable:
             raise ValueError(f"prompt of {n} tokens needs more KV blocks than the cache has")
-        req.sampling.max_tokens = min(req.sampling.max_tokens, self.max_model_len - n)
+        # a request alone must always fit the KV cache (else it could be preempted forever)
+        capacity = self.scheduler.allocator.num_usable * self.cfg.cache.block_size - 1
+        req.sampling.max_tokens = min(req.sampling.max_tokens, self.max_model_len - n, capacity - n)
         req.arrival_time = req.arrival_time or time.time()
         self.requests[req.request_id] = req
         self.scheduler.add(req)
@@ -127,6 +129,8 @@ class Engine:
             for r, e, k, b in zip(reqs, emitted, props.num_draft, result.match_bits())
         ]
         outputs = self._commit(reqs, emitted, props.num_draft, True)
+        for q, out in zip(rec.requests, outputs):
+            q.num_emitted = len(out.new_token_ids)
         rec.batch_size, rec.num_tokens, rec.num_emitted = (
             len(reqs),
             sum(k + 1 for k in props.num_draft),
@@ -149,21 +153,19 @@ class Engine:
         rec = StepRecord(self.num_steps, "prefill", time.time(), len(reqs), sum(chunks))
         starts = [r.num_computed for r in reqs]
         ends = [s + c for s, c in zip(starts, chunks)]
-        meta = build_metadata(
-            chunks, ends, [r.block_table for r in reqs], self.cfg.cache.block_size, self.device
-        )
-        ids = torch.tensor(
-            [t for r, s, e in zip(reqs, starts, ends) for t in r.token_ids[s:e]], dtype=torch.int64
-        )
-        pos = torch.tensor([p for s, e in zip(starts, ends) for p in range(s, e)], dtype=torch.int64)
         sample = [
             i for i, (r, e) in enumerate(zip(reqs, ends)) if not r.output_ids and e == r.num_prompt_tokens
         ]
-        last = torch.tensor(chunks).cumsum(0)[sample] - 1
+        x, last = build_chunk_inputs(
+            [tokens_from(r, s)[:c] for r, s, c in zip(reqs, starts, chunks)],
+            starts,
+            [r.block_table for r in reqs],
+            self.cfg.cache.block_size,
+            self.device,
+            logits_rows=sample,
+        )
         with self._timed(rec, "score_ms"):
-            logits = self.model(
-                ids.to(self.device), pos.to(self.device), meta, self.kv_cache, last.to(self.device)
-            )
+            logits = self.model(x.input_ids, x.positions, x.meta, self.kv_cache, last)
         for r, e in zip(reqs, ends):
             r.num_computed = e
         done = [reqs[i] for i in sample]
@@ -183,27 +185,20 @@ class Engine:
             n: iter(self.proposers[n].peek([r for r, m in zip(reqs, names) if m == n]).max_k)
             for n in set(names)
         }
-        views = []
+        max_k, max_len, views = self.cfg.spec.max_k, self.max_model_len, []
         for r, n in zip(reqs, names):
+            num_tokens = r.num_tokens
             cap = min(
                 next(peek[n]),
-                self.cfg.spec.max_k,
-                r.sampling.max_tokens - r.num_output_tokens - 1,
-                self.max_model_len - r.num_tokens,
+                max_k,
+                r.sampling.max_tokens - len(r.output_ids) - 1,
+                max_len - num_tokens,
             )
             if r.spec.max_k is not None:
                 cap = min(cap, r.spec.max_k)
+            mean, std = self.acceptance.mean_std(r.request_id, n)
             views.append(
-                RequestView(
-                    r.request_id,
-                    r.num_tokens,
-                    n,
-                    max(cap, 0),
-                    self.acceptance.mean(r.request_id, n),
-                    self.acceptance.std(r.request_id, n),
-                    r.last_k,
-                    r.last_accepted,
-                )
+                RequestView(r.request_id, num_tokens, n, max(cap, 0), mean, std, r.last_k, r.last_accepted)
             )
         return BatchView(
             views,
@@ -235,14 +230,8 @@ class Engine:
         outputs = []
         for r, toks, k in zip(reqs, emitted, num_draft):
             n_acc = len(toks) - 1
-            reason = None
-            kept = []
-            for t in toks:
-                kept.append(t)
-                r.output_ids.append(t)
-                reason = self._stop_reason(r, t)
-                if reason is not None:
-                    break
+            kept, reason = self._kept(r, toks)
+            r.output_ids.extend(kept)
             if is_decode:
                 r.num_proposed += k
                 r.num_accepted += n_acc
@@ -259,13 +248,18 @@ class Engine:
             p.on_commit([r for r in reqs if not r.is_finished])
         return outputs
 
-    def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
+    def _kept(self, r: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
+        """The prefix of ``tokens`` the request keeps, through the first one that stops it (EOS or a
+        stop id: STOP; max_tokens or the model's context reached: LENGTH), and that reason."""
         s = r.sampling
-        if (token in self.eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
-            return FinishReason.STOP
-        if r.num_output_tokens >= s.max_tokens or r.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        eos = () if s.ignore_eos else self.eos_token_ids
+        num_out, num_prompt = len(r.output_ids), len(r.prompt_ids)
+        for i, t in enumerate(tokens, 1):
+            if t in eos or t in s.stop_token_ids:
+                return tokens[:i], FinishReason.STOP
+            if num_out + i >= s.max_tokens or num_prompt + num_out + i >= self.max_model_len:
+                return tokens[:i], FinishReason.LENGTH
+        return tokens, None
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)

@@ -37,7 +37,7 @@ CREATE TABLE IF NOT EXISTS steps (run_id INTEGER, step INTEGER, kind TEXT, start
     predicted_propose_ms REAL, predicted_score_ms REAL, predicted_verify_ms REAL, predicted_ms REAL,
     propose_ms REAL, score_ms REAL, verify_ms REAL, total_ms REAL, num_emitted INTEGER, plan_info TEXT);
 CREATE TABLE IF NOT EXISTS step_requests (run_id INTEGER, step INTEGER, request_id TEXT,
-    context_len INTEGER, k INTEGER, num_accepted INTEGER, match_bits TEXT);
+    context_len INTEGER, k INTEGER, num_accepted INTEGER, match_bits TEXT, num_emitted INTEGER);
 CREATE INDEX IF NOT EXISTS requests_run_request ON requests (run_id, request_id);
 CREATE INDEX IF NOT EXISTS steps_run_step ON steps (run_id, step);
 CREATE INDEX IF NOT EXISTS step_requests_run_step ON step_requests (run_id, step);
@@ -47,7 +47,7 @@ STEP_FIELDS = (
     "step kind start_time batch_size num_tokens scorer policy proposer is_synthetic predicted_propose_ms "
     "predicted_score_ms predicted_verify_ms predicted_ms propose_ms score_ms verify_ms total_ms num_emitted"
 ).split()
-STEP_REQUEST_FIELDS = ("request_id", "context_len", "k", "num_accepted", "match_bits")
+STEP_REQUEST_FIELDS = ("request_id", "context_len", "k", "num_accepted", "match_bits", "num_emitted")
 
 
 class LogFormatError(Exception):

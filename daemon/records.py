@@ -12,6 +12,7 @@ class StepRequestRecord:
     k: int  # drafts scored (<= planned k when the proposer had fewer)
     num_accepted: int  # drafts accepted (0..k); emitted = num_accepted + 1
     match_bits: str = ""  # greedy only: "1" per draft that matched the target, up to the first "0"
+    num_emitted: int = 0  # tokens committed to the output (num_accepted + 1, fewer when a stop cut the step)
 
 
 @dataclass

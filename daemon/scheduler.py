@@ -103,10 +103,8 @@ class Scheduler:
     def finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
         self.release(req)
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        if not _remove(self.running, req):
+            _remove(self.waiting, req)
 
     def preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop its KV, requeue at the front; its tokens are kept."""
@@ -115,7 +113,7 @@ class Scheduler:
         req.num_draft_computed = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.running.remove(req)
+        _remove(self.running, req)
         self.waiting.appendleft(req)
 
     # ---- scheduling ----------------------------------------------------------------------------
@@ -162,8 +160,10 @@ class Scheduler:
         requests that do not fit; when even one slot does not fit, the newest running request is
         preempted. Returns the requests that stay in this step and their k."""
         kept, ks = [], []
+        running = {id(r) for r in self.running}  # by identity: Request's == compares every field
+        num_running = len(running)
         for req, ki in zip(batch, k):
-            if req not in self.running:  # preempted below in this call
+            if id(req) not in running:  # not running, or preempted below in this call
                 continue
             while not self.reserve(req, req.num_tokens + ki):
                 if ki > 0:
@@ -171,10 +171,23 @@ class Scheduler:
                     continue
                 victim = self.running[-1]
                 self.preempt(victim)
+                running.discard(id(victim))
                 if victim is req:
                     break
             else:
                 kept.append(req)
                 ks.append(ki)
-        survivors = [(r, ki) for r, ki in zip(kept, ks) if r in self.running]
+        if len(running) == num_running:  # nobody preempted
+            return kept, ks
+        survivors = [(r, ki) for r, ki in zip(kept, ks) if id(r) in running]
         return [r for r, _ in survivors], [ki for _, ki in survivors]
+
+
+def _remove(queue: list[Request] | deque[Request], req: Request) -> bool:
+    """Remove ``req`` itself (by identity: Request's dataclass ``==`` compares every field) from
+    ``queue``; False when it is not there."""
+    for i, r in enumerate(queue):
+        if r is req:
+            del queue[i]
+            return True
+    return False

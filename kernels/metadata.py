@@ -9,8 +9,10 @@ is slot ``block_tables[i, p // block_size] * block_size + p % block_size``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -42,14 +44,47 @@ class AttentionMetadata:
         )
 
 
+def metadata_from_host(
+    cu_seqlens_q: np.ndarray,  # [B+1] int
+    seq_lens_k: np.ndarray,  # [B] int
+    block_tables: np.ndarray,  # [B, max_blocks] int
+    slot_mapping: torch.Tensor,  # [T] int64, already on ``device``
+    max_q: int,
+    max_k: int,
+    device: torch.device | str,
+) -> AttentionMetadata:
+    """Metadata from host arrays: the int32 fields travel in one host-to-device copy (views of one
+    buffer), no device sync."""
+    rows, width = block_tables.shape
+    host = np.concatenate([cu_seqlens_q, seq_lens_k, block_tables.ravel()]).astype(np.int32, copy=False)
+    buf = torch.from_numpy(host).to(device, non_blocking=True)
+    return AttentionMetadata(
+        cu_seqlens_q=buf[: rows + 1],
+        seq_lens_k=buf[rows + 1 : 2 * rows + 1],
+        block_tables=buf[2 * rows + 1 :].view(rows, width),
+        slot_mapping=slot_mapping,
+        max_q=max_q,
+        max_k=max_k,
+    )
+
+
+def pad_block_tables(block_tables: list[list[int]]) -> np.ndarray:  # [B, max_blocks] int32
+    """Rows padded with 0 (the reserved pad block) to the longest; at least one column."""
+    width = max(map(len, block_tables), default=0) or 1
+    out = np.zeros((len(block_tables), width), dtype=np.int32)
+    for i, table in enumerate(block_tables):
+        out[i, : len(table)] = table
+    return out
+
+
 def build_metadata(
-    q_lens: list[int],
-    k_lens: list[int],
+    q_lens: Sequence[int] | np.ndarray,
+    k_lens: Sequence[int] | np.ndarray,
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
-    """Build metadata from plain lists (host side, one copy to ``device``).
+    """Build metadata from plain lists (vectorised on the host, two copies to ``device``).
 
     ``q_lens[i]`` new tokens of row i sit at key positions ``k_lens[i]-q_lens[i] .. k_lens[i]-1``;
     their K/V slots come from ``block_tables[i]``.
@@ -59,26 +94,22 @@ def build_metadata(
             f"q_lens, k_lens and block_tables differ in length: "
             f"{len(q_lens)}, {len(k_lens)}, {len(block_tables)}"
         )
-    cu = [0]
-    slots: list[int] = []
-    for q, k, table in zip(q_lens, k_lens, block_tables):
-        if q < 0 or k < q:
-            raise ValueError(f"row needs 0 <= q_len <= k_len, got q_len={q}, k_len={k}")
-        if k > len(table) * block_size:
-            raise ValueError(f"row with {k} keys needs {-(-k // block_size)} blocks, has {len(table)}")
-        cu.append(cu[-1] + q)
-        for p in range(k - q, k):
-            slots.append(table[p // block_size] * block_size + p % block_size)
-    max_blocks = max((len(t) for t in block_tables), default=0) or 1
-    bt = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
-    for i, t in enumerate(block_tables):
-        if t:
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return AttentionMetadata(
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        seq_lens_k=torch.tensor(k_lens, dtype=torch.int32),
-        block_tables=bt,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_q=max(q_lens, default=0),
-        max_k=max(k_lens, default=0),
-    ).to(device)
+    q = np.asarray(q_lens, dtype=np.int64).reshape(-1)
+    k = np.asarray(k_lens, dtype=np.int64).reshape(-1)
+    tables = pad_block_tables(block_tables)
+    num_blocks = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    bad_q, bad_k = (q < 0) | (k < q), k > num_blocks * block_size
+    if (bad_q | bad_k).any():
+        i = int(np.argmax(bad_q | bad_k))  # the first bad row, its first problem
+        if bad_q[i]:
+            raise ValueError(f"row needs 0 <= q_len <= k_len, got q_len={q[i]}, k_len={k[i]}")
+        raise ValueError(f"row with {k[i]} keys needs {-(-k[i] // block_size)} blocks, has {num_blocks[i]}")
+    cu = np.zeros(len(q) + 1, dtype=np.int64)
+    np.cumsum(q, out=cu[1:])
+    row = np.repeat(np.arange(len(q)), q)  # [T] row of each new token
+    pos = np.arange(int(cu[-1])) - cu[row] + (k - q)[row]  # [T] key position of each new token
+    slots = tables[row, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    return metadata_from_host(
+        cu, k, tables, torch.from_numpy(slots).to(device, non_blocking=True),
+        max_q=int(q.max(initial=0)), max_k=int(k.max(initial=0)), device=device,
+    )  # fmt: skip

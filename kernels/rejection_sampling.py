@@ -17,13 +17,15 @@ Each request therefore emits ``num_accepted + 1`` tokens per step.
 
 Layout: request i owns target rows ``cu_num_draft[i] + i ... cu_num_draft[i+1] + i`` (k_i + 1
 rows, inclusive); the row scoring draft j is at offset j, the last row is for the bonus token.
-Work is vectorised over the batch with padded ``[B, max_k]`` tensors; the only per-request loop
-(in :func:`verify`) draws each request's uniforms from its own generator.
+Sampled verification is vectorised over the batch with padded ``[B, max_k]`` tensors (the only
+per-request loop, in :func:`verify`, draws each request's uniforms from its own generator). Greedy
+verification needs only the argmax: one device op and one host copy of the argmaxes and drafts,
+then a host walk over at most sum(k_i + 1) tokens (a few dozen device ops less per step).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,41 +36,46 @@ from specsched.proposers.base import Proposals
 
 @dataclass
 class VerifyResult:
-    """Tokens each request emits this step: accepted drafts, then one recovered or bonus token."""
+    """Tokens each request emits this step: accepted drafts, then one recovered or bonus token.
 
-    output_tokens: torch.Tensor  # [B, max_k + 1] int64, padded with -1
-    num_accepted: torch.Tensor  # [B] int64
-    num_draft: list[int]  # [B] host ints: drafts verified per request
-    _host: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    Held on the host (verification ends with one device-to-host copy); the padded tensor views are
+    built on demand."""
+
+    emitted: list[list[int]]  # [B] per request: accepted drafts + the recovered/bonus token
+    num_draft: list[int]  # [B] drafts verified per request
 
     @property
     def num_requests(self) -> int:
         return len(self.num_draft)
 
     @property
-    def num_emitted(self) -> torch.Tensor:  # [B] int64
+    def output_tokens(self) -> torch.Tensor:  # [B, max_k + 1] int64 (CPU), padded with -1
+        out = torch.full((len(self.emitted), max(self.num_draft, default=0) + 1), -1, dtype=torch.int64)
+        for i, e in enumerate(self.emitted):
+            out[i, : len(e)] = torch.tensor(e, dtype=torch.int64)
+        return out
+
+    @property
+    def num_accepted(self) -> torch.Tensor:  # [B] int64 (CPU)
+        return torch.tensor(self.num_accepted_list(), dtype=torch.int64)
+
+    @property
+    def num_emitted(self) -> torch.Tensor:  # [B] int64 (CPU)
         return self.num_accepted + 1
 
-    def _fetch(self) -> list[list[int]]:
-        """One device->host transfer: each row is output tokens (padded) + [num_accepted]."""
-        if self._host is None:
-            both = torch.cat([self.output_tokens, self.num_accepted.unsqueeze(1)], dim=1)
-            self._host = both.tolist()
-        return self._host
-
     def to_lists(self) -> list[list[int]]:
-        """Emitted tokens per request (one host sync, cached)."""
-        return [row[: row[-1] + 1] for row in self._fetch()]
+        """Emitted tokens per request."""
+        return self.emitted
 
     def num_accepted_list(self) -> list[int]:
-        return [row[-1] for row in self._fetch()]
+        return [len(e) - 1 for e in self.emitted]
 
     def match_bits(self) -> list[str]:
         """Per request: "1" per accepted draft, then "0" if a draft was rejected (greedy: the
         draft/target match pattern up to the first mismatch)."""
         return [
-            "1" * a + ("0" if a < k else "")
-            for a, k in zip(self.num_accepted_list(), self.num_draft, strict=True)
+            "1" * (len(e) - 1) + ("0" if len(e) <= k else "")
+            for e, k in zip(self.emitted, self.num_draft, strict=True)
         ]
 
 
@@ -84,8 +91,8 @@ class _Layout:
     num_draft: torch.Tensor  # [B] int64
 
 
-def _layout(proposals: Proposals, num_target_rows: int, device: torch.device) -> _Layout:
-    num_req, max_k, num_tok = proposals.num_requests, proposals.max_k, proposals.num_tokens
+def _check(proposals: Proposals, num_target_rows: int) -> None:
+    num_req, num_tok = proposals.num_requests, proposals.num_tokens
     if any(k < 0 for k in proposals.num_draft):
         raise ValueError(f"num_draft must be >= 0, got {proposals.num_draft}")
     if proposals.cu_num_draft.shape != (num_req + 1,):
@@ -100,6 +107,11 @@ def _layout(proposals: Proposals, num_target_rows: int, device: torch.device) ->
             f"target has {num_target_rows} rows; {num_req} requests with {num_tok} drafts need "
             f"{num_tok + num_req} (k_i + 1 per request)"
         )
+
+
+def _layout(proposals: Proposals, num_target_rows: int, device: torch.device) -> _Layout:
+    _check(proposals, num_target_rows)
+    num_req, max_k, num_tok = proposals.num_requests, proposals.max_k, proposals.num_tokens
     cu = proposals.cu_num_draft.to(device)
     num_draft = torch.tensor(proposals.num_draft, dtype=torch.int64, device=device)
     offsets = torch.arange(max_k, device=device)
@@ -126,10 +138,12 @@ def _leading_true(accept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _assemble(
     layout: _Layout, kept: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor, num_draft: list[int]
 ) -> VerifyResult:
+    """One device-to-host copy: each row is the padded output tokens, then num_accepted."""
     out = torch.where(kept, layout.draft, -1)  # [B, K]
-    out = torch.cat([out, torch.full_like(num_accepted, -1).unsqueeze(1)], dim=1)  # [B, K + 1]
-    out.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
-    return VerifyResult(output_tokens=out, num_accepted=num_accepted, num_draft=list(num_draft))
+    out = torch.cat([out, final.unsqueeze(1), num_accepted.unsqueeze(1)], dim=1)  # [B, K + 2]
+    rows = out.tolist()
+    emitted = [row[: row[-1]] + [row[-2]] for row in rows]
+    return VerifyResult(emitted, list(num_draft))
 
 
 def verify_greedy(
@@ -138,15 +152,25 @@ def verify_greedy(
 ) -> VerifyResult:
     """Greedy verification: accept while argmax p_j == d_j; emit argmax at the first mismatch, or
     the bonus argmax after all k_i are accepted. Equal to non-speculative greedy decoding by
-    construction (every emitted token is the target argmax given the accepted prefix)."""
+    construction (every emitted token is the target argmax given the accepted prefix). The argmax
+    runs on the logits' device; the comparison walks the host copy."""
     if target_logits.dim() != 2:
         raise ValueError(f"target_logits must be [rows, vocab], got shape {tuple(target_logits.shape)}")
-    device = target_logits.device
-    layout = _layout(proposals, target_logits.shape[0], device)
+    num_rows = target_logits.shape[0]
+    _check(proposals, num_rows)
     argmax = target_logits.argmax(dim=-1)  # [N + B]
-    kept, num_accepted = _leading_true(layout.valid & (argmax[layout.rows] == layout.draft))
-    final = argmax[layout.first_row + num_accepted]
-    return _assemble(layout, kept, num_accepted, final, proposals.num_draft)
+    if proposals.num_tokens:  # one device-to-host copy of the argmaxes and the drafts
+        host = torch.cat([argmax, proposals.draft_tokens.to(argmax.device)]).tolist()
+    else:
+        host = argmax.tolist()
+    emitted, row, d = [], 0, num_rows  # row: request's first target row; d: its first draft in host
+    for k in proposals.num_draft:
+        a = 0
+        while a < k and host[row + a] == host[d + a]:
+            a += 1
+        emitted.append(host[d : d + a] + [host[row + a]])
+        row, d = row + k + 1, d + k
+    return VerifyResult(emitted, list(proposals.num_draft))
 
 
 def verify_sampled(

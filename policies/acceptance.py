@@ -133,6 +133,11 @@ class AcceptanceEstimator:
     def std(self, request_id: str, proposer: str) -> float:
         return beta_std(*self.posterior(request_id, proposer))
 
+    def mean_std(self, request_id: str, proposer: str) -> tuple[float, float]:
+        """(:meth:`mean`, :meth:`std`) from one posterior lookup."""
+        alpha, beta = self.posterior(request_id, proposer)
+        return alpha / (alpha + beta), beta_std(alpha, beta)
+
     def aggregate_mean(self, proposer: str) -> float:
         """Mean acceptance of the prior a new request of ``proposer`` would get now."""
         alpha, beta = self.prior(proposer)

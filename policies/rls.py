@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,6 +44,15 @@ class OnlineLinearModel:
         self.num_updates = 0
 
     @property
+    def coef(self) -> np.ndarray:  # [F] float64; assign a new array to change it (not in place)
+        return self._coef
+
+    @coef.setter
+    def coef(self, value: Sequence[float] | np.ndarray) -> None:
+        self._coef = np.asarray(value, dtype=np.float64)
+        self._coef_list = self._coef.tolist()  # python floats: predict multiplies no numpy scalars
+
+    @property
     def num_features(self) -> int:
         return len(self.coef)
 
@@ -50,25 +60,27 @@ class OnlineLinearModel:
         """max(0, w·x); entries of ``x`` may be arrays of one shape (then an array comes back)."""
         if len(x) != self.num_features:
             raise ValueError(f"expected {self.num_features} features, got {len(x)}")
-        y = sum(float(w) * xi for w, xi in zip(self.coef, x, strict=True))
+        y = sum(w * xi for w, xi in zip(self._coef_list, x, strict=True))
         return np.maximum(y, 0.0) if isinstance(y, np.ndarray) else max(float(y), 0.0)
 
     def update(self, x: Sequence[float], y: float) -> None:
         x = np.asarray(x, dtype=np.float64)
         if x.shape != (self.num_features,):
             raise ValueError(f"expected {self.num_features} features, got shape {x.shape}")
-        if not (np.all(np.isfinite(x)) and np.isfinite(y)):
+        if not (np.isfinite(x).all() and math.isfinite(y)):
             raise ValueError(f"non-finite sample x={x.tolist()}, y={y}")
         lam = self.forgetting
         px = self.cov @ x
         gain = px / (lam + x @ px)
         self.coef = self.coef + gain * (float(y) - self.coef @ x)
-        cov = (self.cov - np.outer(gain, px)) / lam
-        cov = 0.5 * (cov + cov.T)
-        diag = np.diag(cov)
-        if np.any(diag > self.prior_var):
+        cov = self.cov - gain[:, None] * px  # P - g (P x)ᵀ; P x = (xᵀ P)ᵀ as P is symmetric
+        cov /= lam
+        cov += cov.T  # symmetrise against rounding drift (numpy buffers the overlapping transpose)
+        cov *= 0.5
+        diag = cov.diagonal()
+        if (diag > self.prior_var).any():
             scale = np.sqrt(np.minimum(1.0, self.prior_var / np.maximum(diag, 1e-300)))
-            cov = cov * np.outer(scale, scale)
+            cov *= scale[:, None] * scale
         self.cov = cov
         self.num_updates += 1
 

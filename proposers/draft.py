@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from specsched.daemon.request import Request
-from specsched.kernels.metadata import build_metadata
 from specsched.kernels.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from specsched.models.llama import KVCache, LlamaForCausalLM
 from specsched.proposers.base import Proposals, Proposer
+from specsched.scorers.inputs import build_chunk_inputs, tokens_from
 
 
 class DraftModelProposer(Proposer):
@@ -35,14 +35,11 @@ class DraftModelProposer(Proposer):
 
     def _forward(self, reqs: list[Request], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Feed ``tokens[i]`` at positions ``starts[i]..``; logits at each row's last token."""
-        q_lens = [len(t) for t in tokens]
-        k_lens = [s + q for s, q in zip(starts, q_lens)]
-        meta = build_metadata(q_lens, k_lens, [r.block_table for r in reqs], self.block_size, self.device)
-        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64).to(self.device)
-        pos = torch.tensor([p for s, q in zip(starts, q_lens) for p in range(s, s + q)], dtype=torch.int64)
-        last = torch.tensor(q_lens).cumsum(0) - 1
+        x, last = build_chunk_inputs(
+            tokens, starts, [r.block_table for r in reqs], self.block_size, self.device
+        )
         return (self.graph_forward or self.model)(
-            ids, pos.to(self.device), meta, self.kv_cache, last.to(self.device), num_layers=self.num_layers
+            x.input_ids, x.positions, x.meta, self.kv_cache, last, num_layers=self.num_layers
         )
 
     def _pick(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -62,7 +59,7 @@ class DraftModelProposer(Proposer):
         any_probs = False
         if active:
             reqs = [batch[i] for i in active]
-            tokens = [r.token_ids[r.num_draft_computed :] for r in reqs]
+            tokens = [tokens_from(r, r.num_draft_computed) for r in reqs]
             logits = self._forward(reqs, tokens, [r.num_draft_computed for r in reqs])
             for r in reqs:
                 r.num_draft_computed = r.num_tokens
@@ -76,8 +73,8 @@ class DraftModelProposer(Proposer):
                     for r in reqs:
                         r.num_draft_computed += 1
                 tok, q = self._pick(logits, reqs)
-                for row, i in enumerate(active):
-                    drafts[i].append(int(tok[row]))
+                for row, (i, t) in enumerate(zip(active, tok.tolist())):  # one host copy per draft step
+                    drafts[i].append(t)
                     if q is not None and not batch[i].sampling.is_greedy:
                         probs[i].append(q[row])
                 any_probs |= q is not None

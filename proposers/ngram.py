@@ -39,11 +39,11 @@ def ngram_match(tokens: np.ndarray, min_n: int, max_n: int) -> int | None:
     ends = np.flatnonzero(tokens[:last] == tokens[last])  # [C] candidate occurrence ends, ascending
     if ends.size == 0:
         return None
-    match_len = np.ones(ends.size, dtype=np.int64)  # length of the common suffix, capped at max_n
-    for i in range(1, max_n):
-        pos = ends - i
-        same = (pos >= 0) & (tokens[np.maximum(pos, 0)] == tokens[last - i])
-        match_len += same & (match_len == i)
+    offsets = np.arange(max_n)  # [n]
+    pos = ends[:, None] - offsets  # [C, n] position i before each candidate end
+    same = tokens[np.maximum(pos, 0)] == tokens[last - offsets]  # [C, n] matches the suffix there
+    same &= pos >= 0
+    match_len = same.cumprod(axis=1).sum(axis=1)  # [C] common suffix length (leading run), <= max_n
     best = int(match_len.max())
     if best < min_n:
         return None
@@ -71,6 +71,8 @@ class _CachedTokens:
     num_prompt: int
     buf: np.ndarray  # [capacity] int64, first num_tokens valid
     num_tokens: int
+    match_at: int = -1  # num_tokens when match_start was found (peek), -1: none yet
+    match_start: int | None = None  # ngram_match over the first match_at tokens
 
 
 class NgramProposer(Proposer):
@@ -79,6 +81,8 @@ class NgramProposer(Proposer):
     Keeps a numpy copy of each request's tokens, extended by appends (tokens only grow while a
     request runs). The copy is rebuilt when the Request object, its prompt length, a shorter
     total length or the last cached token disagree with it, and dropped in :meth:`on_finish`.
+    The match :meth:`peek` finds is kept with it, so :meth:`propose` on the same tokens (the same
+    step) does not search again.
     """
 
     name = "ngram"
@@ -111,12 +115,19 @@ class NgramProposer(Proposer):
         self._cache[req.request_id] = _CachedTokens(id(req), num_prompt, buf, num)
         return buf[:num]
 
+    def _match(self, req: Request) -> tuple[np.ndarray, int | None]:
+        """The request's tokens and :func:`ngram_match` over them (cached per token count)."""
+        tokens = self._tokens(req)
+        c = self._cache[req.request_id]
+        if c.match_at != len(tokens):
+            c.match_start, c.match_at = ngram_match(tokens, self.cfg.min_n, self.cfg.max_n), len(tokens)
+        return tokens, c.match_start
+
     def peek(self, batch: list[Request]) -> ProposerPeek:
         """``max_k[i]``: how many tokens follow request i's best match (0 when none)."""
         max_k = []
         for req in batch:
-            tokens = self._tokens(req)
-            start = ngram_match(tokens, self.cfg.min_n, self.cfg.max_n)
+            tokens, start = self._match(req)
             max_k.append(0 if start is None else len(tokens) - start)
         return ProposerPeek(max_k=max_k)
 
@@ -127,10 +138,10 @@ class NgramProposer(Proposer):
             raise ValueError(f"k has {len(k)} entries for a batch of {len(batch)} requests")
         if any(ki < 0 for ki in k):
             raise ValueError(f"k must be >= 0 for every request, got {k}")
-        drafts = [
-            ngram_lookup(self._tokens(req), self.cfg.min_n, self.cfg.max_n, ki) if ki > 0 else []
-            for req, ki in zip(batch, k, strict=True)
-        ]
+        drafts = []
+        for req, ki in zip(batch, k, strict=True):
+            tokens, start = self._match(req) if ki > 0 else (None, None)
+            drafts.append([] if start is None else tokens[start : start + ki].tolist())
         return Proposals.from_lists(drafts, device=self.device)
 
     def on_finish(self, request: Request) -> None:

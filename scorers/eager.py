@@ -1,4 +1,5 @@
-"""Eager scorers: one model forward over the flat scoring inputs, rows cut per scorer."""
+"""Eager scorers: one model forward over the flat scoring inputs, rows cut per scorer (inputs built
+by the vectorised :mod:`specsched.scorers.metadata_gpu`, as for the graph scorers)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from specsched.daemon.request import Request
 from specsched.models.llama import KVCache, LlamaForCausalLM
 from specsched.proposers.base import Proposals
 from specsched.scorers.base import Scorer
-from specsched.scorers.inputs import build_scoring_inputs
+from specsched.scorers.metadata_gpu import build_scoring_inputs_vec, pack_scoring_batch
 
 
 class EagerScorer(Scorer):
@@ -20,5 +21,6 @@ class EagerScorer(Scorer):
 
     @torch.inference_mode()
     def score(self, batch: list[Request], proposals: Proposals) -> torch.Tensor:  # [sum(k_i+1), vocab]
-        x = build_scoring_inputs(batch, proposals, self.block_size, self.device, is_expanded=self.is_expanded)
+        sb = pack_scoring_batch(batch, proposals, self.block_size)
+        x = build_scoring_inputs_vec(sb, proposals.draft_tokens, self.device, is_expanded=self.is_expanded)
         return self.model(x.input_ids, x.positions, x.meta, self.kv_cache)

@@ -1,15 +1,19 @@
-"""Flat scoring inputs shared by the scorers: each request's last token then its drafts.
+"""Flat model inputs: scoring (each request's last token then its drafts) and chunks of consecutive
+tokens (prefill, a draft model's catch-up).
 
-Request i contributes tokens ``[last_i, d_i1 .. d_ik]`` at positions ``n_i-1 .. n_i-1+k_i`` where
-``n_i = req.num_tokens``. Both scorers run the same tokens; they differ only in how rows are cut:
-MQA makes one row of ``k_i+1`` queries per request, batch expansion makes ``k_i+1`` rows of one query
-that share the request's block table.
+Scoring: request i contributes tokens ``[last_i, d_i1 .. d_ik]`` at positions ``n_i-1 .. n_i-1+k_i``
+where ``n_i = req.num_tokens``. Both scorers run the same tokens; they differ only in how rows are
+cut: MQA makes one row of ``k_i+1`` queries per request, batch expansion makes ``k_i+1`` rows of one
+query that share the request's block table. :func:`build_scoring_inputs` is the per-token host-loop
+reference; the scorers use the vectorised :mod:`specsched.scorers.metadata_gpu`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from specsched.daemon.request import Request
@@ -64,3 +68,34 @@ def build_scoring_inputs(
         positions=torch.tensor(pos, dtype=torch.int64).to(device),
         meta=meta,
     )
+
+
+def tokens_from(req: Request, start: int) -> list[int]:
+    """``req.token_ids[start:]`` without building the whole prompt + output list."""
+    num_prompt = req.num_prompt_tokens
+    if start >= num_prompt:
+        return req.output_ids[start - num_prompt :]
+    return req.prompt_ids[start:] + req.output_ids
+
+
+def build_chunk_inputs(
+    tokens: list[list[int]],
+    starts: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str,
+    logits_rows: list[int] | None = None,
+) -> tuple[ScoringInputs, torch.Tensor]:
+    """Row i feeds ``tokens[i]`` at positions ``starts[i] ..`` (its cached prefix is ``starts[i]``
+    keys). Returns the inputs and the flat index of the last token of each row in ``logits_rows``
+    (default every row) ``[L]`` int64: the logits to compute. Token data travels in one copy."""
+    q = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    s = np.asarray(starts, dtype=np.int64).reshape(-1)
+    meta = build_metadata(q, s + q, block_tables, block_size, device)
+    cu = np.cumsum(q)
+    t = int(cu[-1]) if len(cu) else 0
+    ids = np.fromiter(chain.from_iterable(tokens), dtype=np.int64, count=t)
+    positions = np.arange(t) + np.repeat(s - (cu - q), q)
+    last = cu - 1 if logits_rows is None else (cu - 1)[np.asarray(logits_rows, dtype=np.int64)]
+    buf = torch.from_numpy(np.concatenate([ids, positions, last])).to(device, non_blocking=True)
+    return ScoringInputs(input_ids=buf[:t], positions=buf[t : 2 * t], meta=meta), buf[2 * t :]

@@ -1,17 +1,19 @@
-"""Scoring inputs built with vectorised torch ops on the target device (no Python loop over tokens).
+"""Scoring inputs built with vectorised numpy on the host and two copies to the device (no Python
+loop over tokens, a handful of device ops, no sync).
 
-Same layout as :func:`specsched.scorers.inputs.build_scoring_inputs` (which loops over tokens on
-the host): request i scores ``[last_i, d_i1 .. d_ik]`` at positions ``n_i-1 .. n_i-1+k_i``
+Same layout as :func:`specsched.scorers.inputs.build_scoring_inputs` (the per-token host-loop
+reference): request i scores ``[last_i, d_i1 .. d_ik]`` at positions ``n_i-1 .. n_i-1+k_i``
 (``n_i = req.num_tokens``); MQA cuts one row of ``k_i+1`` queries per request, batch expansion
 ``k_i+1`` single-query rows that share the request's block table.
 
-The host side (:func:`pack_scoring_batch`) only gathers per-request facts into small tensors: token
-count n, draft count k, last token and the block-table row, padded to the widest. The device side
-(:func:`build_scoring_inputs_vec`) copies them over once and derives everything per token from
-``req = repeat_interleave(k + 1)`` (the request of each token) and ``j`` (its index in the request):
-``position = n[req] - 1 + j``, ``id = last[req] if j == 0 else drafts[cu_k[req] + j - 1]``,
-``slot = block_table[req, position // bs] * bs + position % bs``. The output sizes are known on the
-host, so nothing syncs.
+:func:`pack_scoring_batch` gathers the per-request facts into small arrays: token count n, draft
+count k, last token and the block-table row, padded to the widest. :func:`build_scoring_inputs_vec`
+derives everything per token from ``req = repeat(arange(B), k + 1)`` (the request of each token) and
+``j`` (its index in the request): ``position = n[req] - 1 + j``, ``id = last[req] if j == 0 else
+drafts[cu_k[req] + j - 1]``, ``slot = block_table[req, position // bs] * bs + position % bs``. All of
+it depends only on host facts except the drafts, which stay where the proposer put them: on a device,
+the ids are one gather from ``cat(drafts, last)`` there. Both scorers and both paths (eager, CUDA
+graphs) use it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 
 from specsched.daemon.request import Request
-from specsched.kernels.metadata import AttentionMetadata
+from specsched.kernels.metadata import metadata_from_host, pad_block_tables
 from specsched.proposers.base import Proposals
 from specsched.scorers.inputs import ScoringInputs
 
@@ -70,14 +72,15 @@ def pack_scoring_batch(batch: list[Request], proposals: Proposals, block_size: i
     if proposals.num_requests != len(batch):
         raise ValueError(f"proposals cover {proposals.num_requests} requests, batch has {len(batch)}")
     b = len(batch)
-    n = np.fromiter((r.num_tokens for r in batch), dtype=np.int64, count=b)
-    computed = np.fromiter((r.num_computed for r in batch), dtype=np.int64, count=b)
+    facts = np.array(
+        [(r.num_tokens, r.num_computed, len(r.block_table), r.last_token) for r in batch], dtype=np.int64
+    ).reshape(b, 4)
+    n, computed, lens, last = facts.T
     bad = np.flatnonzero(computed != n - 1)
     if bad.size:
         i = bad[0]
         raise RuntimeError(f"request {batch[i].request_id} is not decoding: {computed[i]} of {n[i]} computed")
     k = np.asarray(proposals.num_draft, dtype=np.int64).reshape(b)
-    lens = np.fromiter((len(r.block_table) for r in batch), dtype=np.int64, count=b)
     short = np.flatnonzero(lens * block_size < n + k)
     if short.size:
         i = short[0]
@@ -85,11 +88,7 @@ def pack_scoring_batch(batch: list[Request], proposals: Proposals, block_size: i
             f"request {batch[i].request_id}: its block table of {lens[i]} blocks holds "
             f"{lens[i] * block_size} tokens, scoring {k[i]} drafts needs {n[i] + k[i]}"
         )
-    tables = np.zeros((b, max(int(lens.max(initial=0)), 1)), dtype=np.int32)
-    for i, r in enumerate(batch):
-        tables[i, : lens[i]] = r.block_table
-    last = np.fromiter((r.last_token for r in batch), dtype=np.int64, count=b)
-    return ScoringBatch(n, k, last, tables, block_size)
+    return ScoringBatch(n, k, last, pad_block_tables([r.block_table for r in batch]), block_size)
 
 
 def build_scoring_inputs_vec(
@@ -99,47 +98,40 @@ def build_scoring_inputs_vec(
     *,
     is_expanded: bool,
 ) -> ScoringInputs:
-    """The scoring inputs of :func:`build_scoring_inputs`, computed on ``device`` from ``sb``."""
+    """The scoring inputs of :func:`build_scoring_inputs` on ``device``, computed from ``sb``."""
     b, t, bs = sb.num_requests, sb.total_tokens, sb.block_size
-    num_drafts = int(sb.num_draft.sum())
+    num_drafts = t - b
     if draft_tokens.shape != (num_drafts,):
         raise ValueError(
             f"draft_tokens must be [{num_drafts}] (sum of num_draft), got {tuple(draft_tokens.shape)}"
         )
-    q_lens = sb.num_draft + 1
-    tok_start = np.cumsum(q_lens) - q_lens  # first token of each request
-    draft_start = np.cumsum(sb.num_draft) - sb.num_draft  # first draft of each request
-    host = np.stack([sb.num_tokens, sb.last_tokens, tok_start, draft_start, q_lens])  # [5, B]
-    info = torch.from_numpy(host).to(device)
-    tables = torch.from_numpy(sb.block_tables).to(device)  # [B, W] int32
-    n, last, tok0, d0, q = info.unbind(0)
-
-    req = torch.repeat_interleave(q, output_size=t)  # [T] request of each token
-    j = torch.arange(t, device=info.device) - tok0[req]  # [T] index within the request
-    positions = n[req] - 1 + j
-    if num_drafts:
-        drafts = draft_tokens.to(info.device, torch.int64)
-        input_ids = torch.where(j == 0, last[req], drafts[(d0[req] + j - 1).clamp_(min=0)])
+    device = torch.device(device)
+    q = sb.num_draft + 1
+    cu = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(q, out=cu[1:])
+    req = np.repeat(np.arange(b), q)  # [T] request of each token
+    j = np.arange(t) - cu[req]  # [T] index within the request
+    positions = sb.num_tokens[req] - 1 + j
+    slots = sb.block_tables[req, positions // bs].astype(np.int64) * bs + positions % bs
+    # ids: gather from cat(drafts, last): draft cu_k[req] + j - 1 = cu[req] - req + j - 1, or last[req]
+    source = np.where(j == 0, num_drafts + req, cu[req] - req + j - 1)
+    is_host_drafts = draft_tokens.device.type == "cpu"
+    if is_host_drafts:  # gather on the host: every int64 input in one copy
+        ids = np.concatenate([draft_tokens.numpy(), sb.last_tokens])[source]
+        host = np.concatenate([positions, slots, ids])
     else:
-        input_ids = last[req]
-    block = tables[req, torch.div(positions, bs, rounding_mode="floor")].to(torch.int64)
-    slot_mapping = block * bs + positions % bs
-
+        host = np.concatenate([positions, slots, source, sb.last_tokens])
+    buf = torch.from_numpy(host).to(device, non_blocking=True)
+    if is_host_drafts:
+        input_ids = buf[2 * t :]
+    else:
+        gather = torch.cat([draft_tokens.to(device, torch.int64), buf[3 * t :]])
+        input_ids = gather.index_select(0, buf[2 * t : 3 * t])
     if is_expanded:
-        cu = torch.arange(t + 1, dtype=torch.int32, device=info.device)
-        seq_lens = (positions + 1).to(torch.int32)
-        row_tables = tables.index_select(0, req)
+        row_cu, seq_lens, tables = np.arange(t + 1), positions + 1, sb.block_tables[req]
     else:
-        cu = torch.zeros(b + 1, dtype=torch.int32, device=info.device)
-        cu[1:] = torch.cumsum(q, 0)
-        seq_lens = (n + q - 1).to(torch.int32)
-        row_tables = tables
-    meta = AttentionMetadata(
-        cu_seqlens_q=cu,
-        seq_lens_k=seq_lens,
-        block_tables=row_tables,
-        slot_mapping=slot_mapping,
-        max_q=sb.max_q(is_expanded),
-        max_k=sb.max_k,
+        row_cu, seq_lens, tables = cu, sb.num_tokens + sb.num_draft, sb.block_tables
+    meta = metadata_from_host(
+        row_cu, seq_lens, tables, buf[t : 2 * t], sb.max_q(is_expanded), sb.max_k, device
     )
-    return ScoringInputs(input_ids=input_ids, positions=positions, meta=meta)
+    return ScoringInputs(input_ids=input_ids, positions=buf[:t], meta=meta)

@@ -1,0 +1,40 @@
+"""The decision log agrees with what the daemon streamed (issue 3): one `steps` row per engine step
+with predicted and measured times, and `step_requests` rows that add up to the tokens streamed."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from specsched.daemon.client import Client
+
+
+def test_log_rows_add_up_to_the_streamed_tokens(start_daemon):
+    d = start_daemon(log_db=True)
+    streamed: dict[str, list[int]] = {}
+    accepted: dict[str, int] = {}
+    with Client(d.endpoint, timeout_s=60) as c:
+        for i in range(6):
+            rid = f"log-{i}"
+            prompt = ([3, 4, 5, 6, 7] * 10)[: 9 + 2 * i]  # repetitive: n-gram proposes
+            s = c.stream(prompt_ids=prompt, max_tokens=17 + 5 * i, id=rid)
+            streamed[rid] = [t for ch in s for t in ch.token_ids]
+            accepted[rid] = s.completion.spec.accepted
+        num_steps = c.stats().engine.get("steps")
+    assert d.stop() == 0  # SIGTERM: flush and close the log
+    db = sqlite3.connect(d.log_path)
+    steps = db.execute("SELECT kind, score_ms, total_ms, predicted_ms FROM steps").fetchall()
+    assert num_steps is not None and len(steps) == num_steps
+    decode = [s for s in steps if s[0] == "decode"]
+    assert decode and all(s[1] > 0 and s[2] >= s[1] and s[3] is not None for s in decode)
+    rows = db.execute(
+        "SELECT request_id, SUM(num_emitted), SUM(num_accepted), SUM(k) FROM step_requests"
+        " GROUP BY request_id"
+    ).fetchall()
+    by_id = {r[0].split(":", 1)[-1]: r[1:] for r in rows}  # engine ids are "<client>:<id>"
+    assert set(by_id) == set(streamed)
+    for rid, ids in streamed.items():
+        emitted, acc, proposed = by_id[rid]
+        assert emitted + 1 == len(ids), rid  # + the first token, sampled by the prefill step
+        assert acc == accepted[rid]
+        assert proposed > 0
+    assert sum(v[1] for v in by_id.values()) > 0, "n-gram should have accepted something"
