@@ -73,7 +73,7 @@ class Engine:
         if self.scheduler.blocks_for(n + 1) > self.scheduler.allocator.num_usable:
             raise ValueError(f"prompt of {n} tokens needs more KV blocks than the cache has")
         # a request alone must always fit the KV cache (else it could be preempted forever)
-        capacity = self.scheduler.allocator.num_usable * self.cfg.cache.block_size - 1
+        capacity = self.scheduler.allocator.num_usable * self.cfg.cache.block_size
         req.sampling.max_tokens = min(req.sampling.max_tokens, self.max_model_len - n, capacity - n)
         req.arrival_time = req.arrival_time or time.time()
         self.requests[req.request_id] = req

@@ -191,3 +191,10 @@ def test_step_records_and_abort(baseline):
         assert sum(q.num_accepted + 1 for q in r.requests) >= r.num_emitted
         assert all(0 <= q.num_accepted <= q.k for q in r.requests)
     assert torch.is_tensor(engine.kv_cache[0][0])
+
+
+def test_request_larger_than_the_kv_cache_is_capped_not_stuck():
+    engine = make_engine("ngram", "mqa", num_blocks=6)  # 5 usable blocks x 4 slots
+    out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=100, ignore_eos=True))
+    assert len(out[0]) == 5 * 4 - 5
+    assert engine.num_free_blocks == engine.num_total_blocks
