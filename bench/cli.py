@@ -23,8 +23,9 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specsched.bench.common import device_name, resolve_device, resolve_dtype
+from specsched.bench.common import device_name
 from specsched.bench.report import append_markdown, now, render
+from specsched.models.loader import resolve_device, resolve_dtype
 
 logger = logging.getLogger("specsched.bench")
 

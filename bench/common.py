@@ -17,6 +17,7 @@ from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig, Sche
 from specsched.daemon.engine import Engine
 from specsched.models.config import get_preset
 from specsched.models.llama import KVCache, LlamaForCausalLM, make_decisive, rope_inv_freq
+from specsched.models.loader import resolve_attn_backend
 from specsched.policies.acceptance import AcceptanceEstimator
 from specsched.policies.base import Policy
 from specsched.policies.cost_model import CostModels
@@ -26,34 +27,11 @@ from specsched.scorers.graph import GraphConfig, graph_buckets_of
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"bench.device={name!r} but CUDA is not available here; use auto or cpu")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"bench.dtype must be auto|{'|'.join(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
-
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def attn_backend_for(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" else "torch"
 
 
 def random_model(
@@ -63,7 +41,7 @@ def random_model(
     by the device's generator, not on the CPU). Timing only: not the loader's seeded weights."""
     cfg = get_preset(preset)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, attn_backend_for(device))
+        model = LlamaForCausalLM(cfg, resolve_attn_backend("auto", device))
     model = model.to(dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     std = 0.1 if preset == "tiny" else 0.02
