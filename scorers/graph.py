@@ -135,8 +135,8 @@ def build_graph_scorers(
     names: list[str], model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, cfg: GraphConfig | None
 ) -> dict[str, Scorer]:
     """The named scorers; ``batch_expansion``/``mqa_graph`` on CUDA graphs when ``cfg`` allows."""
-    from specsched.scorers.batch_expansion import BatchExpansionScorer
     from specsched.scorers.mqa import MQAScorer
+    from specsched.scorers.registry import SCORERS  # the eager classes, by name
 
     check_scorer_names(names)
     cfg = cfg or GraphConfig(enabled=False)
@@ -147,10 +147,7 @@ def build_graph_scorers(
             if n == "mqa_graph":
                 why = "CUDA graphs are disabled" if not cfg.enabled else f"the model is on {device}, not CUDA"
                 logger.warning("scorer mqa_graph: %s; it runs as the eager MQA scorer", why)
-                out[n] = MQAScorer(model, kv_cache, block_size)
-            else:
-                cls = BatchExpansionScorer if n == "batch_expansion" else MQAScorer
-                out[n] = cls(model, kv_cache, block_size)
+            out[n] = SCORERS[n](model, kv_cache, block_size)
         return out
     graph_names = [n for n in names if n != "mqa"]
     runner = build_target_runner(graph_names, model, kv_cache, block_size, cfg) if graph_names else None

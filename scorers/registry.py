@@ -13,12 +13,6 @@ SCORERS: dict[str, type[Scorer]] = {
 }
 
 
-def get_scorer_class(name: str) -> type[Scorer]:
-    if name not in SCORERS:
-        raise ValueError(f"unknown scorer {name!r}; known: {', '.join(sorted(SCORERS))}")
-    return SCORERS[name]
-
-
 def build_scorers(names: list[str], model, kv_cache, block_size: int, graphs=None) -> dict[str, Scorer]:
     """Instantiate the configured scorers over one model and its KV cache; ``batch_expansion`` and
     ``mqa_graph`` run on CUDA graphs when ``graphs`` (a ``GraphConfig``) allows, else eagerly."""
