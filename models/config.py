@@ -61,6 +61,20 @@ PRESETS: dict[str, LlamaConfig] = {
         num_kv_heads=12,
         max_position=2048,
     ),
+    # SmolLM2-135M's shape (random weights): profiling the real model's step without its GGUF
+    "smollm2-135m": LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        max_position=8192,
+        rope_theta=100000.0,
+        tie_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=[2],
+    ),
     "llama2-7b": LlamaConfig(
         vocab_size=32000,
         hidden_size=4096,

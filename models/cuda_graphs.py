@@ -1,11 +1,17 @@
 """CUDA graphs of the model forward over (rows, tokens) buckets, with padding and eager fallback.
 
 A :class:`GraphRunner` captures ``model.forward`` once per :class:`GraphBucket` into a
-``torch.cuda.CUDAGraph`` that reads static input buffers (one set of max-size buffers, sliced per
-bucket) and allocates from one shared memory pool. The logits are copied inside the graph into a
-static ``[max_tokens, vocab]`` buffer, so nothing of a graph's own pool memory stays alive after its
-capture and the graphs may be replayed in any order. ``run`` picks the smallest bucket that fits the
-real batch, pads the inputs into the buffers, replays and returns the real tokens' logits. A shape
+``torch.cuda.CUDAGraph`` that reads its inputs through views of one static byte buffer (laid out per
+bucket by :class:`~specsched.models.graph_buckets.InputLayout`; graphs never run concurrently, so
+the layouts share the memory) and allocates from one shared memory pool. The logits are copied
+inside the graph into a static ``[max_tokens, vocab]`` buffer, so nothing of a graph's own pool
+memory stays alive after its capture and the graphs may be replayed in any order. ``run_host`` picks
+the smallest bucket that fits the real batch (a
+:class:`~specsched.models.graph_buckets.HostInputs`), writes it padded into a host staging buffer
+(pinned on CUDA) and uploads it in **one** non-blocking copy into the static device buffer whose
+views are that bucket's graph inputs, replays, and returns the real tokens' logits (a view of the
+static logits buffer, valid until this runner's next replay). ``run`` is the same for inputs that
+are already device tensors (padded on the device: more device ops). A shape
 outside every bucket runs the model eagerly; the reason is logged (first time per reason) and
 counted (``num_eager_fallbacks``, ``fallback_reasons``), so a miss is never a crash and never a
 silently wrong answer.
@@ -21,11 +27,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from specsched.kernels.metadata import AttentionMetadata
-from specsched.models.graph_buckets import PAD_SLOT, GraphBucket, as_bucket, pad_inputs
+from specsched.models.graph_buckets import GraphBucket, HostInputs, InputLayout, as_bucket, pad_inputs
 from specsched.models.llama import KVCache, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -40,6 +47,33 @@ class _EagerReplay:
 
     def replay(self) -> None:
         self.fn()
+
+
+class _Staging:
+    """A ring of host staging buffers for the per-step upload: pinned on CUDA (the copy is then truly
+    asynchronous), each guarded by an event recorded after its copy, so a buffer is rewritten only
+    once the copy that read it has run (normally long done: the step's own host read waited for it)."""
+
+    def __init__(self, nbytes: int, device: torch.device, size: int = 4) -> None:
+        is_cuda = device.type == "cuda"
+        self.host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=is_cuda) for _ in range(size)]
+        self.arrays = [h.numpy() for h in self.host]  # numpy views of the same memory
+        self.events = [torch.cuda.Event() if is_cuda else None for _ in range(size)]
+        self.num_waits = 0  # times a buffer's previous copy had not run yet (a host wait)
+        self._next = 0
+
+    def acquire(self) -> int:
+        i = self._next
+        self._next = (i + 1) % len(self.host)
+        ev = self.events[i]
+        if ev is not None and not ev.query():
+            self.num_waits += 1
+            ev.synchronize()
+        return i
+
+    def copied(self, i: int) -> None:
+        if self.events[i] is not None:
+            self.events[i].record()
 
 
 class GraphRunner:
@@ -84,19 +118,21 @@ class GraphRunner:
         self.fallback_reasons: Counter[str] = Counter()
         self.graph_memory_bytes = 0
         self.capture_s = 0.0
-        rows, tokens = self.max_rows, self.max_tokens
+        # one static byte buffer: bucket b's graph reads its inputs through the views of its own
+        # layout (graphs never run concurrently, so the layouts may overlap); the int64 tails after
+        # the inputs (logits indices, scatter and gather index) need at most 3 * tokens more
+        self.layouts = {b: InputLayout(b.tokens, b.rows, max_blocks_per_row) for b in self.buckets}
+        nbytes = max(lay.base_nbytes + 24 * lay.tokens for lay in self.layouts.values())
         with torch.inference_mode():
-            z = dict(device=self.device)
-            self.input_ids = torch.zeros(tokens, dtype=torch.int64, **z)  # [T]
-            self.positions = torch.zeros(tokens, dtype=torch.int64, **z)  # [T]
-            self.slot_mapping = torch.full((tokens,), PAD_SLOT, dtype=torch.int64, **z)  # [T]
-            self.cu_seqlens_q = torch.zeros(rows + 1, dtype=torch.int32, **z)  # [R+1]
-            self.seq_lens_k = torch.zeros(rows, dtype=torch.int32, **z)  # [R]
-            self.block_tables = torch.zeros(rows, max_blocks_per_row, dtype=torch.int32, **z)  # [R, W]
-            self.logits = torch.zeros(tokens, model.cfg.vocab_size, dtype=torch.float32, **z)  # [T, V]
+            self.input_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)  # [bytes]
+            self.logits = torch.zeros(
+                self.max_tokens, model.cfg.vocab_size, dtype=torch.float32, device=self.device
+            )  # [T, V]
+        self._staging = _Staging(nbytes, self.device)
         self._pool = None if emulate else torch.cuda.graph_pool_handle()
         self._warmup_stream: torch.cuda.Stream | None = None
         self._graphs: dict[GraphBucket, torch.cuda.CUDAGraph | _EagerReplay] = {}
+        self._ids_views: dict[GraphBucket, torch.Tensor] = {}  # [tokens] int64: each graph's input ids
         self._capture_all(graph_backend, progress)
 
     # ---- shapes ---------------------------------------------------------------------------------
@@ -146,22 +182,21 @@ class GraphRunner:
             "num_replays": self.num_replays,
             "num_eager_fallbacks": self.num_eager_fallbacks,
             "fallback_reasons": dict(self.fallback_reasons),
+            "num_staging_waits": self._staging.num_waits,
         }
 
     # ---- capture --------------------------------------------------------------------------------
-    def _meta(self, b: GraphBucket) -> AttentionMetadata:
-        return AttentionMetadata(
-            cu_seqlens_q=self.cu_seqlens_q[: b.rows + 1],
-            seq_lens_k=self.seq_lens_k[: b.rows],
-            block_tables=self.block_tables[: b.rows],
-            slot_mapping=self.slot_mapping[: b.tokens],
-            max_q=b.max_q,
-            max_k=self.max_k,
-        )
+    def _views(
+        self, lay: InputLayout, max_q: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, tuple[torch.Tensor, ...]]:
+        """ids, positions, metadata (views of the static buffer), (logits, scatter, gather index)."""
+        ids, pos, slots, cu, seq, tables, *tails = lay.split(self.input_buffer)
+        return ids, pos, AttentionMetadata(cu, seq, tables, slots, max_q, self.max_k), tuple(tails)
 
     def _forward_fn(self, b: GraphBucket) -> Callable[[], None]:
-        ids, pos, out = self.input_ids[: b.tokens], self.positions[: b.tokens], self.logits[: b.tokens]
-        meta = self._meta(b)
+        ids, pos, meta, _ = self._views(self.layouts[b], b.max_q)
+        self._ids_views[b] = ids
+        out = self.logits[: b.tokens]
 
         def forward() -> None:
             out.copy_(self.model(ids, pos, meta, self.kv_cache, None, self.num_layers))
@@ -219,40 +254,67 @@ class GraphRunner:
 
     def _load_padding(self, b: GraphBucket) -> None:
         """Fill the bucket's buffers with an all-padding batch (warm-up and capture inputs)."""
-        empty = AttentionMetadata(
-            cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=self.device),
-            seq_lens_k=torch.zeros(0, dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(0, self.max_blocks, dtype=torch.int32, device=self.device),
-            slot_mapping=torch.zeros(0, dtype=torch.int64, device=self.device),
-            max_q=0,
-            max_k=0,
-        )
-        ids = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self._load(b, *pad_inputs(ids, ids, empty, b.rows, b.tokens, self.max_blocks, b.max_q, self.max_k))
+        self._upload(_empty_batch(self.max_blocks), self.layouts[b])
 
     # ---- replay ---------------------------------------------------------------------------------
-    def _load(self, b: GraphBucket, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> None:
+    def _upload(self, x: HostInputs, lay: InputLayout) -> None:
+        """``x`` padded to ``lay`` into a staging buffer, then one copy into the static buffer."""
+        i = self._staging.acquire()
+        x.write(lay, self._staging.arrays[i])
+        n = lay.nbytes
+        self.input_buffer[:n].copy_(self._staging.host[i][:n], non_blocking=True)
+        self._staging.copied(i)
+
+    def _replay(self, b: GraphBucket, num_tokens: int) -> torch.Tensor:  # [num_tokens, vocab] view
+        self._graphs[b].replay()
+        self.num_replays += 1
+        return self.logits[:num_tokens]
+
+    @torch.inference_mode()
+    def run_host(self, x: HostInputs, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``x``'s tokens (or of its ``logits_indices``): a graph replay when a bucket fits,
+        else an eager forward (counted). ``device_ids`` (int64 on the device), when given, hold the
+        ids of the tokens at ``x.scatter_index`` (``device_ids[x.gather_index]`` with a gather
+        index): a device-side proposer's tokens, never read on the host.
+
+        Device work per replay: one host-to-device copy, the replay, plus one ``index_copy_`` (and
+        one ``index_select`` with a gather index) for ``device_ids``, and one ``index_select`` for
+        ``logits_indices`` when those are given. The
+        result is a view of the static logits buffer when no indices are given: valid until this
+        runner's next replay."""
+        if (device_ids is None) != (x.scatter_index is None):
+            raise ValueError("device ids and HostInputs.scatter_index must be given together")
+        t = x.num_tokens
+        b, reason, detail = self.find_bucket(x.num_rows, t, x.max_q, x.width, x.max_k)
+        if b is None:
+            ids, pos, meta, logits_indices = x.to_device(self.device, device_ids)
+            return self.run_eager(ids, pos, meta, reason, detail, logits_indices)
+        lay = self.layouts[b].with_tails(*x.num_tails)
+        self._upload(x, lay)
+        if device_ids is None and x.logits_indices is None:
+            return self._replay(b, t)
+        logits_indices, scatter, gather = lay.split_tails(self.input_buffer)
+        if device_ids is not None:
+            x.scatter_ids(self._ids_views[b], scatter, gather, device_ids)
+        logits = self._replay(b, t)
+        return logits if x.logits_indices is None else logits.index_select(0, logits_indices)
+
+    def _load_device(
+        self, b: GraphBucket, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        """Copy device inputs already padded to ``b``'s shapes into its views (six copies)."""
         want = (b.tokens, b.tokens, b.rows + 1, b.rows, (b.rows, self.max_blocks), b.tokens)
         got = (ids.shape[0], pos.shape[0], meta.cu_seqlens_q.shape[0], meta.seq_lens_k.shape[0],
                tuple(meta.block_tables.shape), meta.slot_mapping.shape[0])  # fmt: skip
         if got != want:
             raise ValueError(f"padded inputs have shapes {got}, bucket {b} needs {want}")
-        self.input_ids[: b.tokens].copy_(ids, non_blocking=True)
-        self.positions[: b.tokens].copy_(pos, non_blocking=True)
-        self.slot_mapping[: b.tokens].copy_(meta.slot_mapping, non_blocking=True)
-        self.cu_seqlens_q[: b.rows + 1].copy_(meta.cu_seqlens_q, non_blocking=True)
-        self.seq_lens_k[: b.rows].copy_(meta.seq_lens_k, non_blocking=True)
-        self.block_tables[: b.rows].copy_(meta.block_tables, non_blocking=True)
-
-    @torch.inference_mode()
-    def replay(
-        self, b: GraphBucket, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, num_tokens: int
-    ) -> torch.Tensor:  # [num_tokens, vocab] float32, a fresh tensor
-        """Replay bucket ``b`` on inputs already padded to its shapes; the first ``num_tokens`` are real."""
-        self._load(b, ids, pos, meta)
-        self._graphs[b].replay()
-        self.num_replays += 1
-        return self.logits[:num_tokens].clone()
+        s_ids, s_pos, s_meta, _ = self._views(self.layouts[b], b.max_q)
+        for dst, src in [
+            (s_ids, ids), (s_pos, pos), (s_meta.slot_mapping, meta.slot_mapping),
+            (s_meta.cu_seqlens_q, meta.cu_seqlens_q), (s_meta.seq_lens_k, meta.seq_lens_k),
+            (s_meta.block_tables, meta.block_tables),
+        ]:  # fmt: skip
+            dst.copy_(src, non_blocking=True)
 
     @torch.inference_mode()
     def run(
@@ -261,7 +323,9 @@ class GraphRunner:
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, vocab] float32
-        """Logits of every token: a graph replay when a bucket fits, else an eager forward (counted)."""
+        """Logits of every token for inputs already on the device: a graph replay when a bucket fits
+        (padded on the device: a dozen device ops more than :meth:`run_host`), else an eager forward
+        (counted). The result is a view of the static logits buffer (see :meth:`run_host`)."""
         t = meta.num_tokens
         if input_ids.shape[0] != t or positions.shape[0] != t:
             raise ValueError(
@@ -274,7 +338,8 @@ class GraphRunner:
         padded = pad_inputs(
             input_ids, positions, meta, b.rows, b.tokens, self.max_blocks, b.max_q, self.max_k
         )
-        return self.replay(b, *padded, t)
+        self._load_device(b, *padded)
+        return self._replay(b, t)
 
     def run_eager(
         self,
@@ -283,7 +348,8 @@ class GraphRunner:
         meta: AttentionMetadata,
         reason: str,
         detail: str,
-    ) -> torch.Tensor:  # [T, vocab] float32
+        logits_indices: torch.Tensor | None = None,  # [L] int64
+    ) -> torch.Tensor:  # [T or L, vocab] float32
         """The eager forward for a shape no graph covers; logged once per reason, always counted."""
         if not self.fallback_reasons[reason]:
             logger.warning("%s graphs: running eagerly (%s): %s", self.name, reason, detail)
@@ -291,4 +357,10 @@ class GraphRunner:
             logger.debug("%s graphs: running eagerly (%s): %s", self.name, reason, detail)
         self.fallback_reasons[reason] += 1
         self.num_eager_fallbacks += 1
-        return self.model(input_ids, positions, meta, self.kv_cache, None, self.num_layers)
+        return self.model(input_ids, positions, meta, self.kv_cache, logits_indices, self.num_layers)
+
+
+def _empty_batch(width: int) -> HostInputs:
+    """A batch of no rows and no tokens (everything in its layout is padding)."""
+    z64 = np.zeros(0, dtype=np.int64)
+    return HostInputs(z64, z64, z64, np.zeros(1, np.int64), z64, np.zeros((0, width), np.int32), 0, 0)

@@ -15,12 +15,19 @@ Padding layout (a real batch of r rows / t tokens in a bucket of R rows / T toke
   attention output is left unwritten, but every other op is per token and their K/V land in block
   0, which no real row's visible keys reach, so real rows never see them;
 - block-table columns beyond the real width are 0; ``max_q``/``max_k`` are the captured bounds.
+
+Host path (what the runner does each step): the real batch is a :class:`HostInputs` of numpy arrays;
+:meth:`HostInputs.write` lays it out, padded, in one byte buffer (:class:`InputLayout`: the int64
+inputs, then the int32 metadata, then optional int64 tails), so the whole step's input travels in
+one host-to-device copy whose device views are the graph's inputs. :func:`pad_inputs` is the same
+padding done on device tensors (the path for inputs that already live on the device).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -123,3 +130,161 @@ def pad_inputs(
         max_k=max_k,
     )
     return F.pad(input_ids, (0, pad_tokens)), F.pad(positions, (0, pad_tokens)), padded
+
+
+# ---- host path: one byte buffer per step ----------------------------------------------------------------
+@dataclass(frozen=True)
+class InputLayout:
+    """Byte layout of one batch's inputs in a buffer: ``input_ids``, ``positions``, ``slot_mapping``
+    (int64 [tokens] each), ``cu_seqlens_q`` [rows+1], ``seq_lens_k`` [rows], ``block_tables``
+    [rows, width] (int32), then at an 8-byte boundary the optional int64 tails ``logits_indices``
+    [num_logits], ``scatter_index`` [num_scatter] and ``gather_index`` [num_gather]. A graph
+    captured on the base views of a bucket's layout reads any later batch written with the same
+    (tokens, rows, width)."""
+
+    tokens: int
+    rows: int
+    width: int
+    num_logits: int = 0
+    num_scatter: int = 0
+    num_gather: int = 0
+
+    @property
+    def base_nbytes(self) -> int:  # the graph inputs, rounded up to 8 bytes
+        return -(-(24 * self.tokens + 4 * (2 * self.rows + 1 + self.rows * self.width)) // 8) * 8
+
+    @property
+    def nbytes(self) -> int:
+        return self.base_nbytes + 8 * (self.num_logits + self.num_scatter + self.num_gather)
+
+    @property
+    def tails(self) -> tuple[int, int, int]:
+        return self.num_logits, self.num_scatter, self.num_gather
+
+    def with_tails(self, num_logits: int, num_scatter: int, num_gather: int) -> InputLayout:
+        return InputLayout(self.tokens, self.rows, self.width, num_logits, num_scatter, num_gather)
+
+    def split(self, buf: np.ndarray | torch.Tensor) -> tuple:
+        """Views of a uint8 buffer (numpy or torch): ids, positions, slots, cu_seqlens_q, seq_lens_k,
+        block_tables [rows, width], logits_indices, scatter_index, gather_index."""
+        is_np = isinstance(buf, np.ndarray)
+        i64, i32 = (np.int64, np.int32) if is_np else (torch.int64, torch.int32)
+        t, r, w = self.tokens, self.rows, self.width
+        a = 24 * t
+        b = a + 4 * (r + 1)
+        c = b + 4 * r
+        d = c + 4 * r * w
+        return (
+            buf[0 : 8 * t].view(i64),
+            buf[8 * t : 16 * t].view(i64),
+            buf[16 * t : a].view(i64),
+            buf[a:b].view(i32),
+            buf[b:c].view(i32),
+            buf[c:d].view(i32).reshape(r, w),
+            *self.split_tails(buf),
+        )
+
+    def split_tails(self, buf: np.ndarray | torch.Tensor) -> tuple:
+        """The tails' views only: logits_indices, scatter_index, gather_index."""
+        i64 = np.int64 if isinstance(buf, np.ndarray) else torch.int64
+        e = self.base_nbytes + 8 * self.num_logits
+        f = e + 8 * self.num_scatter
+        return buf[self.base_nbytes : e].view(i64), buf[e:f].view(i64), buf[f : self.nbytes].view(i64)
+
+
+@dataclass
+class HostInputs:
+    """A real batch of r rows / t tokens on the host (numpy), before padding and upload."""
+
+    input_ids: np.ndarray  # [t] int64; placeholders at scatter_index when ids come from the device
+    positions: np.ndarray  # [t] int64
+    slot_mapping: np.ndarray  # [t] int64
+    cu_seqlens_q: np.ndarray  # [r+1] int
+    seq_lens_k: np.ndarray  # [r] int
+    block_tables: np.ndarray  # [r, w] int32, rows padded with 0
+    max_q: int
+    max_k: int
+    logits_indices: np.ndarray | None = None  # [L] int64: tokens whose logits are wanted (None: all)
+    scatter_index: np.ndarray | None = None  # [S] int64: tokens whose ids come from a device tensor
+    gather_index: np.ndarray | None = None  # [S] int64: which of the device ids go there (None: all)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.seq_lens_k.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.block_tables.shape[1])
+
+    @property
+    def num_tails(self) -> tuple[int, int, int]:
+        """Lengths of the int64 tails: (logits indices, scatter index, gather index)."""
+        return tuple(
+            0 if a is None else len(a) for a in (self.logits_indices, self.scatter_index, self.gather_index)
+        )
+
+    def layout(self) -> InputLayout:
+        """This batch's own (unpadded) layout."""
+        return InputLayout(self.num_tokens, self.num_rows, self.width, *self.num_tails)
+
+    def write(self, lay: InputLayout, buf: np.ndarray) -> None:  # buf: uint8 [>= lay.nbytes]
+        """Write the batch into ``buf`` with ``lay``'s shapes, padded as the module docstring says."""
+        r, t, w = self.num_rows, self.num_tokens, self.width
+        if lay.rows < r or lay.tokens < t or lay.width < w:
+            raise ValueError(
+                f"cannot pad {r} rows / {t} tokens / width {w} into {lay.rows} / {lay.tokens} / {lay.width}"
+            )
+        if lay.tails != self.num_tails:
+            raise ValueError(f"layout tails {lay.tails} != the batch's {self.num_tails}")
+        ids, pos, slots, cu, seq, tables, logits, scatter, gather = lay.split(buf[: lay.nbytes])
+        pad_rows, pad_tokens = lay.rows - r, lay.tokens - t
+        ids[:t], ids[t:] = self.input_ids, 0
+        pos[:t], pos[t:] = self.positions, 0
+        slots[:t], slots[t:] = self.slot_mapping, PAD_SLOT
+        cu[: r + 1] = self.cu_seqlens_q
+        seq[:r] = self.seq_lens_k
+        if pad_rows:  # pad row j owns pad token j (q_len 1, 1 key in block 0) while pad tokens last
+            owned = np.minimum(np.arange(1, pad_rows + 1), pad_tokens)
+            cu[r + 1 :] = t + owned
+            seq[r:] = np.arange(pad_rows) < pad_tokens
+        tables[:r, :w] = self.block_tables
+        if lay.width > w:
+            tables[:r, w:] = 0
+        tables[r:] = 0
+        if self.logits_indices is not None:
+            logits[:] = self.logits_indices
+        if self.scatter_index is not None:
+            scatter[:] = self.scatter_index
+        if self.gather_index is not None:
+            gather[:] = self.gather_index
+
+    def to_device(
+        self, device: torch.device | str, device_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+        """(input_ids, positions, metadata, logits_indices or None) on ``device``, unpadded, in one
+        host-to-device copy (plus the scatter of ``device_ids`` into the ids when given)."""
+        lay = self.layout()
+        host = np.empty(lay.nbytes, dtype=np.uint8)
+        self.write(lay, host)
+        buf = torch.from_numpy(host).to(device, non_blocking=True)
+        ids, pos, slots, cu, seq, tables, logits, scatter, gather = lay.split(buf)
+        if device_ids is not None:
+            self.scatter_ids(ids, scatter, gather, device_ids)
+        meta = AttentionMetadata(cu, seq, tables, slots, self.max_q, self.max_k)
+        return ids, pos, meta, (logits if self.logits_indices is not None else None)
+
+    def scatter_ids(
+        self, ids: torch.Tensor, scatter: torch.Tensor, gather: torch.Tensor, device_ids: torch.Tensor
+    ) -> None:
+        """``ids[scatter] = device_ids[gather]`` (``device_ids`` as they are without a gather index):
+        one ``index_copy_``, plus one ``index_select`` with a gather index."""
+        if (device_ids is None) != (self.scatter_index is None):
+            raise ValueError("device ids and HostInputs.scatter_index must be given together")
+        src = device_ids.to(ids.device, torch.int64)
+        if self.gather_index is not None:
+            src = src.index_select(0, gather)
+        ids.index_copy_(0, scatter, src)

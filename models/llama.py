@@ -12,27 +12,33 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from specsched.kernels.attention import AttentionFn, get_attention_backend, store_kv
+from specsched.kernels.activation import silu_and_mul
+from specsched.kernels.attention import AttentionFn, get_attention_backend
 from specsched.kernels.metadata import AttentionMetadata
+from specsched.kernels.norm import add_rms_norm, rms_norm
+from specsched.kernels.rotary import rotary_store_kv
 from specsched.models.config import LlamaConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([NB, BS, Hkv, D], [NB, BS, Hkv, D])
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich, 2019): ``w * x / sqrt(mean(x^2) + eps)``, in float32, rounded to
+    the model dtype before the weight multiply (as HF Llama)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim]
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), fused."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:  # [head_dim // 2]
@@ -57,23 +63,60 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:  # [head_dim // 2]
     return inv.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D/2]. Rotate-half convention (HF Llama)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+def _fuse_on_load(
+    state: dict, prefix: str, fused: str, parts: tuple[str, ...], suffixes: tuple[str, ...]
+) -> None:
+    """Load-time hook: concatenate HF's separate projections (``q_proj``/``k_proj``/``v_proj``,
+    ``gate_proj``/``up_proj``) into one fused weight, so a layer runs one GEMM instead of several."""
+    for suffix in suffixes:
+        names = [f"{prefix}{part}.{suffix}" for part in parts]
+        if all(n in state for n in names):
+            state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(n) for n in names], dim=0)
+
+
+def hf_parameter_names(name: str) -> list[str]:
+    """The HF checkpoint names a parameter of ours is loaded from (the fused ones come from several)."""
+    for fused, parts in (
+        ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        ("gate_up_proj", ("gate_proj", "up_proj")),
+    ):
+        if f".{fused}." in name:
+            return [name.replace(f".{fused}.", f".{part}.") for part in parts]
+    return [name]
+
+
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` under HF checkpoint names: the fused projections split back into
+    ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` (views, no copies)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        names = hf_parameter_names(name)
+        if len(names) == 1:
+            out[name] = t
+            continue
+        mod = model.get_submodule(name.rsplit(".", 2)[0])
+        sizes = [mod.q_size, mod.kv_size, mod.kv_size] if len(names) == 3 else [t.shape[0] // 2] * 2
+        out.update(zip(names, t.split(sizes, dim=0)))
+    return out
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention with one fused QKV projection; output rows are ``[q heads | k heads | v heads]``.
+    HF's ``q_proj``/``k_proj``/``v_proj`` weights are concatenated into ``qkv_proj`` on load."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
         self.scale = self.head_dim**-0.5
+        self._register_load_state_dict_pre_hook(
+            lambda state, prefix, *_: _fuse_on_load(
+                state, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"), ("weight", "bias")
+            )
+        )
 
     def forward(
         self,
@@ -84,27 +127,33 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         attn: AttentionFn,
     ) -> torch.Tensor:  # [T, hidden]
-        t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
-        o = attn(q, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q = rotary_store_kv(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, self.num_heads, self.num_kv_heads)
+        o = attn(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU with one fused gate/up projection (HF's ``gate_proj``/``up_proj`` concatenated on load)."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self._register_load_state_dict_pre_hook(
+            lambda state, prefix, *_: _fuse_on_load(
+                state, prefix, "gate_up_proj", ("gate_proj", "up_proj"), ("weight",)
+            )
+        )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder layer. The residual stream travels beside the layer output: each layer's
+    output is added to it inside the next norm (``add_rms_norm``), one kernel instead of two."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
@@ -112,9 +161,23 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv, meta, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the previous layer's output (the embeddings for layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream before x is added; None at layer 0
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        attn: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (layer output, residual stream) — their sum is the hidden state
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, cos, sin, kv, meta, attn)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -178,12 +241,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, forward needs {n}")
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos(), freqs.sin()
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv in zip(self.model.layers[:n], kv_cache[:n]):
-            x = layer(x, cos, sin, kv, meta, self.attn)
+            x, residual = layer(x, residual, cos, sin, kv, meta, self.attn)
         if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        return self.lm_head(self.model.norm(x)).float()
+            x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
+        return self.lm_head(self.model.norm.add_and_norm(x, residual)[0]).float()
 
 
 def init_random(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> LlamaForCausalLM:

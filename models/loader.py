@@ -20,7 +20,7 @@ from specsched.daemon.config import ModelConfig
 from specsched.models.config import PRESETS, LlamaConfig, get_preset
 from specsched.models.convert import META_FILE, WEIGHTS_FILE, convert_bin_folder, convert_gguf, no_bar
 from specsched.models.hf_config import llama_config_from_hf
-from specsched.models.llama import LlamaForCausalLM, init_random, rope_inv_freq
+from specsched.models.llama import LlamaForCausalLM, hf_parameter_names, init_random, rope_inv_freq
 from specsched.models.smollm2 import SMOLLM2_NAME, smollm2_gguf_path
 from specsched.models.tokenizer import Tokenizer
 
@@ -154,7 +154,7 @@ def _load_safetensors(
         raise FileNotFoundError("no *.safetensors weights found")
     with torch.device("meta"):
         model = LlamaForCausalLM(lcfg, backend)
-    expected = set(model.state_dict())
+    expected = {hf for name in model.state_dict() for hf in hf_parameter_names(name)}
     state: dict[str, torch.Tensor] = {}
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     names = [(h, k) for h in handles for k in h.keys() if not k.endswith("rotary_emb.inv_freq")]

@@ -13,7 +13,7 @@ from specsched.kernels.metadata import build_metadata
 from specsched.models.config import PRESETS, get_preset
 from specsched.models.convert import META_FILE
 from specsched.models.hf_config import llama_config_from_hf
-from specsched.models.llama import LlamaForCausalLM, init_random, rope_inv_freq
+from specsched.models.llama import LlamaForCausalLM, hf_state_dict, init_random, rope_inv_freq
 from specsched.models.loader import (
     PRESET_INIT_STD,
     load_model,
@@ -36,7 +36,8 @@ def save_as_bin(model: torch.nn.Module, out) -> None:
 
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
+    """Equal weights under HF names (ours are split back from the fused projections)."""
+    sa, sb = (hf_state_dict(m) if isinstance(m, LlamaForCausalLM) else m.state_dict() for m in (a, b))
     assert sorted(sa) == sorted(sb)
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
