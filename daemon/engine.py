@@ -18,6 +18,7 @@ from specsched.daemon.records import RequestOutput, StepRecord, StepRequestRecor
 from specsched.daemon.request import FinishReason, Request, SamplingParams, SpecParams
 from specsched.daemon.scheduler import ScheduledBatch, Scheduler
 from specsched.daemon.stats import EngineStats
+from specsched.daemon.step_timer import StepTimer
 from specsched.kernels.rejection_sampling import verify
 from specsched.policies.base import BatchView, Policy, RequestView
 from specsched.proposers.base import Proposals
@@ -45,6 +46,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.on_step: Callable[[StepRecord], None] | None = None
         self.stats = EngineStats()
+        self.timer = StepTimer(self.device)  # phase times: perf_counter on the host, CUDA events on GPU
+        self.is_overlapped_observe = self.timer.is_events  # see flush_observations
+        self._unobserved: list[StepRecord] = []
         self.num_steps = 0
 
     @classmethod
@@ -93,58 +97,74 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        if batch is None or batch.is_prefill:
+            self.flush_observations()
         if batch is None:
             return []
+        self.timer.start_step()
         if batch.is_prefill:
             outputs, rec = self._prefill(batch)
         else:
             outputs, rec = self._decode(batch.requests)
+        self.timer.finish(rec)  # CUDA: read the phase events (the step's host read waited for them)
         rec.total_ms = (time.perf_counter() - t0) * 1e3
         if not batch.is_prefill and rec.batch_size:
-            self.costs.observe(rec)
+            self._unobserved.append(rec)
+            if not self.is_overlapped_observe:
+                self.flush_observations()
         self.stats.observe(rec)
         self.num_steps += 1
         if self.on_step is not None:
             self.on_step(rec)
         return outputs
 
+    def flush_observations(self) -> None:
+        """Feed the cost models the decode records not observed yet. With ``is_overlapped_observe``
+        (on CUDA) a decode step's record is observed during the next decode step, on the host while
+        the GPU runs that step's scoring forward (the update is then off the step's critical path,
+        and the policy decides with the costs of all steps but the last); prefill steps and idle
+        calls flush first."""
+        for rec in self._unobserved:
+            self.costs.observe(rec)
+        self._unobserved.clear()
+
     def _decode(self, reqs: list[Request]) -> tuple[list[RequestOutput], StepRecord]:
         rec = StepRecord(self.num_steps, "decode", time.time(), 0, 0)
-        plan = self.policy.decide(self._view(reqs), self.costs)
+        names = self._proposer_names(reqs)
+        plan = self.policy.decide(self._view(reqs, names), self.costs)
         if plan.scorer not in self.scorers:
             raise ValueError(
                 f"policy {plan.policy!r} chose scorer {plan.scorer!r}, which is not built here; "
                 f"built: {', '.join(self.scorers)}"
             )
-        reqs, ks = self.scheduler.reserve_lookahead(reqs, plan.k)  # may lower k or preempt
+        kept, ks = self.scheduler.reserve_lookahead(reqs, plan.k)  # may lower k or preempt
+        if len(kept) != len(reqs):  # kept is in batch order
+            reqs, names = kept, self._proposer_names(kept)
         with self._timed(rec, "propose_ms"):
-            props = self._propose(reqs, ks)
+            props = self._propose(reqs, ks, names)
         with self._timed(rec, "score_ms"):
             logits = self.scorers[plan.scorer].score(reqs, props)  # [sum(k_i+1), vocab]
+        if self._unobserved:  # host work while the GPU scores (CUDA): nothing here waits for it
+            self.flush_observations()
         with self._timed(rec, "verify_ms"):
             result = verify(logits, props, [r.sampling for r in reqs], [r.generator for r in reqs])
             emitted = result.to_lists()
+        num_draft = props.num_draft
+        context = [r.num_tokens - 1 for r in reqs]  # before this step's tokens are committed
+        outputs = self._commit(reqs, emitted, num_draft, names)
         rec.requests = [
-            StepRequestRecord(r.request_id, r.num_tokens - 1, k, len(e) - 1, b)
-            for r, e, k, b in zip(reqs, emitted, props.num_draft, result.match_bits())
+            StepRequestRecord(r.request_id, c, k, len(e) - 1, b, len(o.new_token_ids))
+            for r, c, e, k, b, o in zip(reqs, context, emitted, num_draft, result.match_bits(), outputs)
         ]
-        outputs = self._commit(reqs, emitted, props.num_draft, True)
-        for q, out in zip(rec.requests, outputs):
-            q.num_emitted = len(out.new_token_ids)
-        rec.batch_size, rec.num_tokens, rec.num_emitted = (
-            len(reqs),
-            sum(k + 1 for k in props.num_draft),
-            sum(map(len, emitted)),
-        )
-        rec.scorer, rec.policy, rec.proposer, rec.is_synthetic = (
-            plan.scorer,
-            plan.policy,
-            self._proposer_label(reqs),
-            props.is_synthetic,
-        )
+        rec.batch_size, rec.num_tokens = len(reqs), props.num_tokens + len(reqs)
+        rec.num_emitted = sum(len(e) for e in emitted)
+        rec.scorer, rec.policy, rec.is_synthetic = plan.scorer, plan.policy, props.is_synthetic
+        rec.proposer = names[0] if len(set(names)) == 1 else "+".join(sorted(set(names)))
         rec.predicted_ms, rec.plan_info = plan.predicted_ms, plan.info
-        for name in ("propose", "score", "verify"):
-            setattr(rec, f"predicted_{name}_ms", plan.info.get(f"predicted_{name}_ms"))
+        info = plan.info
+        rec.predicted_propose_ms = info.get("predicted_propose_ms")
+        rec.predicted_score_ms = info.get("predicted_score_ms")
+        rec.predicted_verify_ms = info.get("predicted_verify_ms")
         self.policy.observe(plan, [len(e) - 1 for e in emitted])
         return outputs, rec
 
@@ -169,21 +189,20 @@ class Engine:
         for r, e in zip(reqs, ends):
             r.num_computed = e
         done = [reqs[i] for i in sample]
-        empty = Proposals.from_lists([[] for _ in done], self.device)
+        empty = Proposals.from_lists([[] for _ in done])  # host tensors: no device copy
         with self._timed(rec, "verify_ms"):
             first = verify(logits, empty, [r.sampling for r in done], [r.generator for r in done]).to_lists()
         now = time.time()
         for r in done:
             r.first_token_time = now
         rec.num_emitted = len(done)
-        return self._commit(done, first, [0] * len(done), False), rec
+        return self._commit(done, first, [0] * len(done), None), rec
 
     # ---- helpers ------------------------------------------------------------------------------------
-    def _view(self, reqs: list[Request]) -> BatchView:
-        names = [self._proposer_of(r) for r in reqs]
+    def _view(self, reqs: list[Request], names: list[str]) -> BatchView:
         peek = {
-            n: iter(self.proposers[n].peek([r for r, m in zip(reqs, names) if m == n]).max_k)
-            for n in set(names)
+            n: iter(self.proposers[n].peek(reqs if len(by) == len(reqs) else [reqs[i] for i in by]).max_k)
+            for n, by in self._by_proposer(names).items()
         }
         max_k, max_len, views = self.cfg.spec.max_k, self.max_model_len, []
         for r, n in zip(reqs, names):
@@ -208,44 +227,56 @@ class Engine:
             self.num_steps,
         )
 
-    def _proposer_of(self, req: Request) -> str:
-        return req.proposer or self.cfg.spec.proposer
+    def _proposer_names(self, reqs: list[Request]) -> list[str]:
+        default = self.cfg.spec.proposer
+        return [r.proposer or default for r in reqs]
 
-    def _proposer_label(self, reqs: list[Request]) -> str:
-        return "+".join(sorted({self._proposer_of(r) for r in reqs}))
+    @staticmethod
+    def _by_proposer(names: list[str]) -> dict[str, list[int]]:
+        """Batch indices per proposer name, names in sorted order."""
+        if len(set(names)) == 1:
+            return {names[0]: range(len(names))}
+        by: dict[str, list[int]] = {}
+        for i, n in enumerate(names):
+            by.setdefault(n, []).append(i)
+        return dict(sorted(by.items()))
 
-    def _propose(self, reqs: list[Request], ks: list[int]) -> Proposals:
-        names = [self._proposer_of(r) for r in reqs]
-        parts = []
-        for n in sorted(set(names)):
-            idx = [i for i, m in enumerate(names) if m == n]
-            parts.append((idx, self.proposers[n].propose([reqs[i] for i in idx], [ks[i] for i in idx])))
+    def _propose(self, reqs: list[Request], ks: list[int], names: list[str]) -> Proposals:
+        by = self._by_proposer(names)
+        if len(by) == 1:  # one proposer for the whole batch: its proposals as they are
+            return self.proposers[names[0]].propose(reqs, ks)
+        parts = [
+            (idx, self.proposers[n].propose([reqs[i] for i in idx], [ks[i] for i in idx]))
+            for n, idx in by.items()
+        ]
         return merge_proposals(parts, len(reqs), self.model.cfg.vocab_size, self.device)
 
     def _commit(
-        self, reqs: list[Request], emitted: list[list[int]], num_draft: list[int], is_decode: bool
+        self, reqs: list[Request], emitted: list[list[int]], num_draft: list[int], names: list[str] | None
     ) -> list[RequestOutput]:
         """Append each request's emitted tokens (accepted drafts + one recovered/bonus token), stop
-        at EOS/stop ids/length, roll back the KV of rejected drafts by length."""
-        outputs = []
-        for r, toks, k in zip(reqs, emitted, num_draft):
+        at EOS/stop ids/length, roll back the KV of rejected drafts by length. ``names``: the
+        requests' proposers on a decode step (acceptance is observed), None on a prefill step."""
+        outputs, unfinished = [], []
+        for i, (r, toks, k) in enumerate(zip(reqs, emitted, num_draft)):
             n_acc = len(toks) - 1
             kept, reason = self._kept(r, toks)
             r.output_ids.extend(kept)
-            if is_decode:
+            if names is not None:
                 r.num_proposed += k
                 r.num_accepted += n_acc
                 r.num_spec_steps += 1
                 r.last_k, r.last_accepted = k, n_acc
-                self.acceptance.observe(r.request_id, self._proposer_of(r), k, n_acc)
+                self.acceptance.observe(r.request_id, names[i], k, n_acc)
             r.num_computed = r.num_tokens - 1
             outputs.append(RequestOutput(r.request_id, kept, k, n_acc, reason.value if reason else None))
             if reason is not None:
                 self._finish(r, reason)
             else:
                 self.scheduler.trim(r)
+                unfinished.append(r)
         for p in self.proposers.values():
-            p.on_commit([r for r in reqs if not r.is_finished])
+            p.on_commit(unfinished)
         return outputs
 
     def _kept(self, r: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
@@ -268,8 +299,8 @@ class Engine:
         self.acceptance.forget(req.request_id)
         self.requests.pop(req.request_id, None)
 
-    def _timed(self, rec: StepRecord, field: str):
-        return _Timer(rec, field, self.device.type == "cuda")
+    def _timed(self, rec: StepRecord, field: str) -> StepTimer:
+        return self.timer.phase(rec, field)
 
     # ---- status -------------------------------------------------------------------------------------
     @property
@@ -310,20 +341,3 @@ class Engine:
         while any(not r.is_finished for r in reqs):
             self.step()
         return [r.output_ids for r in reqs]
-
-
-class _Timer:
-    """Adds the block's wall time in ms to ``rec.<field>`` (synchronising CUDA when on GPU)."""
-
-    def __init__(self, rec: StepRecord, field: str, is_cuda: bool) -> None:
-        self.rec, self.field, self.is_cuda = rec, field, is_cuda
-
-    def __enter__(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize()
-        self.t = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize()
-        setattr(self.rec, self.field, getattr(self.rec, self.field) + (time.perf_counter() - self.t) * 1e3)

@@ -77,18 +77,15 @@ def pad_block_tables(block_tables: list[list[int]]) -> np.ndarray:  # [B, max_bl
     return out
 
 
-def build_metadata(
+def host_metadata(
     q_lens: Sequence[int] | np.ndarray,
     k_lens: Sequence[int] | np.ndarray,
     block_tables: list[list[int]],
     block_size: int,
-    device: torch.device | str = "cpu",
-) -> AttentionMetadata:
-    """Build metadata from plain lists (vectorised on the host, two copies to ``device``).
-
-    ``q_lens[i]`` new tokens of row i sit at key positions ``k_lens[i]-q_lens[i] .. k_lens[i]-1``;
-    their K/V slots come from ``block_tables[i]``.
-    """
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The metadata arrays of :func:`build_metadata` on the host, vectorised: ``cu_seqlens_q``
+    [B+1] int64, ``seq_lens_k`` [B] int64, ``block_tables`` [B, W] int32 and ``slot_mapping`` [T]
+    int64. Checks every row (clear error for the first bad one)."""
     if not (len(q_lens) == len(k_lens) == len(block_tables)):
         raise ValueError(
             f"q_lens, k_lens and block_tables differ in length: "
@@ -109,7 +106,23 @@ def build_metadata(
     row = np.repeat(np.arange(len(q)), q)  # [T] row of each new token
     pos = np.arange(int(cu[-1])) - cu[row] + (k - q)[row]  # [T] key position of each new token
     slots = tables[row, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    return cu, k, tables, slots
+
+
+def build_metadata(
+    q_lens: Sequence[int] | np.ndarray,
+    k_lens: Sequence[int] | np.ndarray,
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Build metadata from plain lists (vectorised on the host, two copies to ``device``).
+
+    ``q_lens[i]`` new tokens of row i sit at key positions ``k_lens[i]-q_lens[i] .. k_lens[i]-1``;
+    their K/V slots come from ``block_tables[i]``.
+    """
+    cu, k, tables, slots = host_metadata(q_lens, k_lens, block_tables, block_size)
     return metadata_from_host(
         cu, k, tables, torch.from_numpy(slots).to(device, non_blocking=True),
-        max_q=int(q.max(initial=0)), max_k=int(k.max(initial=0)), device=device,
+        max_q=int(np.diff(cu).max(initial=0)), max_k=int(k.max(initial=0)), device=device,
     )  # fmt: skip

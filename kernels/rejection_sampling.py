@@ -112,12 +112,14 @@ def _check(proposals: Proposals, num_target_rows: int) -> None:
 def _layout(proposals: Proposals, num_target_rows: int, device: torch.device) -> _Layout:
     _check(proposals, num_target_rows)
     num_req, max_k, num_tok = proposals.num_requests, proposals.max_k, proposals.num_tokens
-    cu = proposals.cu_num_draft.to(device)
-    num_draft = torch.tensor(proposals.num_draft, dtype=torch.int64, device=device)
+    cu = proposals.cu_num_draft.to(device, non_blocking=True)  # host tensors travel without a sync
+    num_draft = cu[1:] - cu[:-1]
     offsets = torch.arange(max_k, device=device)
     valid = offsets.unsqueeze(0) < num_draft.unsqueeze(1)  # [B, K]
     draft_index = torch.where(valid, cu[:-1].unsqueeze(1) + offsets, num_tok)
-    padded = torch.cat([proposals.draft_tokens.to(device), torch.full((1,), -1, device=device)])
+    padded = torch.cat(
+        [proposals.draft_tokens.to(device, non_blocking=True), torch.full((1,), -1, device=device)]
+    )
     first_row = cu[:-1] + torch.arange(num_req, device=device)
     return _Layout(
         valid=valid,
@@ -159,10 +161,13 @@ def verify_greedy(
     num_rows = target_logits.shape[0]
     _check(proposals, num_rows)
     argmax = target_logits.argmax(dim=-1)  # [N + B]
-    if proposals.num_tokens:  # one device-to-host copy of the argmaxes and the drafts
-        host = torch.cat([argmax, proposals.draft_tokens.to(argmax.device)]).tolist()
-    else:
-        host = argmax.tolist()
+    drafts = proposals.draft_tokens
+    if not proposals.num_tokens:
+        host = argmax.tolist()  # the step's one device-to-host copy
+    elif drafts.device.type == "cpu":  # the proposer's drafts are on the host already
+        host = argmax.tolist() + drafts.tolist()
+    else:  # drafts on the device: one device-to-host copy of the argmaxes and the drafts
+        host = torch.cat([argmax, drafts.to(argmax.device)]).tolist()
     emitted, row, d = [], 0, num_rows  # row: request's first target row; d: its first draft in host
     for k in proposals.num_draft:
         a = 0
@@ -200,13 +205,13 @@ def verify_sampled(
     if q_all is not None:
         if q_all.shape != (num_tok, vocab):
             raise ValueError(f"draft_probs must be [{num_tok}, {vocab}], got shape {tuple(q_all.shape)}")
-        q_all = q_all.to(device, torch.float32)
+        q_all = q_all.to(device, torch.float32, non_blocking=True)
     probs = target_probs.float()
     draft = layout.draft.clamp(min=0)  # [B, K], pad positions read token 0 and are masked
     p_draft = probs[layout.rows, draft]  # [B, K]
-    u = torch.cat([uniforms_accept.to(device, torch.float32), torch.ones(1, device=device)])[
-        layout.draft_index
-    ]
+    u = torch.cat(
+        [uniforms_accept.to(device, torch.float32, non_blocking=True), torch.ones(1, device=device)]
+    )[layout.draft_index]
     if q_all is None:
         accept = u < p_draft
     else:
@@ -226,7 +231,7 @@ def verify_sampled(
         residual = (p_final - q_final * is_rejected.unsqueeze(1)).clamp(min=0)
         has_mass = residual.sum(dim=-1, keepdim=True) > 0
         p_final = torch.where(has_mass, residual, p_final)
-    final = sample_from_probs(p_final, uniforms_resample.to(device))
+    final = sample_from_probs(p_final, uniforms_resample.to(device, non_blocking=True))
     return _assemble(layout, kept, num_accepted, final, proposals.num_draft)
 
 
@@ -266,4 +271,5 @@ def verify(
         u_resample.append(u[k:])
     repeats = [k + 1 for k in proposals.num_draft]
     probs = logits_to_probs(target_logits, SamplingTensors.from_params(sampling, repeats, device))
-    return verify_sampled(probs, proposals, torch.cat(u_accept).to(device), torch.cat(u_resample).to(device))
+    u_accept_t = torch.cat(u_accept).to(device, non_blocking=True)  # host uniforms: no sync
+    return verify_sampled(probs, proposals, u_accept_t, torch.cat(u_resample).to(device, non_blocking=True))

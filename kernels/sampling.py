@@ -53,11 +53,15 @@ class SamplingTensors:
             top_p += [float(sp.top_p)] * r
             is_greedy += [sp.is_greedy] * r
         sampled = [sp for sp, r in zip(params, repeats, strict=True) if r > 0 and not sp.is_greedy]
+
+        def upload(values: list, dtype: torch.dtype) -> torch.Tensor:  # built on the host, no sync
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
         return SamplingTensors(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            is_greedy=torch.tensor(is_greedy, dtype=torch.bool, device=device),
+            temperature=upload(temperature, torch.float32),
+            top_k=upload(top_k, torch.int64),
+            top_p=upload(top_p, torch.float32),
+            is_greedy=upload(is_greedy, torch.bool),
             has_top_k=any(sp.top_k > 0 for sp in sampled),
             has_top_p=any(sp.top_p < 1.0 for sp in sampled),
         )

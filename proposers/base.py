@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from specsched.daemon.request import Request
@@ -15,7 +17,7 @@ class Proposals:
     """Ragged draft tokens for a batch. Request i's drafts are
     ``draft_tokens[cu_num_draft[i]:cu_num_draft[i+1]]``; ``num_draft[i]`` may be 0."""
 
-    draft_tokens: torch.Tensor  # [N] int64
+    draft_tokens: torch.Tensor  # [N] int64; on the host (n-gram, none) or the device (greedy draft model)
     cu_num_draft: torch.Tensor  # [B+1] int64
     draft_probs: torch.Tensor | None  # [N, vocab] float32, None for deterministic proposers
     num_draft: list[int]  # [B] host ints (the k actually proposed; <= planned k)
@@ -35,18 +37,16 @@ class Proposals:
 
     @staticmethod
     def from_lists(drafts: list[list[int]], device: torch.device | str = "cpu") -> Proposals:
-        """Build deterministic proposals (one-hot q) from plain lists."""
+        """Build deterministic proposals (one-hot q) from plain lists (on the host by default:
+        scorers and verification read host drafts without a device copy)."""
         num = [len(d) for d in drafts]
-        cu = [0]
-        for n in num:
-            cu.append(cu[-1] + n)
-        flat = [t for d in drafts for t in d]
-        return Proposals(
-            draft_tokens=torch.tensor(flat, dtype=torch.int64, device=device),
-            cu_num_draft=torch.tensor(cu, dtype=torch.int64, device=device),
-            draft_probs=None,
-            num_draft=num,
-        )
+        cu = np.zeros(len(num) + 1, dtype=np.int64)
+        np.cumsum(num, out=cu[1:])
+        flat = torch.from_numpy(np.fromiter(chain.from_iterable(drafts), dtype=np.int64, count=int(cu[-1])))
+        cu_t = torch.from_numpy(cu)
+        if torch.device(device).type != "cpu":
+            flat, cu_t = flat.to(device), cu_t.to(device)
+        return Proposals(draft_tokens=flat, cu_num_draft=cu_t, draft_probs=None, num_draft=num)
 
 
 @dataclass

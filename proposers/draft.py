@@ -13,13 +13,15 @@ temperature/top-k/top-p, and q is returned for rejection sampling (Leviathan et 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specsched.daemon.request import Request
 from specsched.kernels.sampling import SamplingTensors, logits_to_probs, sample_from_probs
+from specsched.models.graph_buckets import HostInputs
 from specsched.models.llama import KVCache, LlamaForCausalLM
 from specsched.proposers.base import Proposals, Proposer
-from specsched.scorers.inputs import build_chunk_inputs, tokens_from
+from specsched.scorers.inputs import chunk_host_inputs, decode_host_inputs, tokens_from
 
 
 class DraftModelProposer(Proposer):
@@ -34,13 +36,60 @@ class DraftModelProposer(Proposer):
         self.graph_forward = None  # set by scorers.graph.attach_draft_graphs (CUDA graphs)
 
     def _forward(self, reqs: list[Request], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Feed ``tokens[i]`` at positions ``starts[i]..``; logits at each row's last token."""
-        x, last = build_chunk_inputs(
-            tokens, starts, [r.block_table for r in reqs], self.block_size, self.device
+        """Feed ``tokens[i]`` at positions ``starts[i]..``; logits at each row's last token. The
+        inputs travel in one host-to-device copy (into the graph runner's buffer when it has one)."""
+        return self._run(chunk_host_inputs(tokens, starts, [r.block_table for r in reqs], self.block_size))
+
+    def _run(self, x: HostInputs, device_ids: torch.Tensor | None = None) -> torch.Tensor:  # [rows, vocab]
+        if self.graph_forward is not None:
+            return self.graph_forward.run_host(x, device_ids)
+        ids, pos, meta, last = x.to_device(self.device, device_ids)
+        return self.model(ids, pos, meta, self.kv_cache, last, num_layers=self.num_layers)
+
+    def _propose_greedy(self, batch: list[Request], k: list[int]) -> Proposals:
+        """Greedy drafts without a host read: each step's argmax stays on the device and feeds the
+        next step's input ids there (a scatter in the runner's buffer); the drafts are returned on
+        the device, request-major, and verification reads them with the target's argmaxes."""
+        active = [i for i, ki in enumerate(k) if ki > 0]
+        if not active:
+            return Proposals.from_lists([[] for _ in batch])
+        reqs = [batch[i] for i in active]
+        tokens = [tokens_from(r, r.num_draft_computed) for r in reqs]
+        x = chunk_host_inputs(tokens, [r.num_draft_computed for r in reqs], [r.block_table for r in reqs],
+                              self.block_size)  # fmt: skip
+        tok = self._run(x).argmax(-1)  # [A] on the device
+        for r in reqs:
+            r.num_draft_computed = r.num_tokens
+        tables, num_blocks = (
+            x.block_tables,
+            np.fromiter((len(r.block_table) for r in reqs), np.int64, len(reqs)),
         )
-        return (self.graph_forward or self.model)(
-            x.input_ids, x.positions, x.meta, self.kv_cache, last, num_layers=self.num_layers
-        )
+        rows = np.arange(len(active))  # the step-0 rows that run the current step
+        steps = [(active, tok)]  # per draft step: the batch indices it ran, their tokens on the device
+        for step in range(1, max(k[i] for i in active)):
+            prev, prev_tok = steps[-1]
+            keep = np.fromiter((k[i] > step for i in prev), bool, len(prev))
+            active = [i for i, kept in zip(prev, keep) if kept]
+            rows = rows[keep]
+            positions = np.fromiter((batch[i].num_draft_computed for i in active), np.int64, len(active))
+            x = decode_host_inputs(positions, tables[rows], num_blocks[rows], self.block_size)
+            x.scatter_index = np.arange(len(active))
+            x.gather_index = None if keep.all() else np.flatnonzero(keep)
+            tok = self._run(x, prev_tok).argmax(-1)
+            for i in active:
+                batch[i].num_draft_computed += 1
+            steps.append((active, tok))
+        num_draft = [max(ki, 0) for ki in k]
+        flat = torch.cat([t for _, t in steps]) if len(steps) > 1 else steps[0][1]  # step-major
+        if len(steps) > 1 and len(steps[0][0]) > 1:  # reorder to request-major (host-known order)
+            offsets = np.cumsum([0] + [len(a) for a, _ in steps])
+            row_of = [{i: j for j, i in enumerate(a)} for a, _ in steps]  # batch index -> row, per step
+            order = [offsets[s] + row_of[s][i] for i in steps[0][0] for s in range(k[i])]
+            index = torch.from_numpy(np.asarray(order, dtype=np.int64)).to(flat.device, non_blocking=True)
+            flat = flat.index_select(0, index)
+        cu = np.zeros(len(batch) + 1, dtype=np.int64)
+        np.cumsum(num_draft, out=cu[1:])
+        return Proposals(flat, torch.from_numpy(cu), None, num_draft)
 
     def _pick(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next draft token per row: argmax for greedy requests, a sample from q otherwise."""
@@ -48,11 +97,15 @@ class DraftModelProposer(Proposer):
             return logits.argmax(-1), None
         st = SamplingTensors.from_params([r.sampling for r in reqs], None, logits.device)
         probs = logits_to_probs(logits, st)  # greedy rows are one-hot
-        u = torch.stack([torch.rand((), generator=r.generator) for r in reqs]).to(logits.device)
+        u = torch.stack([torch.rand((), generator=r.generator) for r in reqs]).to(
+            logits.device, non_blocking=True
+        )
         return sample_from_probs(probs, u), probs
 
     @torch.inference_mode()
     def propose(self, batch: list[Request], k: list[int]) -> Proposals:
+        if all(r.sampling.is_greedy for r in batch):
+            return self._propose_greedy(batch, k)
         active = [i for i, ki in enumerate(k) if ki > 0]
         drafts: list[list[int]] = [[] for _ in batch]
         probs: list[list[torch.Tensor]] = [[] for _ in batch]
@@ -78,7 +131,7 @@ class DraftModelProposer(Proposer):
                     if q is not None and not batch[i].sampling.is_greedy:
                         probs[i].append(q[row])
                 any_probs |= q is not None
-        out = Proposals.from_lists(drafts, self.device)
+        out = Proposals.from_lists(drafts)  # on the host: the drafts were read there already
         if any_probs:
             vocab = self.model.cfg.vocab_size
             rows = []
@@ -86,7 +139,9 @@ class DraftModelProposer(Proposer):
                 for j, t in enumerate(d):
                     if batch[i].sampling.is_greedy:  # q is unused for greedy rows: one-hot
                         rows.append(
-                            torch.nn.functional.one_hot(torch.tensor(t, device=self.device), vocab).float()
+                            torch.nn.functional.one_hot(
+                                torch.tensor(t).to(self.device, non_blocking=True), vocab
+                            ).float()
                         )
                     else:
                         rows.append(probs[i][j])

@@ -65,12 +65,56 @@ def ngram_lookup(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k: 
     return [] if start is None else arr[start : start + k].tolist()
 
 
+_VECTORISE_FROM = 32  # index this many new positions or more with numpy windows, fewer in a loop
+
+
+class NgramIndex:
+    """The most recent end position of every n-gram (``min_n <= n <= max_n``) of a growing token
+    sequence, for :func:`ngram_match` in O(max_n - min_n) dictionary lookups per step instead of a
+    scan of the sequence. An n-gram is keyed by the bytes of its int64 tokens.
+
+    ``extend(tokens, stop)`` indexes the n-grams ending at positions ``num_indexed .. stop - 1`` (a
+    later end overwrites an earlier one: the most recent wins); ``match(tokens)`` is
+    :func:`ngram_match` over ``tokens`` after indexing every n-gram that ends before the last token.
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        _check_n(min_n, max_n)
+        self.min_n, self.max_n = min_n, max_n
+        self.ends: dict[int, dict[bytes, int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.num_indexed = 0  # n-grams ending before this position are indexed
+
+    def extend(self, tokens: np.ndarray, stop: int) -> None:  # tokens: int64 [>= stop]
+        start, self.num_indexed = self.num_indexed, max(self.num_indexed, stop)
+        for n, ends in self.ends.items():
+            lo = max(start, n - 1)
+            if stop - lo >= _VECTORISE_FROM:
+                win = np.lib.stride_tricks.sliding_window_view(tokens[lo - n + 1 : stop], n)  # [stop-lo, n]
+                keys = np.ascontiguousarray(win).view(np.dtype((np.void, 8 * n))).ravel()
+                ends.update(zip(keys.tolist(), range(lo, stop)))
+            else:
+                for e in range(lo, stop):
+                    ends[tokens[e - n + 1 : e + 1].tobytes()] = e
+
+    def match(self, tokens: np.ndarray) -> int | None:  # tokens: int64, the sequence so far
+        last = len(tokens) - 1
+        if last < 1:
+            return None
+        self.extend(tokens, last)
+        for n in range(min(self.max_n, last), self.min_n - 1, -1):
+            e = self.ends[n].get(tokens[last - n + 1 :].tobytes())
+            if e is not None:
+                return e + 1
+        return None
+
+
 @dataclass
 class _CachedTokens:
     owner: int  # id() of the Request whose tokens these are
     num_prompt: int
     buf: np.ndarray  # [capacity] int64, first num_tokens valid
     num_tokens: int
+    index: NgramIndex
     match_at: int = -1  # num_tokens when match_start was found (peek), -1: none yet
     match_start: int | None = None  # ngram_match over the first match_at tokens
 
@@ -79,10 +123,11 @@ class NgramProposer(Proposer):
     """Prompt lookup over each request's prompt + output (``req.token_ids``).
 
     Keeps a numpy copy of each request's tokens, extended by appends (tokens only grow while a
-    request runs). The copy is rebuilt when the Request object, its prompt length, a shorter
-    total length or the last cached token disagree with it, and dropped in :meth:`on_finish`.
-    The match :meth:`peek` finds is kept with it, so :meth:`propose` on the same tokens (the same
-    step) does not search again.
+    request runs), with its :class:`NgramIndex` (each step indexes only the new tokens and looks the
+    suffix up: no scan of the sequence). Both are rebuilt when the Request object, its prompt length,
+    a shorter total length or the last cached token disagree with the copy, and dropped in
+    :meth:`on_finish`. The match :meth:`peek` finds is kept with it, so :meth:`propose` on the same
+    tokens (the same step) does not search again.
     """
 
     name = "ngram"
@@ -112,7 +157,8 @@ class NgramProposer(Proposer):
             return c.buf[:num]
         buf = np.empty(2 * max(num, 16), dtype=np.int64)
         buf[:num] = req.token_ids
-        self._cache[req.request_id] = _CachedTokens(id(req), num_prompt, buf, num)
+        index = NgramIndex(self.cfg.min_n, self.cfg.max_n)
+        self._cache[req.request_id] = _CachedTokens(id(req), num_prompt, buf, num, index)
         return buf[:num]
 
     def _match(self, req: Request) -> tuple[np.ndarray, int | None]:
@@ -120,7 +166,7 @@ class NgramProposer(Proposer):
         tokens = self._tokens(req)
         c = self._cache[req.request_id]
         if c.match_at != len(tokens):
-            c.match_start, c.match_at = ngram_match(tokens, self.cfg.min_n, self.cfg.max_n), len(tokens)
+            c.match_start, c.match_at = c.index.match(tokens), len(tokens)
         return tokens, c.match_start
 
     def peek(self, batch: list[Request]) -> ProposerPeek:
@@ -142,7 +188,7 @@ class NgramProposer(Proposer):
         for req, ki in zip(batch, k, strict=True):
             tokens, start = self._match(req) if ki > 0 else (None, None)
             drafts.append([] if start is None else tokens[start : start + ki].tolist())
-        return Proposals.from_lists(drafts, device=self.device)
+        return Proposals.from_lists(drafts)  # host tensors: scorers and verify read them there
 
     def on_finish(self, request: Request) -> None:
         self._cache.pop(request.request_id, None)

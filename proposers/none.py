@@ -16,4 +16,4 @@ class NoProposer(Proposer):
         return ProposerPeek(max_k=[0] * len(batch))
 
     def propose(self, batch: list[Request], k: list[int]) -> Proposals:
-        return Proposals.from_lists([[] for _ in batch], self.device)
+        return Proposals.from_lists([[] for _ in batch])  # on the host: no device copy

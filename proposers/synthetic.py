@@ -62,7 +62,7 @@ class SyntheticProposer(Proposer):
                 for t in truth
             ]
             drafts.append(d)
-        out = Proposals.from_lists(drafts, self.device)
+        out = Proposals.from_lists(drafts)  # on the host, like the other proposers
         out.is_synthetic = True
         return out
 

@@ -13,7 +13,8 @@ from specsched.proposers.base import Proposals
 class Scorer(ABC):
     """Returns target logits at the k_i+1 positions of every request, flattened in request order:
     rows ``cu_num_draft[i] + i .. cu_num_draft[i+1] + i`` belong to request i (its last token's
-    logits first, then one row per draft)."""
+    logits first, then one row per draft). The result may be a view of a buffer the scorer owns
+    (the graph scorers' static logits), valid until the scorer's next call."""
 
     name: str = "base"
 

@@ -5,8 +5,9 @@
 - :class:`MQAGraphScorer` (``mqa_graph``): one varlen row per request, served by MQA buckets that
   capture q_len <= max_k + 1 as the upper bound (a batch with every k_i = 0 takes a decode bucket).
 Both share one :class:`~specsched.models.cuda_graphs.GraphRunner` over the target (one memory pool,
-one set of static buffers); inputs are built on the device by ``metadata_gpu``. A shape outside the
-buckets runs eagerly, logged and counted by the runner.
+one set of static buffers); inputs are built on the host by ``metadata_gpu`` and travel padded in one
+copy into the runner's static buffer. A shape outside the buckets runs eagerly, logged and counted by
+the runner.
 
 :func:`build_graph_scorers` is the registry hook; without CUDA (or with graphs off) it builds the
 eager scorers, and ``mqa_graph`` falls back to the eager MQA scorer with one warning.
@@ -16,18 +17,18 @@ eager scorers, and ``mqa_graph`` falls back to the eager MQA scorer with one war
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from specsched.daemon.request import Request
 from specsched.kernels.metadata import AttentionMetadata
 from specsched.models.cuda_graphs import GraphRunner
-from specsched.models.graph_buckets import decode_buckets, mqa_buckets
+from specsched.models.graph_buckets import HostInputs, decode_buckets, mqa_buckets
 from specsched.models.llama import KVCache, LlamaForCausalLM
 from specsched.proposers.base import Proposals, Proposer
 from specsched.scorers.base import Scorer
-from specsched.scorers.metadata_gpu import build_scoring_inputs_vec, pack_scoring_batch
+from specsched.scorers.metadata_gpu import pack_scoring_batch, scoring_host_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +88,11 @@ class GraphScorer(Scorer):
 
     @torch.inference_mode()
     def score(self, batch: list[Request], proposals: Proposals) -> torch.Tensor:  # [sum(k_i+1), vocab]
+        """The logits, a view of the runner's static buffer (valid until its next replay)."""
         sb = pack_scoring_batch(batch, proposals, self.block_size)
-        x = build_scoring_inputs_vec(sb, proposals.draft_tokens, self.device, is_expanded=self.is_expanded)
-        return self.runner.run(x.input_ids, x.positions, x.meta)
+        drafts = proposals.draft_tokens
+        x = scoring_host_inputs(sb, drafts, is_expanded=self.is_expanded)
+        return self.runner.run_host(x, drafts if x.scatter_index is not None else None)
 
     @property
     def graph_buckets(self) -> list[int]:
@@ -205,6 +208,19 @@ class GraphForward:
             return r.model(input_ids, positions, meta, kv_cache, logits_indices, num_layers)
         logits = r.run(input_ids, positions, meta)
         return logits if logits_indices is None else logits.index_select(0, logits_indices)
+
+    def run_host(self, x: HostInputs, device_ids: torch.Tensor | None = None) -> torch.Tensor:  # [L or T, V]
+        """The same from host inputs (``x.logits_indices``: the rows wanted; ``device_ids``: see
+        :meth:`GraphRunner.run_host`): one upload per replay. Rows of one token each need no index
+        select (every token's logits are wanted)."""
+        r = self.runner
+        if x.max_q > r.max_captured_q:
+            self.num_eager_calls += 1
+            ids, pos, meta, logits_indices = x.to_device(r.device, device_ids)
+            return r.model(ids, pos, meta, r.kv_cache, logits_indices, r.num_layers)
+        if x.logits_indices is not None and x.max_q <= 1 and len(x.logits_indices) == x.num_tokens:
+            x = replace(x, logits_indices=None)  # one-token rows: every token's logits are wanted
+        return r.run_host(x, device_ids)
 
 
 def attach_draft_graphs(proposer: Proposer, cfg: GraphConfig, block_size: int) -> GraphForward | None:

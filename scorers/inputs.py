@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from specsched.daemon.request import Request
-from specsched.kernels.metadata import AttentionMetadata, build_metadata
+from specsched.kernels.metadata import AttentionMetadata, build_metadata, host_metadata
+from specsched.models.graph_buckets import HostInputs
 from specsched.proposers.base import Proposals
 
 
@@ -78,6 +79,46 @@ def tokens_from(req: Request, start: int) -> list[int]:
     return req.prompt_ids[start:] + req.output_ids
 
 
+def chunk_host_inputs(
+    tokens: list[list[int]],
+    starts: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    logits_rows: list[int] | None = None,
+) -> HostInputs:
+    """Row i feeds ``tokens[i]`` at positions ``starts[i] ..`` (its cached prefix is ``starts[i]``
+    keys), on the host; ``logits_indices`` [L] int64 is the flat index of the last token of each row
+    in ``logits_rows`` (default every row): the logits to compute."""
+    q = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    s = np.asarray(starts, dtype=np.int64).reshape(-1)
+    cu, k, tables, slots = host_metadata(q, s + q, block_tables, block_size)
+    t = int(cu[-1])
+    ids = np.fromiter(chain.from_iterable(tokens), dtype=np.int64, count=t)
+    positions = np.arange(t) + np.repeat(s - cu[:-1], q)
+    last = cu[1:] - 1 if logits_rows is None else (cu[1:] - 1)[np.asarray(logits_rows, dtype=np.int64)]
+    max_q, max_k = int(q.max(initial=0)), int(k.max(initial=0))
+    return HostInputs(ids, positions, slots, cu, k, tables, max_q, max_k, logits_indices=last)
+
+
+def decode_host_inputs(
+    positions: np.ndarray,  # [r] int64: the position of row i's one token
+    block_tables: np.ndarray,  # [r, w] int32, rows padded with 0
+    num_blocks: np.ndarray,  # [r] int: real blocks of each row's table
+    block_size: int,
+) -> HostInputs:
+    """Rows of one token each (a draft model's single-token steps) on the host; the ids are
+    placeholders (the caller scatters the real ones on the device)."""
+    r = len(positions)
+    block = positions // block_size
+    if (block >= num_blocks).any():
+        i = int(np.argmax(block >= num_blocks))
+        raise ValueError(f"row at position {positions[i]} needs {block[i] + 1} blocks, has {num_blocks[i]}")
+    slots = block_tables[np.arange(r), block].astype(np.int64) * block_size + positions % block_size
+    max_k = int(positions.max(initial=-1)) + 1
+    return HostInputs(np.zeros(r, np.int64), positions, slots, np.arange(r + 1), positions + 1, block_tables,
+                      min(r, 1), max_k)  # fmt: skip
+
+
 def build_chunk_inputs(
     tokens: list[list[int]],
     starts: list[int],
@@ -86,16 +127,7 @@ def build_chunk_inputs(
     device: torch.device | str,
     logits_rows: list[int] | None = None,
 ) -> tuple[ScoringInputs, torch.Tensor]:
-    """Row i feeds ``tokens[i]`` at positions ``starts[i] ..`` (its cached prefix is ``starts[i]``
-    keys). Returns the inputs and the flat index of the last token of each row in ``logits_rows``
-    (default every row) ``[L]`` int64: the logits to compute. Token data travels in one copy."""
-    q = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-    s = np.asarray(starts, dtype=np.int64).reshape(-1)
-    meta = build_metadata(q, s + q, block_tables, block_size, device)
-    cu = np.cumsum(q)
-    t = int(cu[-1]) if len(cu) else 0
-    ids = np.fromiter(chain.from_iterable(tokens), dtype=np.int64, count=t)
-    positions = np.arange(t) + np.repeat(s - (cu - q), q)
-    last = cu - 1 if logits_rows is None else (cu - 1)[np.asarray(logits_rows, dtype=np.int64)]
-    buf = torch.from_numpy(np.concatenate([ids, positions, last])).to(device, non_blocking=True)
-    return ScoringInputs(input_ids=buf[:t], positions=buf[t : 2 * t], meta=meta), buf[2 * t :]
+    """:func:`chunk_host_inputs` on ``device`` (one copy): the inputs and the logits indices [L]."""
+    x = chunk_host_inputs(tokens, starts, block_tables, block_size, logits_rows)
+    ids, pos, meta, last = x.to_device(device)
+    return ScoringInputs(input_ids=ids, positions=pos, meta=meta), last

@@ -1,5 +1,5 @@
-"""Scoring inputs built with vectorised numpy on the host and two copies to the device (no Python
-loop over tokens, a handful of device ops, no sync).
+"""Scoring inputs built with vectorised numpy on the host and one copy to the device (no Python
+loop over tokens, no sync).
 
 Same layout as :func:`specsched.scorers.inputs.build_scoring_inputs` (the per-token host-loop
 reference): request i scores ``[last_i, d_i1 .. d_ik]`` at positions ``n_i-1 .. n_i-1+k_i``
@@ -7,13 +7,14 @@ reference): request i scores ``[last_i, d_i1 .. d_ik]`` at positions ``n_i-1 .. 
 ``k_i+1`` single-query rows that share the request's block table.
 
 :func:`pack_scoring_batch` gathers the per-request facts into small arrays: token count n, draft
-count k, last token and the block-table row, padded to the widest. :func:`build_scoring_inputs_vec`
+count k, last token and the block-table row, padded to the widest. :func:`scoring_host_inputs`
 derives everything per token from ``req = repeat(arange(B), k + 1)`` (the request of each token) and
 ``j`` (its index in the request): ``position = n[req] - 1 + j``, ``id = last[req] if j == 0 else
 drafts[cu_k[req] + j - 1]``, ``slot = block_table[req, position // bs] * bs + position % bs``. All of
 it depends only on host facts except the drafts, which stay where the proposer put them: on a device,
-the ids are one gather from ``cat(drafts, last)`` there. Both scorers and both paths (eager, CUDA
-graphs) use it.
+they are scattered into the uploaded ids there (one ``index_copy_``). The result is a
+:class:`~specsched.models.graph_buckets.HostInputs`: the graph scorers hand it to the runner (padded
+into one upload), :func:`build_scoring_inputs_vec` uploads it as it is (eager scorers).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import numpy as np
 import torch
 
 from specsched.daemon.request import Request
-from specsched.kernels.metadata import metadata_from_host, pad_block_tables
+from specsched.kernels.metadata import pad_block_tables
+from specsched.models.graph_buckets import HostInputs
 from specsched.proposers.base import Proposals
 from specsched.scorers.inputs import ScoringInputs
 
@@ -91,21 +93,23 @@ def pack_scoring_batch(batch: list[Request], proposals: Proposals, block_size: i
     return ScoringBatch(n, k, last, pad_block_tables([r.block_table for r in batch]), block_size)
 
 
-def build_scoring_inputs_vec(
+def scoring_host_inputs(
     sb: ScoringBatch,
     draft_tokens: torch.Tensor,  # [sum k_i] int64, request-major (Proposals.draft_tokens)
-    device: torch.device | str,
     *,
     is_expanded: bool,
-) -> ScoringInputs:
-    """The scoring inputs of :func:`build_scoring_inputs` on ``device``, computed from ``sb``."""
+    scatter_drafts: bool | None = None,
+) -> HostInputs:
+    """The scoring inputs of :func:`build_scoring_inputs` on the host, computed from ``sb``. Drafts on
+    the host are gathered into the ids here; drafts on a device stay there (``scatter_drafts``, by
+    default when they are not on the host): the ids hold 0 at their tokens, and ``scatter_index``
+    lists those tokens (in draft order) for one scatter on the device."""
     b, t, bs = sb.num_requests, sb.total_tokens, sb.block_size
     num_drafts = t - b
     if draft_tokens.shape != (num_drafts,):
         raise ValueError(
             f"draft_tokens must be [{num_drafts}] (sum of num_draft), got {tuple(draft_tokens.shape)}"
         )
-    device = torch.device(device)
     q = sb.num_draft + 1
     cu = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(q, out=cu[1:])
@@ -113,25 +117,37 @@ def build_scoring_inputs_vec(
     j = np.arange(t) - cu[req]  # [T] index within the request
     positions = sb.num_tokens[req] - 1 + j
     slots = sb.block_tables[req, positions // bs].astype(np.int64) * bs + positions % bs
-    # ids: gather from cat(drafts, last): draft cu_k[req] + j - 1 = cu[req] - req + j - 1, or last[req]
-    source = np.where(j == 0, num_drafts + req, cu[req] - req + j - 1)
-    is_host_drafts = draft_tokens.device.type == "cpu"
-    if is_host_drafts:  # gather on the host: every int64 input in one copy
-        ids = np.concatenate([draft_tokens.numpy(), sb.last_tokens])[source]
-        host = np.concatenate([positions, slots, ids])
+    is_draft = j > 0
+    scatter = None
+    if scatter_drafts is None:
+        scatter_drafts = draft_tokens.device.type != "cpu"
+    if not scatter_drafts:  # ids: last[req] at j == 0, then the request's drafts
+        ids = sb.last_tokens[req]
+        if num_drafts:
+            ids[is_draft] = draft_tokens.numpy()
     else:
-        host = np.concatenate([positions, slots, source, sb.last_tokens])
-    buf = torch.from_numpy(host).to(device, non_blocking=True)
-    if is_host_drafts:
-        input_ids = buf[2 * t :]
-    else:
-        gather = torch.cat([draft_tokens.to(device, torch.int64), buf[3 * t :]])
-        input_ids = gather.index_select(0, buf[2 * t : 3 * t])
+        ids = np.where(is_draft, 0, sb.last_tokens[req])
+        scatter = np.flatnonzero(is_draft)
     if is_expanded:
         row_cu, seq_lens, tables = np.arange(t + 1), positions + 1, sb.block_tables[req]
     else:
         row_cu, seq_lens, tables = cu, sb.num_tokens + sb.num_draft, sb.block_tables
-    meta = metadata_from_host(
-        row_cu, seq_lens, tables, buf[t : 2 * t], sb.max_q(is_expanded), sb.max_k, device
-    )
-    return ScoringInputs(input_ids=input_ids, positions=buf[:t], meta=meta)
+    return HostInputs(
+        ids, positions, slots, row_cu, seq_lens, tables, sb.max_q(is_expanded), sb.max_k,
+        scatter_index=scatter,
+    )  # fmt: skip
+
+
+def build_scoring_inputs_vec(
+    sb: ScoringBatch,
+    draft_tokens: torch.Tensor,  # [sum k_i] int64, request-major (Proposals.draft_tokens)
+    device: torch.device | str,
+    *,
+    is_expanded: bool,
+) -> ScoringInputs:
+    """:func:`scoring_host_inputs` on ``device``: one host-to-device copy (plus one scatter of the
+    drafts when they are on a device)."""
+    x = scoring_host_inputs(sb, draft_tokens, is_expanded=is_expanded)
+    on_device = draft_tokens if x.scatter_index is not None else None
+    ids, pos, meta, _ = x.to_device(torch.device(device), on_device)
+    return ScoringInputs(input_ids=ids, positions=pos, meta=meta)

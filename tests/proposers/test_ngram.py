@@ -11,7 +11,7 @@ import torch
 
 from specsched.daemon.config import NgramConfig
 from specsched.daemon.request import Request, SamplingParams
-from specsched.proposers.ngram import NgramProposer, ngram_lookup
+from specsched.proposers.ngram import NgramIndex, NgramProposer, ngram_lookup, ngram_match
 
 
 def brute_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -154,3 +154,28 @@ def test_proposer_rejects_bad_k():
     with pytest.raises(ValueError, match="entries"):
         prop.propose([req], [1, 1])
     assert prop.name == "ngram"
+
+
+def test_index_matches_the_scan_on_growing_sequences():
+    """NgramIndex (incremental, both the looped and the vectorised indexing) == ngram_match."""
+    rng = random.Random(2)
+    for _ in range(60):
+        vocab, min_n = rng.choice([2, 3, 7, 50]), rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        index = NgramIndex(min_n, max_n)
+        tokens: list[int] = []
+        for _ in range(rng.randint(1, 8)):
+            tokens += [rng.randrange(vocab) for _ in range(rng.choice([1, 2, 5, 40, 90]))]
+            arr = np.array(tokens, dtype=np.int64)
+            assert index.match(arr) == ngram_match(arr, min_n, max_n), (tokens, min_n, max_n)
+            assert index.num_indexed == len(tokens) - 1
+
+
+def test_proposer_with_long_prompt_equals_brute_force():
+    rng = random.Random(3)
+    prop = NgramProposer(NgramConfig(min_n=1, max_n=4))
+    req = make_request("long", [rng.randrange(12) for _ in range(300)])
+    for _ in range(30):
+        ks = rng.randint(0, 6)
+        assert prop.propose([req], [ks]).draft_tokens.tolist() == brute_lookup(req.token_ids, 1, 4, ks)
+        req.output_ids += [rng.randrange(12) for _ in range(rng.randint(1, 4))]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,3 +140,20 @@ def test_vectorised_inputs_on_cuda_equal_reference(is_expanded):
     )
     assert got.input_ids.is_cuda and got.meta.block_tables.is_cuda
     assert_same_inputs(got, want)
+
+
+def test_decode_host_inputs_equal_chunk_inputs_of_one_token_rows():
+    from specsched.scorers.inputs import chunk_host_inputs, decode_host_inputs
+
+    rng = random.Random(4)
+    tables = [[rng.randrange(1, 500) for _ in range(rng.randint(1, 6))] for _ in range(7)]
+    starts = [rng.randrange(len(t) * BLOCK) for t in tables]
+    want = chunk_host_inputs([[0]] * len(tables), starts, tables, BLOCK)
+    num_blocks = np.array([len(t) for t in tables])
+    got = decode_host_inputs(np.array(starts), want.block_tables, num_blocks, BLOCK)
+    for name in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens_k", "block_tables"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert (got.max_q, got.max_k) == (want.max_q, want.max_k)
+    starts[2] = len(tables[2]) * BLOCK  # one past its table
+    with pytest.raises(ValueError, match="blocks, has"):
+        decode_host_inputs(np.array(starts), want.block_tables, num_blocks, BLOCK)

@@ -1,0 +1,89 @@
+"""Phase times of an engine step (propose, score, verify) without host/GPU syncs.
+
+On the host (CPU device) a phase's time is its ``time.perf_counter`` wall time, added to the step
+record's field when the phase ends.
+
+On CUDA each phase records an event when it starts and when it ends (a small pool of timing events,
+reused every step: nothing is allocated per step once the pool has grown to the step's phases), and
+the elapsed times are read in :meth:`StepTimer.finish`, after the step's one host read (verification
+copies its result to the host, which waits for the GPU) — so timing adds no sync point to the step.
+A phase's time is the stream time between its two events: when the GPU is idle at the phase's start
+(the usual case: the previous step ended with the host read), its start event fires at once and the
+phase is charged its host work plus the GPU work it queued, exactly what the former
+``synchronize``-bracketed timer measured; when the GPU is still busy with an earlier phase, the start
+event fires when that work is done, so the phase is charged only its own GPU work and the part of
+its host work that the GPU waited for. The score phase's time is therefore the GPU time of the
+scoring forward (plus its unhidden input preparation), as the cost models expect. The phases are
+disjoint intervals of the stream's timeline inside the step, so their sum never exceeds the step's
+wall time. The end event of the last phase is recorded after the host read; :meth:`finish` checks it
+with ``query`` (no wait) and waits only when the GPU has not reached it yet (counted in
+``num_waits``; it should stay 0).
+
+``host_ms`` keeps every phase's host (perf_counter) time of the current step on both devices.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from specsched.daemon.records import StepRecord
+
+
+class StepTimer:
+    """Times the phases of one step at a time; use as ``with timer.phase(rec, "score_ms"): ...``
+    between :meth:`start_step` and :meth:`finish`. Phases do not nest."""
+
+    def __init__(self, device: torch.device | str, event_factory: Callable[[], object] | None = None) -> None:
+        """``event_factory`` makes a timing event (``record``/``query``/``synchronize``/
+        ``elapsed_time`` like ``torch.cuda.Event(enable_timing=True)``, the default on CUDA); given
+        one, the event path runs on any device (tests)."""
+        self.is_events = event_factory is not None or torch.device(device).type == "cuda"
+        self._new_event = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
+        self._pool: list[tuple[object, object]] = []  # (start, end) per phase of a step, reused
+        self._pending: list[tuple[str, int]] = []  # (field, pool index) of this step's phases
+        self.host_ms: dict[str, float] = {}  # perf_counter ms per phase of the current step
+        self.num_waits = 0  # finish() found an end event not yet reached and waited for it
+        self._rec: StepRecord | None = None
+        self._field = ""
+        self._t0 = 0.0
+
+    def start_step(self) -> None:
+        self.host_ms.clear()
+        self._pending.clear()
+
+    def phase(self, rec: StepRecord, field: str) -> StepTimer:
+        """Context manager adding the enclosed block's time to ``rec.<field>`` (ms)."""
+        self._rec, self._field = rec, field
+        return self
+
+    def __enter__(self) -> None:
+        if self.is_events:
+            i = len(self._pending)
+            if i == len(self._pool):
+                self._pool.append((self._new_event(), self._new_event()))
+            self._pool[i][0].record()
+            self._pending.append((self._field, i))
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        ms = (time.perf_counter() - self._t0) * 1e3
+        field = self._field
+        self.host_ms[field] = self.host_ms.get(field, 0.0) + ms
+        if self.is_events:
+            self._pool[self._pending[-1][1]][1].record()
+        else:
+            setattr(self._rec, field, getattr(self._rec, field) + ms)
+
+    def finish(self, rec: StepRecord) -> None:
+        """Add the event-timed phases of this step to ``rec`` (no-op on the host path). Call after
+        the step's host read, which has waited for every event but the last phase's end."""
+        for field, i in self._pending:
+            start, end = self._pool[i]
+            if not end.query():
+                self.num_waits += 1
+                end.synchronize()
+            setattr(rec, field, getattr(rec, field) + start.elapsed_time(end))
+        self._pending.clear()

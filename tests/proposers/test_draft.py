@@ -1,0 +1,91 @@
+"""Draft-model proposer, greedy: drafts chained on the device (no host read) equal a dense reference
+(the draft model's greedy continuation, recomputed from scratch per token), for ragged k (0
+included), eagerly and on (emulated) CUDA graphs; the drafts come back in request-major order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from specsched.daemon.request import Request, SamplingParams
+from specsched.kernels.metadata import build_metadata
+from specsched.models.config import get_preset
+from specsched.models.llama import LlamaForCausalLM, init_random
+from specsched.proposers.draft import DraftModelProposer
+from specsched.scorers.graph import GraphConfig, attach_draft_graphs
+
+BLOCK = 4
+LAYERS = 2
+
+
+class CountHostReads(TorchFunctionMode):
+    """Reads of tensor values on the host (each a sync when the tensor is on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("tolist", "item", "numpy", "__int__", "__bool__", "cpu"):
+            self.num_reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return init_random(LlamaForCausalLM(get_preset("tiny")).eval(), seed=1, std=0.1).requires_grad_(False)
+
+
+def dense_greedy(model: LlamaForCausalLM, tokens: list[int], k: int) -> list[int]:
+    """k greedy tokens of the first LAYERS layers + head, each from a fresh dense forward."""
+    seq, out = list(tokens), []
+    for _ in range(k):
+        n = len(seq)
+        nb = -(-n // BLOCK) + 1
+        meta = build_metadata([n], [n], [list(range(1, nb))], BLOCK)
+        kv = model.allocate_kv_cache(nb, BLOCK, LAYERS)
+        with torch.inference_mode():
+            logits = model(
+                torch.tensor(seq), torch.arange(n), meta, kv, torch.tensor([n - 1]), num_layers=LAYERS
+            )
+        out.append(int(logits[0].argmax()))
+        seq.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_drafts_on_device_equal_dense_reference(model, seed, graphs):
+    rng = random.Random(seed)
+    num_blocks = 300
+    prop = DraftModelProposer(model, model.allocate_kv_cache(num_blocks, BLOCK, LAYERS), BLOCK, LAYERS)
+    if graphs:
+        cfg = GraphConfig(max_batch=8, max_k=6, max_model_len=128, emulate=True, progress=False)
+        fwd = attach_draft_graphs(prop, cfg, BLOCK)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    reqs = []
+    for i in range(rng.randint(2, 6)):
+        prompt = [rng.randrange(3, 256) for _ in range(rng.randint(2, 30))]
+        r = Request(f"d{i}", prompt, SamplingParams(), block_table=[free.pop() for _ in range(12)])
+        r.num_computed = len(prompt) - 1
+        reqs.append(r)
+    for round_ in range(2):  # the second round starts from the draft KV the first one left
+        ks = [rng.choice([0, 1, rng.randint(0, 6), 6]) for _ in reqs]
+        counter = CountHostReads()
+        with counter:
+            out = prop.propose(reqs, ks)
+        assert counter.num_reads == 0, "greedy drafts must not be read on the host"
+        assert out.num_draft == ks and out.cu_num_draft.tolist()[-1] == sum(ks) and out.draft_probs is None
+        flat, cu = out.draft_tokens.tolist(), out.cu_num_draft.tolist()
+        for i, (r, k) in enumerate(zip(reqs, ks, strict=True)):
+            assert flat[cu[i] : cu[i + 1]] == dense_greedy(model, r.token_ids, k), (round_, i, ks)
+        for r, k in zip(reqs, ks, strict=True):  # accept one draft (or the bonus) and commit
+            r.output_ids.append(flat[cu[reqs.index(r)]] if k else rng.randrange(3, 256))
+            r.num_computed = r.num_tokens - 1
+        prop.on_commit(reqs)
+    if graphs:
+        assert fwd.runner.num_replays > 0 and fwd.runner.num_eager_fallbacks == 0
