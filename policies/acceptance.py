@@ -68,37 +68,33 @@ class AcceptanceEstimator:
 
     One step is a truncated-geometric observation: ``num_accepted`` successes, then one failure
     unless all ``k`` drafts were accepted (the walk stopped at k, not at a rejection). The Beta is
-    conjugate to each Bernoulli trial, so the update is counting. A new request starts from its
-    proposer's prior moved towards the proposer's (decayed) aggregate over all requests seen so far,
-    with that aggregate's weight capped at ``max_prior_strength`` pseudo-observations so a request's
-    own steps dominate quickly.
+    conjugate to each Bernoulli trial, so the update is counting. A request's posterior is its own
+    counts on top of a prior that is its proposer's base prior moved towards the proposer's
+    (decayed) aggregate over all *other* observations, current at every lookup — requests running
+    side by side share what they see (partial pooling) — with the aggregate's weight capped at
+    ``max_prior_strength`` pseudo-observations, so a request's own steps soon dominate.
     """
 
     def __init__(self, config: AcceptanceConfig | None = None) -> None:
         self.config = config or AcceptanceConfig()
-        self._requests: dict[str, list[float]] = {}  # request_id -> [alpha, beta]
+        self._requests: dict[str, list[float]] = {}  # request_id -> its own [successes, failures]
         self._aggregate: dict[str, list[float]] = {}  # proposer -> [successes, failures] (decayed)
 
     def _base_prior(self, proposer: str) -> tuple[float, float]:
         return self.config.priors.get(proposer, self.config.default_prior)
 
-    def prior(self, proposer: str) -> tuple[float, float]:
-        """The Beta prior a new request of ``proposer`` starts from."""
+    def prior(self, proposer: str, own: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
+        """The Beta prior of a request of ``proposer`` whose own counts ``own`` are left out of the
+        aggregate (a new request: none)."""
         alpha0, beta0 = self._base_prior(proposer)
         s, f = self._aggregate.get(proposer, (0.0, 0.0))
+        s, f = max(s - own[0], 0.0), max(f - own[1], 0.0)
         alpha, beta = alpha0 + s, beta0 + f
         strength = alpha + beta
         cap = max(self.config.max_prior_strength, alpha0 + beta0)
         if strength > cap:
             alpha, beta = alpha * cap / strength, beta * cap / strength
         return alpha, beta
-
-    def _posterior(self, request_id: str, proposer: str) -> list[float]:
-        post = self._requests.get(request_id)
-        if post is None:
-            post = list(self.prior(proposer))
-            self._requests[request_id] = post
-        return post
 
     def observe(self, request_id: str, proposer: str, k: int, num_accepted: int) -> None:
         """Update from one step of ``request_id``: ``k`` drafts scored, ``num_accepted`` accepted."""
@@ -109,22 +105,21 @@ class AcceptanceEstimator:
         if k == 0:
             return
         failures = 1.0 if num_accepted < k else 0.0
-        post = self._posterior(request_id, proposer)
+        own = self._requests.setdefault(request_id, [0.0, 0.0])
         decay = self.config.request_decay
-        base_alpha, base_beta = self._base_prior(proposer)
-        if decay < 1.0:  # forget towards the base prior, never below it
-            post[0] = base_alpha + (post[0] - base_alpha) * decay
-            post[1] = base_beta + (post[1] - base_beta) * decay
-        post[0] += num_accepted
-        post[1] += failures
+        own[0] = own[0] * decay + num_accepted
+        own[1] = own[1] * decay + failures
         agg = self._aggregate.setdefault(proposer, [0.0, 0.0])
         agg[0] = agg[0] * self.config.aggregate_decay + num_accepted
         agg[1] = agg[1] * self.config.aggregate_decay + failures
 
     def posterior(self, request_id: str, proposer: str) -> tuple[float, float]:
         """(alpha, beta) of the request's posterior (its proposer's prior when never observed)."""
-        post = self._requests.get(request_id)
-        return tuple(post) if post is not None else self.prior(proposer)
+        own = self._requests.get(request_id)
+        if own is None:
+            return self.prior(proposer)
+        alpha, beta = self.prior(proposer, own)
+        return alpha + own[0], beta + own[1]
 
     def mean(self, request_id: str, proposer: str) -> float:
         alpha, beta = self.posterior(request_id, proposer)
@@ -144,7 +139,7 @@ class AcceptanceEstimator:
         return alpha / (alpha + beta)
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's posterior (its steps stay in the proposer aggregate)."""
+        """Drop a finished request's counts (its steps stay in the proposer aggregate)."""
         self._requests.pop(request_id, None)
 
     @property

@@ -95,3 +95,23 @@ def test_forget_and_validation():
         AcceptanceConfig(priors={"x": (0.0, 1.0)})
     with pytest.raises(ValueError, match="aggregate_decay"):
         AcceptanceConfig(aggregate_decay=1.5)
+
+
+def test_concurrent_requests_share_what_they_see():
+    """Partial pooling: a running request's prior follows the proposer's aggregate of the *other*
+    requests' steps at every lookup, so side-by-side requests learn from each other at once."""
+    est = AcceptanceEstimator()
+    est.observe("a", "draft", 1, 0)  # "a" and "b" both started (prior Beta(2, 2))
+    est.observe("b", "draft", 1, 0)
+    before = est.mean("a", "draft")
+    rng = random.Random(4)
+    for _ in range(100):
+        est.observe("b", "draft", 4, simulate_step(rng, 0.9, 4))
+    assert est.mean("a", "draft") > before + 0.2  # "a" moved with "b"'s evidence
+    alpha, beta = est.posterior("a", "draft")
+    assert alpha + beta <= est.config.max_prior_strength + 1.0 + 1e-9  # capped prior + a's one failure
+    # a request's own counts are not counted twice: alone, its posterior is the base prior + its counts
+    solo = AcceptanceEstimator()
+    for n in (3, 1, 2):
+        solo.observe("r", "draft", 3, n)
+    assert solo.posterior("r", "draft") == pytest.approx((2.0 + 6.0, 2.0 + 2.0))

@@ -1,0 +1,141 @@
+"""The ``goodput`` search for a batch of one request, in plain Python.
+
+At batch 1 — the latency-bound case, where a step is a few ms and the policy's own time shows —
+the plans are k = 0..cap for each scorer, so the search is a table of at most S × 9 exact
+goodputs. Numpy's per-call overhead would dominate it; this module computes the same numbers as
+:class:`specsched.policies.goodput_search.BatchProblem` (same cost model, same posterior
+expectation, same rules: the tests check that both decide alike) with Python floats.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from specsched.policies.cost_model import CostModels
+from specsched.policies.cost_table import bucket_table
+
+__all__ = ["SingleProblem"]
+
+
+@lru_cache(maxsize=256)
+def _features(buckets: tuple[int, ...] | None, is_expansion: bool, size: int) -> tuple[list, ...]:
+    """(rows padded, tokens padded, is_eager) by token count, as lists (batch of one)."""
+    return tuple(bucket_table(buckets, is_expansion, 1, size)[1:].tolist())
+
+
+def _clip(x: float) -> float:
+    return x if x > 0.0 else 0.0
+
+
+class SingleProblem:
+    """One step's search for one request; plans are ints (its k). The interface is
+    :class:`~specsched.policies.goodput_search.BatchProblem`'s."""
+
+    def __init__(self, costs: CostModels, scorers, proposer, mean, std, ctx, cap, optimism=0.0) -> None:
+        self.mean, self.std, self.ctx, self.cap = mean, std, ctx, cap
+        self.top = cap
+        plan_mean = min(mean + optimism * std, 1.0 - 1e-6) if optimism else mean
+        self.expected = _expected(plan_mean, std, cap)  # [cap + 1] posterior E(k)
+        c = ctx / 1e3
+        p = costs.model("propose", proposer).coef.tolist()
+        v = costs.model("verify").coef.tolist()
+        self.overhead_ms = float(costs.model("overhead").predict([1.0, 1.0]))
+        self.spec_request_ms = max(p[2], 0.0)
+        size = 1 << max(cap.bit_length() + 1, 4)
+        propose = [0.0] + [_clip(p[0] + kk * (p[1] + p[2] + p[3])) for kk in range(1, cap + 1)]
+        verify = [_clip(v[0] + v[1] * (kk + 1)) for kk in range(cap + 1)]
+        self.delta, self.score, self.total, self.g = [], [], [], []
+        for s in scorers:
+            w = costs.model("score", s).coef.tolist()
+            buckets = costs.graph_buckets.get(s)
+            is_exp = s in costs.expansion_scorers
+            rows, tokens, eager = _features(
+                None if buckets is None else tuple(buckets.tolist()), is_exp, size
+            )
+            base = w[0] + w[3] * c
+            score = [
+                _clip(base + w[1] * rows[n] + w[2] * tokens[n] + w[4] * c * n + w[5] * eager[n])
+                for n in range(1, cap + 2)
+            ]
+            total = [sc + pr + ve + self.overhead_ms for sc, pr, ve in zip(score, propose, verify)]
+            self.score.append(score)
+            self.total.append(total)
+            self.g.append([e / max(t, 1e-9) for e, t in zip(self.expected, total)])
+            self.delta.append(max((w[1] if is_exp else 0.0) + w[2] + v[1] + p[3] + w[4] * c, 1e-6))
+        self.propose, self.verify = propose, verify
+        self.best_k = [max(range(cap + 1), key=g.__getitem__) for g in self.g]
+        self.best_goodput = [g[k] for g, k in zip(self.g, self.best_k)]
+        self.goodput_k0 = [g[0] for g in self.g]
+
+    def goodput(self, k: int, s: int) -> float:
+        return self.g[s][k]
+
+    def hold(self, k: int, g: float, last: list[int], s: int, margin: float):
+        """:meth:`BatchProblem.hold` for one request."""
+        last = min(last[0], self.cap)
+        if last == k:
+            return k, g, 0
+        e_new, e_old = self.expected[k], self.expected[last]
+        per_request = self.spec_request_ms * max(k, last)
+        d_time = (k - last) * self.delta[s] + per_request * ((k > 0) - (last > 0))
+        if (e_new - e_old) - g * d_time >= margin * e_new:
+            return k, g, 0
+        g_held = self.g[s][last]
+        if g_held < g * (1.0 - margin):
+            return k, g, 0
+        return last, g_held, 1
+
+    def can_probe(self, k: int) -> bool:
+        return k == 0 and self.cap > 0
+
+    def probe(self, z: float, s: int) -> int:
+        """The best k for scorer ``s`` under optimistic acceptance a + z·std (a point estimate)."""
+        e = _expected(min(self.mean + z * self.std, 1.0 - 1e-6), 0.0, self.cap)
+        total = self.total[s]
+        return max(range(self.cap + 1), key=lambda kk: e[kk] / max(total[kk], 1e-9))
+
+    def dither(self, k: int, g: float, direction: int, s: int, tolerance: float):
+        """:meth:`BatchProblem.dither` for one request."""
+        if k > 0:
+            for step in (direction, -direction):
+                cand = min(max(k + step, 1), self.cap)
+                if cand != k:
+                    return (cand if self.g[s][cand] >= g * (1.0 - tolerance) else None), -step
+        return None, direction
+
+    def fit_kv(self, k: int, num_free_blocks: int, block_size: int) -> tuple[int, int]:
+        """Cut k until its lookahead fits the free KV blocks (each cut frees one block)."""
+        held = -(-self.ctx // block_size)
+        need = -(-(self.ctx + k) // block_size) - held
+        if need <= num_free_blocks:
+            return k, 0
+        return max(0, (held + num_free_blocks) * block_size - self.ctx), need - num_free_blocks
+
+    def components(self, k: int, s: int) -> dict[str, float]:
+        return {
+            "propose_ms": self.propose[k],
+            "score_ms": self.score[s][k],
+            "verify_ms": self.verify[k],
+            "overhead_ms": self.overhead_ms,
+            "total_ms": self.total[s][k],
+        }
+
+    def expected_at_mean(self, k: int) -> float:
+        a = min(self.mean, 1.0 - 1e-6)
+        return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    @staticmethod
+    def as_list(k: int) -> list[int]:
+        return [k]
+
+
+def _expected(mean: float, std: float, cap: int) -> list[float]:
+    """E(k) for k = 0..cap under the Beta of ``mean`` and ``std``
+    (:func:`specsched.policies.goodput_search.acceptance_powers`)."""
+    m = min(max(mean, 0.0), 1.0)
+    strength = min(max(m * (1.0 - m) / max(std * std, 1e-300) - 1.0, 1.0), 1e9)
+    out, pw = [1.0], 1.0
+    for j in range(cap):
+        pw *= (m * strength + j) / (strength + j)
+        out.append(out[-1] + pw)
+    return out
