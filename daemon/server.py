@@ -1,26 +1,21 @@
 """The daemon's ZeroMQ server: a ROUTER socket owned by an IO thread, the engine owned by another.
 
-IO thread: receives frames, decodes and validates them (bad input is answered here and never reaches
-the engine), answers ``stats`` / ``health`` from the engine thread's latest snapshot, forwards
-``generate`` / ``cancel`` to the engine thread through a queue, and sends what the engine thread
-queues. The engine thread (serving.py) wakes it through an inproc PAIR socket after every step, so
-replies leave as soon as a step ends and a slow step never stalls receiving.
+:class:`Server` owns the lifecycle: it binds the ROUTER (CURVE when configured), starts the IO thread
+(io_thread.py: receives, validates, answers what it can at once, sends replies) and the engine thread
+(serving.py: admission, continuous batching, streaming), and shuts them down. The two threads talk
+through queues plus an inproc PAIR socket that wakes the IO thread after every step, so a slow step
+never stalls receiving and a flood of messages never stalls the engine.
 
 Limits (daemon/limits.py, docs/operations.md): the IO thread rejects at once what it can judge from
 its own counters (duplicate id, in flight per client and in all, queue depth); the engine thread checks
 the prompt and output lengths and runs each request's deadline. A non-loopback endpoint needs CURVE
-(daemon/auth.py): the server refuses to bind one without it.
-
-A client is considered gone when a send to its identity fails (``ROUTER_MANDATORY``: the peer's
-connection is closed, or its send queue is full); its requests are then aborted and their KV blocks
-freed. SIGINT/SIGTERM: stop accepting, give in-flight requests ``shutdown_grace_s``, abort the rest
-(their ``done`` says ``abort``), close the log and the sockets, return.
+(daemon/auth.py): the server refuses to bind one without it. SIGINT/SIGTERM: stop accepting, give
+in-flight requests ``shutdown_grace_s``, abort the rest (their ``done`` says ``abort``), close the log
+and the sockets, return.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import logging
 import queue
 import signal
@@ -30,22 +25,11 @@ import time
 import zmq
 
 from specsched.daemon.auth import CurveServer, endpoint_host
+from specsched.daemon.commands import Shutdown
+from specsched.daemon.io_thread import IOThread
 from specsched.daemon.limits import DaemonConfig
-from specsched.daemon.protocol import (
-    Cancel,
-    Done,
-    Error,
-    ErrorCode,
-    Generate,
-    Health,
-    HealthReply,
-    Message,
-    ProtocolError,
-    Stats,
-    decode,
-    encode,
-)
-from specsched.daemon.serving import Admit, CancelRequest, DropClient, Serving, Shutdown
+from specsched.daemon.protocol import HealthReply, Message, StatsReply
+from specsched.daemon.serving import Serving
 
 logger = logging.getLogger(__name__)
 __all__ = ["DaemonConfig", "Server"]
@@ -62,10 +46,6 @@ class Server:
         self._inbox: queue.Queue = queue.Queue()  # IO -> engine thread: serving commands
         self._outbox: queue.Queue = queue.Queue()  # engine -> IO thread: (client, message)
         self._serving = Serving(engine, self.cfg, self._queue_send, self._wake, log)
-        self._inflight: dict[bytes, set[str]] = {}  # client -> its request ids the engine holds
-        self._num_inflight = 0
-        self._num_bad_messages = 0
-        self._num_rejected = 0
         self._is_shutting_down = False
         self._engine_done = threading.Event()
         self._engine_error: BaseException | None = None
@@ -132,9 +112,10 @@ class Server:
         self._wake_tx.connect(wake_addr)
         self.started_at = time.monotonic()
         self._serving.publish()  # a first stats snapshot (the engine thread refreshes it every iteration)
+        io = IOThread(self, self._router, self._wake_rx, self._inbox, self._outbox, self._engine_done)
         self._threads = [
             threading.Thread(target=self._engine_main, name="specsched-engine", daemon=True),
-            threading.Thread(target=self._io_main, name="specsched-io", daemon=True),
+            threading.Thread(target=io.run, name="specsched-io", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -200,170 +181,24 @@ class Server:
         except zmq.ZMQError:
             pass  # a wake-up is already pending
 
-    # ---- IO thread --------------------------------------------------------------------------------
-    def _io_main(self) -> None:
-        try:
-            self._io_loop()
-        except Exception:  # noqa: BLE001 -- without its IO thread the daemon cannot serve: stop it
-            logger.exception("IO thread failed; shutting down")
-            self.request_shutdown(0.0)
-            self._engine_done.wait()
-        finally:
-            while True:  # generate requests the engine thread never took (it ended first)
-                try:
-                    cmd = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(cmd, Admit):
-                    msg = Error(cmd.msg.id, ErrorCode.SHUTTING_DOWN.value, "the daemon is shutting down")
-                    self._send_safely(cmd.client, msg)
+    # ---- info (read by the IO thread) -------------------------------------------------------------
+    def health_reply(self, request_id: str | None) -> HealthReply:
+        status = "shutting_down" if self._is_shutting_down else "ok"
+        return HealthReply(request_id, status, self.model_name, self.uptime_s)
 
-    def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
-        while True:
-            events = dict(poller.poll(100))
-            if self._wake_rx in events:
-                while self._wake_rx.poll(0):
-                    self._wake_rx.recv()
-            self._drain_outbox()
-            if self._router in events:
-                for _ in range(256):  # then send again: replies are not starved by a flood
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._on_frames(frames)
-                    except Exception as e:  # noqa: BLE001 -- a bug: answer it and keep serving
-                        logger.exception("handling a message failed")
-                        self._send_safely(frames[0], Error(None, ErrorCode.INTERNAL.value, repr(e)))
-            if self._engine_done.is_set() and self._outbox.empty():
-                break
-        self._drain_outbox()
+    @property
+    def stats_snapshot(self) -> StatsReply:
+        """The engine thread's latest counters (replaced after every loop iteration, never mutated)."""
+        return self._serving.snapshot
 
-    def _drain_outbox(self) -> None:
-        while True:
-            try:
-                client, msg = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(msg, (Done, Error)):  # the request's last message
-                self._forget(client, msg.id)
-            self._send(client, msg)
+    @property
+    def is_shutting_down(self) -> bool:
+        return self._is_shutting_down
 
-    def _forget(self, client: bytes, request_id: str | None) -> None:
-        ids = self._inflight.get(client)
-        if ids is not None and request_id in ids:
-            ids.discard(request_id)
-            self._num_inflight -= 1
-            if not ids:
-                del self._inflight[client]
+    @property
+    def num_auth_denied(self) -> int:
+        return self._curve.num_denied if self._curve is not None else 0
 
-    def _send(self, client: bytes, msg: Message) -> None:
-        try:
-            payload = encode(msg)
-        except Exception as e:  # noqa: BLE001 -- a bug; the client still gets an answer
-            logger.exception("encoding a %s failed", msg.TYPE)
-            payload = encode(
-                Error(getattr(msg, "id", None), ErrorCode.INTERNAL.value, f"encoding failed: {e}")
-            )
-        try:
-            self._router.send_multipart([client, payload], zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            if e.errno not in (errno.EHOSTUNREACH, zmq.EAGAIN):
-                raise
-            self._client_gone(client, "disconnected" if e.errno == errno.EHOSTUNREACH else "not reading")
-
-    def _send_safely(self, client: bytes, msg: Message) -> None:
-        try:
-            self._send(client, msg)
-        except Exception:  # noqa: BLE001
-            logger.exception("sending a %s failed", msg.TYPE)
-
-    def _client_gone(self, client: bytes, why: str) -> None:
-        ids = self._inflight.pop(client, None)
-        if ids:
-            self._num_inflight -= len(ids)
-            logger.info("client %s %s: aborting its %d request(s)", client.hex(), why, len(ids))
-            self._inbox.put(DropClient(client))
-
-    def _on_frames(self, frames: list[bytes]) -> None:
-        client = frames[0]
-        try:
-            if len(frames) != 2:
-                raise ProtocolError(
-                    ErrorCode.BAD_MESSAGE,
-                    f"expected one frame per message (a DEALER socket), got {len(frames) - 1}",
-                )
-            msg = decode(frames[1])
-        except ProtocolError as e:
-            self._num_bad_messages += 1
-            return self._error(client, e.request_id, e.code, e.message)
-        if isinstance(msg, Generate):
-            self._on_generate(client, msg)
-        elif isinstance(msg, Cancel):
-            if msg.id in self._inflight.get(client, ()):
-                self._inbox.put(CancelRequest(client, msg.id))
-            else:
-                self._error(
-                    client, msg.id, ErrorCode.UNKNOWN_ID, f"cancel.id: {msg.id!r} is not in flight here"
-                )
-        elif isinstance(msg, Stats):
-            snap = self._serving.snapshot
-            self._send(
-                client,
-                dataclasses.replace(
-                    snap,
-                    id=msg.id,
-                    uptime_s=self.uptime_s,
-                    num_requests_rejected=snap.num_requests_rejected + self._num_rejected,
-                    num_bad_messages=self._num_bad_messages,
-                    num_log_failures=self.log.num_failures if self.log is not None else 0,
-                    num_log_dropped=self.log.num_dropped if self.log is not None else 0,
-                    num_auth_denied=self._curve.num_denied if self._curve is not None else 0,
-                    num_clients=len(self._inflight),
-                    rss_bytes=rss_bytes(),
-                ),
-            )
-        elif isinstance(msg, Health):
-            status = "shutting_down" if self._is_shutting_down else "ok"
-            self._send(client, HealthReply(msg.id, status, self.model_name, self.uptime_s))
-
-    def _error(self, client: bytes, request_id: str | None, code: ErrorCode, message: str) -> None:
-        self._send(client, Error(request_id, code.value, message))
-
-    def _on_generate(self, client: bytes, msg: Generate) -> None:
-        ids = self._inflight.get(client, set())
-        if self._is_shutting_down:
-            code, why = ErrorCode.SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests"
-        elif msg.id in ids:
-            code, why = ErrorCode.DUPLICATE_ID, f"generate.id: {msg.id!r} is already in flight here"
-        elif len(ids) >= self.cfg.max_inflight_per_client:
-            code, why = (
-                ErrorCode.TOO_MANY_INFLIGHT,
-                f"{len(ids)} requests in flight (max_inflight_per_client)",
-            )
-        elif self._num_inflight >= self.cfg.max_inflight:
-            code, why = ErrorCode.OVERLOADED, f"{self._num_inflight} requests in flight (max_inflight)"
-        elif self._num_inflight - self._serving.snapshot.num_running >= self.max_queue:
-            # every request in flight that is not running is queued (or about to be): judged here, at
-            # once; the engine thread checks the exact queue again when it admits the request
-            code, why = (
-                ErrorCode.OVERLOADED,
-                f"the queue is full ({self.max_queue} waiting, scheduler.max_queue)",
-            )
-        else:
-            code, why = None, ""
-        if code is not None:
-            self._num_rejected += 1
-            return self._error(client, msg.id, code, why)
-        self._inflight.setdefault(client, set()).add(msg.id)
-        self._num_inflight += 1
-        self._inbox.put(Admit(client, msg, time.time()))
-
-    # ---- info -------------------------------------------------------------------------------------
     @property
     def uptime_s(self) -> float:
         return time.monotonic() - self.started_at
@@ -375,15 +210,3 @@ class Server:
     @property
     def model_name(self) -> str:
         return str(getattr(self.engine, "model_name", None) or self.engine.cfg.model.source)
-
-
-def rss_bytes() -> int:
-    """This process's resident memory (``VmRSS`` of /proc/self/status); 0 where there is none."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

@@ -1,4 +1,11 @@
-"""Engine-side counters for ``stats``: throughput, acceptance per proposer, step time per scorer."""
+"""Counters for ``stats``: throughput, acceptance per proposer, step time per scorer, process memory.
+
+One home for the daemon's statistics. :class:`EngineStats` accumulates the engine's step records; the
+engine keeps one (its free-form counters, the ``engine`` map of a ``stats_reply``, via ``to_dict``) and
+the serving loop keeps another with the daemon's ``stats_window_s`` (the reply's ``tokens_per_s``,
+``proposers`` and ``scorers``). :func:`engine_counters` reads an engine's counters msgpack-safe;
+:func:`rss_bytes` is the process's resident memory.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +13,33 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
+from specsched.daemon.messages import ProposerStats, ScorerStats
 from specsched.daemon.records import StepRecord
 
 
 @dataclass
 class EngineStats:
-    window_s: float = 10.0
+    """Step counters. Acceptance and scorer times count decode steps only (prefill steps neither
+    propose nor score); tokens count every step."""
+
+    window_s: float = 10.0  # the tokens/s window
     num_steps: int = 0
     num_prefill_steps: int = 0
     num_tokens_out: int = 0
     proposed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     accepted: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     scorer_steps: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    scorer_ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    _recent: deque = field(default_factory=deque)  # (time, tokens)
+    scorer_ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # the scorer's forward
+    scorer_step_ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # whole steps
+    started: float = field(default_factory=time.monotonic)
+    _recent: deque = field(default_factory=deque)  # (time.monotonic(), tokens) of the steps in the window
 
     def observe(self, rec: StepRecord) -> None:
         self.num_steps += 1
         self.num_tokens_out += rec.num_emitted
-        now = time.time()
+        now = time.monotonic()
         self._recent.append((now, rec.num_emitted))
-        while self._recent and self._recent[0][0] < now - self.window_s:
-            self._recent.popleft()
+        self._forget_before(now - self.window_s)
         if rec.kind == "prefill":
             self.num_prefill_steps += 1
             return
@@ -37,13 +49,35 @@ class EngineStats:
         if rec.scorer:
             self.scorer_steps[rec.scorer] += 1
             self.scorer_ms[rec.scorer] += rec.score_ms
+            self.scorer_step_ms[rec.scorer] += rec.total_ms
 
     @property
     def tokens_per_s(self) -> float:
+        """Tokens over the span from the first to the last step of the window (0 before two steps)."""
         if len(self._recent) < 2:
             return 0.0
         span = max(self._recent[-1][0] - self._recent[0][0], 1e-3)
         return sum(n for _, n in self._recent) / span
+
+    def recent_tokens_per_s(self) -> float:
+        """Tokens emitted in the last ``window_s`` seconds up to now / the window (shorter right after
+        start); falls to 0 when the engine idles. What ``stats_reply.tokens_per_s`` reports."""
+        now = time.monotonic()
+        self._forget_before(now - self.window_s)
+        span = min(self.window_s, max(now - self.started, 1e-3))
+        return sum(n for _, n in self._recent) / span
+
+    def proposer_stats(self) -> dict[str, ProposerStats]:
+        return {
+            p: ProposerStats(n, self.accepted[p], self.accepted[p] / n if n else 0.0)
+            for p, n in self.proposed.items()
+        }
+
+    def scorer_stats(self) -> dict[str, ScorerStats]:
+        return {
+            s: ScorerStats(n, self.scorer_step_ms[s] / n, self.scorer_ms[s] / n)
+            for s, n in self.scorer_steps.items()
+        }
 
     def to_dict(self) -> dict:
         return {
@@ -59,3 +93,35 @@ class EngineStats:
                 s: {"steps": n, "mean_score_ms": self.scorer_ms[s] / n} for s, n in self.scorer_steps.items()
             },
         }
+
+    def _forget_before(self, t: float) -> None:
+        while self._recent and self._recent[0][0] < t:
+            self._recent.popleft()
+
+
+def engine_counters(engine) -> dict:
+    """The engine's own counters (``stats()`` in the API notes; an :class:`EngineStats` with
+    ``to_dict`` in the implementation), with values made msgpack-safe."""
+    stats = getattr(engine, "stats", None)
+    raw = stats() if callable(stats) else stats.to_dict() if stats is not None else {}
+
+    def plain(v):
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
+
+    return plain(raw)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (``VmRSS`` of /proc/self/status); 0 where there is none."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

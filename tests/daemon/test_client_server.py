@@ -319,7 +319,7 @@ def test_streamed_text_with_stop_strings_for_every_way_of_splitting_the_tokens(t
     is exactly the full text cut before the first stop string, and nothing after it is ever sent."""
     import random
 
-    from specsched.daemon.serving import _Stream
+    from specsched.daemon.request_stream import RequestStream
     from specsched.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
     tok = Tokenizer.from_pretrained(tiny_tokenizer_dir)
@@ -330,7 +330,7 @@ def test_streamed_text_with_stop_strings_for_every_way_of_splitting_the_tokens(t
     for trial in range(20):
         cuts = sorted(rng.sample(range(1, len(ids)), k=min(len(ids) - 1, trial % 7)))
         steps = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
-        st = _Stream(b"c", "r", "k", True, [stop, "\x00"], 3, 0.0, IncrementalDetokenizer(tok))
+        st = RequestStream(b"c", "r", "k", True, [stop, "\x00"], 3, 0.0, IncrementalDetokenizer(tok))
         sent, is_hit = [], False
         for i, step in enumerate(steps):
             piece, is_hit = st.advance(step, finishing=i == len(steps) - 1)

@@ -1,0 +1,220 @@
+"""The daemon's IO thread: the only user of the ROUTER socket once the server has started.
+
+It receives frames, decodes and validates them (bad input is answered here and never reaches the
+engine), rejects at once what its own counters can judge (admission.py: :func:`early_rejection`),
+answers ``stats`` / ``health`` from the engine thread's latest snapshot, forwards ``generate`` /
+``cancel`` to the engine thread through the inbox, and sends what the engine thread puts in the outbox
+(it is woken through an inproc PAIR socket after every step, so replies leave as soon as a step ends).
+
+A client is considered gone when a send to its identity fails (``ROUTER_MANDATORY``: the peer's
+connection is closed, or its send queue is full); its requests are then aborted (:class:`DropClient`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import zmq
+
+from specsched.daemon.admission import early_rejection
+from specsched.daemon.commands import Admit, CancelRequest, DropClient
+from specsched.daemon.protocol import (
+    Cancel,
+    Done,
+    Error,
+    ErrorCode,
+    Generate,
+    Health,
+    Message,
+    ProtocolError,
+    Stats,
+    StatsReply,
+    decode,
+    encode,
+)
+from specsched.daemon.stats import rss_bytes
+
+if TYPE_CHECKING:
+    from specsched.daemon.server import Server
+
+logger = logging.getLogger(__name__)
+
+
+class IOThread:
+    """``run()`` is the IO thread's body; it returns once the engine thread is done and every queued
+    reply has been sent. ``server`` supplies the config, the stats snapshot and the shutdown flag."""
+
+    def __init__(
+        self,
+        server: Server,
+        router: zmq.Socket,
+        wake_rx: zmq.Socket,
+        inbox: queue.Queue,
+        outbox: queue.Queue,
+        engine_done: threading.Event,
+    ) -> None:
+        self.server, self.cfg = server, server.cfg
+        self._router, self._wake_rx = router, wake_rx
+        self._inbox, self._outbox, self._engine_done = inbox, outbox, engine_done
+        self._inflight: dict[bytes, set[str]] = {}  # client -> its request ids the engine holds
+        self._num_inflight = 0
+        self.num_bad_messages = 0
+        self.num_rejected = 0
+
+    def run(self) -> None:
+        try:
+            self._io_loop()
+        except Exception:  # noqa: BLE001 -- without its IO thread the daemon cannot serve: stop it
+            logger.exception("IO thread failed; shutting down")
+            self.server.request_shutdown(0.0)
+            self._engine_done.wait()
+        finally:
+            while True:  # generate requests the engine thread never took (it ended first)
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(cmd, Admit):
+                    msg = Error(cmd.msg.id, ErrorCode.SHUTTING_DOWN.value, "the daemon is shutting down")
+                    self._send_safely(cmd.client, msg)
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(100))
+            if self._wake_rx in events:
+                while self._wake_rx.poll(0):
+                    self._wake_rx.recv()
+            self._drain_outbox()
+            if self._router in events:
+                for _ in range(256):  # then send again: replies are not starved by a flood
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._on_frames(frames)
+                    except Exception as e:  # noqa: BLE001 -- a bug: answer it and keep serving
+                        logger.exception("handling a message failed")
+                        self._send_safely(frames[0], Error(None, ErrorCode.INTERNAL.value, repr(e)))
+            if self._engine_done.is_set() and self._outbox.empty():
+                break
+        self._drain_outbox()
+
+    def _drain_outbox(self) -> None:
+        while True:
+            try:
+                client, msg = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, (Done, Error)):  # the request's last message
+                self._forget(client, msg.id)
+            self._send(client, msg)
+
+    def _forget(self, client: bytes, request_id: str | None) -> None:
+        ids = self._inflight.get(client)
+        if ids is not None and request_id in ids:
+            ids.discard(request_id)
+            self._num_inflight -= 1
+            if not ids:
+                del self._inflight[client]
+
+    def _send(self, client: bytes, msg: Message) -> None:
+        try:
+            payload = encode(msg)
+        except Exception as e:  # noqa: BLE001 -- a bug; the client still gets an answer
+            logger.exception("encoding a %s failed", msg.TYPE)
+            payload = encode(
+                Error(getattr(msg, "id", None), ErrorCode.INTERNAL.value, f"encoding failed: {e}")
+            )
+        try:
+            self._router.send_multipart([client, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno not in (errno.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            self._client_gone(client, "disconnected" if e.errno == errno.EHOSTUNREACH else "not reading")
+
+    def _send_safely(self, client: bytes, msg: Message) -> None:
+        try:
+            self._send(client, msg)
+        except Exception:  # noqa: BLE001
+            logger.exception("sending a %s failed", msg.TYPE)
+
+    def _client_gone(self, client: bytes, why: str) -> None:
+        ids = self._inflight.pop(client, None)
+        if ids:
+            self._num_inflight -= len(ids)
+            logger.info("client %s %s: aborting its %d request(s)", client.hex(), why, len(ids))
+            self._inbox.put(DropClient(client))
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        client = frames[0]
+        try:
+            if len(frames) != 2:
+                raise ProtocolError(
+                    ErrorCode.BAD_MESSAGE,
+                    f"expected one frame per message (a DEALER socket), got {len(frames) - 1}",
+                )
+            msg = decode(frames[1])
+        except ProtocolError as e:
+            self.num_bad_messages += 1
+            return self._error(client, e.request_id, e.code, e.message)
+        if isinstance(msg, Generate):
+            self._on_generate(client, msg)
+        elif isinstance(msg, Cancel):
+            if msg.id in self._inflight.get(client, ()):
+                self._inbox.put(CancelRequest(client, msg.id))
+            else:
+                self._error(
+                    client, msg.id, ErrorCode.UNKNOWN_ID, f"cancel.id: {msg.id!r} is not in flight here"
+                )
+        elif isinstance(msg, Stats):
+            self._send(client, self._stats_reply(msg.id))
+        elif isinstance(msg, Health):
+            self._send(client, self.server.health_reply(msg.id))
+
+    def _error(self, client: bytes, request_id: str | None, code: ErrorCode, message: str) -> None:
+        self._send(client, Error(request_id, code.value, message))
+
+    def _on_generate(self, client: bytes, msg: Generate) -> None:
+        ids = self._inflight.get(client, set())
+        num_queued = self._num_inflight - self.server.stats_snapshot.num_running
+        rejection = early_rejection(
+            msg,
+            ids,
+            self._num_inflight,
+            num_queued,
+            self.server.max_queue,
+            self.cfg,
+            self.server.is_shutting_down,
+        )
+        if rejection is not None:
+            self.num_rejected += 1
+            return self._error(client, msg.id, *rejection)
+        self._inflight.setdefault(client, set()).add(msg.id)
+        self._num_inflight += 1
+        self._inbox.put(Admit(client, msg, time.time()))
+
+    def _stats_reply(self, request_id: str | None) -> StatsReply:
+        """The engine thread's latest snapshot, completed with what the IO thread and the server count."""
+        server, snap, log = self.server, self.server.stats_snapshot, self.server.log
+        return dataclasses.replace(
+            snap,
+            id=request_id,
+            uptime_s=server.uptime_s,
+            num_requests_rejected=snap.num_requests_rejected + self.num_rejected,
+            num_bad_messages=self.num_bad_messages,
+            num_log_failures=log.num_failures if log is not None else 0,
+            num_log_dropped=log.num_dropped if log is not None else 0,
+            num_auth_denied=server.num_auth_denied,
+            num_clients=len(self._inflight),
+            rss_bytes=rss_bytes(),
+        )

@@ -1,0 +1,122 @@
+"""The decision log's schema and its readers: the tables (``SCHEMA_SQL``, version ``SCHEMA_VERSION``),
+the config of the log, how a step record becomes rows, and :func:`open_log` for replay and analysis.
+
+Times are time.time() seconds (unix epoch); durations are milliseconds. See docs/logging.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from dataclasses import dataclass
+
+import sqlite_utils
+
+from specsched.daemon.records import StepRecord
+
+SCHEMA_VERSION = 1  # bump on any change to the tables below; readers refuse other versions
+
+SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY, started_at REAL, config TEXT, model TEXT,
+    device TEXT, version TEXT, schema_version INTEGER);
+CREATE TABLE IF NOT EXISTS requests (run_id INTEGER, request_id TEXT, client TEXT, arrival REAL,
+    first_token_time REAL, finish_time REAL, prompt_tokens INTEGER, output_tokens INTEGER,
+    finish_reason TEXT, proposed INTEGER, accepted INTEGER);
+CREATE TABLE IF NOT EXISTS steps (run_id INTEGER, step INTEGER, kind TEXT, start_time REAL,
+    batch_size INTEGER, num_tokens INTEGER, scorer TEXT, policy TEXT, proposer TEXT, is_synthetic INTEGER,
+    predicted_propose_ms REAL, predicted_score_ms REAL, predicted_verify_ms REAL, predicted_ms REAL,
+    propose_ms REAL, score_ms REAL, verify_ms REAL, total_ms REAL, num_emitted INTEGER, plan_info TEXT);
+CREATE TABLE IF NOT EXISTS step_requests (run_id INTEGER, step INTEGER, request_id TEXT,
+    context_len INTEGER, k INTEGER, num_accepted INTEGER, match_bits TEXT, num_emitted INTEGER);
+CREATE INDEX IF NOT EXISTS requests_run_request ON requests (run_id, request_id);
+CREATE INDEX IF NOT EXISTS steps_run_step ON steps (run_id, step);
+CREATE INDEX IF NOT EXISTS step_requests_run_step ON step_requests (run_id, step);
+"""
+# StepRecord / StepRequestRecord fields copied as they are (plan_info is converted to JSON)
+STEP_FIELDS = (
+    "step kind start_time batch_size num_tokens scorer policy proposer is_synthetic predicted_propose_ms "
+    "predicted_score_ms predicted_verify_ms predicted_ms propose_ms score_ms verify_ms total_ms num_emitted"
+).split()
+STEP_REQUEST_FIELDS = ("request_id", "context_len", "k", "num_accepted", "match_bits", "num_emitted")
+
+
+class LogFormatError(Exception):
+    """The file is not a specsched log of this schema version (or not SQLite at all)."""
+
+
+@dataclass
+class LogConfig:
+    path: str | None = None  # SQLite file; None = no log
+    flush_interval_s: float = 0.5  # longest a record waits in memory (what a crash can lose)
+    batch_size: int = 256  # records that trigger a write before the interval ends
+    queue_max: int = 100_000  # records held in memory at most (queue + retry buffer); more are dropped
+    busy_timeout_s: float = 1.0  # wait for a locked database before counting the write as failed
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not str(self.path).strip():
+            raise ValueError("log.path must be a file path or null (no log), got an empty string")
+        if not self.flush_interval_s > 0:
+            raise ValueError(f"log.flush_interval_s must be > 0, got {self.flush_interval_s}")
+        if self.batch_size < 1:
+            raise ValueError(f"log.batch_size must be >= 1, got {self.batch_size}")
+        if self.queue_max < self.batch_size:
+            raise ValueError(
+                f"log.queue_max must be >= log.batch_size ({self.batch_size}), got {self.queue_max}"
+            )
+        if self.busy_timeout_s < 0:
+            raise ValueError(f"log.busy_timeout_s must be >= 0, got {self.busy_timeout_s}")
+
+
+def check_schema(db: sqlite_utils.Database, path: str, allow_new: bool) -> None:
+    """Raise :class:`LogFormatError` unless ``db`` is a specsched log of :data:`SCHEMA_VERSION`
+    (or, with ``allow_new``, an empty database)."""
+    try:
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        tables = set(db.table_names())
+    except sqlite3.OperationalError:
+        raise
+    except sqlite3.DatabaseError as e:  # "file is not a database", "malformed"
+        raise LogFormatError(f"{path}: not a readable SQLite file ({e})") from e
+    if version == SCHEMA_VERSION:
+        if "runs" in tables:
+            return
+        raise LogFormatError(f"{path}: damaged specsched log (schema version {version} but no runs table)")
+    if version == 0 and not tables and allow_new:
+        return
+    if version == 0:
+        raise LogFormatError(f"{path}: not a specsched log (no schema version; tables: {sorted(tables)})")
+    raise LogFormatError(
+        f"{path}: log schema version {version} (another specsched version wrote it); "
+        f"this specsched reads version {SCHEMA_VERSION}"
+    )
+
+
+def open_log(path: str | os.PathLike) -> sqlite_utils.Database:
+    """Open an existing log for reading (replay, analysis); checks it is a log of this schema version."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise LogFormatError(f"{path}: no such log file")
+    try:
+        db = sqlite_utils.Database(path)
+        check_schema(db, path, allow_new=False)
+    except sqlite3.Error as e:
+        raise LogFormatError(f"{path}: cannot read log ({e})") from e
+    return db
+
+
+def to_json(obj) -> str:
+    def default(x):  # numpy / torch scalars, enums, anything else as its str
+        try:
+            return x.item()
+        except Exception:  # noqa: BLE001
+            return str(x)
+
+    return json.dumps(obj, default=default)
+
+
+def step_rows(r: StepRecord) -> tuple[dict, list[dict]]:
+    step = {f: getattr(r, f) for f in STEP_FIELDS}
+    step["plan_info"] = to_json(r.plan_info) if r.plan_info else None
+    reqs = [{"step": r.step, **{f: getattr(q, f) for f in STEP_REQUEST_FIELDS}} for q in r.requests]
+    return step, reqs

@@ -1,0 +1,155 @@
+"""The writer thread's side of the decision log: rows waiting for a successful write, the SQLite
+connection, and what a failed write does (counted, reported once, retried by the next flush).
+
+Only the writer thread (log.py: :class:`LogWriter`) calls a :class:`LogStore`; the serving threads read
+its counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Callable
+
+import sqlite_utils
+
+from specsched.daemon.log_schema import (
+    SCHEMA_SQL,
+    SCHEMA_VERSION,
+    LogConfig,
+    LogFormatError,
+    check_schema,
+    step_rows,
+)
+from specsched.daemon.records import StepRecord
+
+logger = logging.getLogger("specsched.daemon.log")  # one logger name for the whole decision log
+
+
+class LogStore:
+    """Buffers rows and writes them in one transaction per :meth:`write`. ``drop(n, quiet)`` counts
+    records that will never be written (the writer's ``num_dropped``)."""
+
+    def __init__(self, path: str, cfg: LogConfig, drop: Callable[..., None]) -> None:
+        self.path, self.cfg, self._drop = path, cfg, drop
+        self.run_id: int | None = None
+        self.run_row: dict | None = None  # until written
+        self.fatal: LogFormatError | None = None
+        self.num_failures = 0
+        self.num_written_steps = 0
+        self.last_error: str | None = None
+        self._is_reported = False
+        self._is_failing = False
+        self._db: sqlite_utils.Database | None = None
+        # rows awaiting a successful write (run_id stamped at write time)
+        self._steps: list[dict] = []
+        self._step_requests: list[dict] = []
+        self._requests: list[dict] = []
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.run_row or self._steps or self._requests)
+
+    def buffer(self, item: StepRecord | dict) -> None:
+        """Hold a step record (-> ``steps`` + ``step_requests`` rows) or a ``requests`` row."""
+        if self.fatal is not None or len(self._steps) + len(self._requests) >= self.cfg.queue_max:
+            self._drop()  # retry buffer full (writes failing for a long time) or the file is unusable
+        elif isinstance(item, StepRecord):
+            try:
+                step, reqs = step_rows(item)
+            except Exception as e:  # noqa: BLE001 -- a malformed record must not poison the batch
+                self._fail(e)
+                self._drop()
+                return
+            self._steps.append(step)
+            self._step_requests.extend(reqs)
+        else:
+            self._requests.append(item)
+
+    def write(self) -> bool:
+        """Write the run row (once) and everything buffered; False when it could not (rows are kept)."""
+        if self.fatal is not None:
+            return False
+        if self.run_id is None and self.run_row is None:
+            return True  # nothing to write before start_run
+        try:
+            db = self._open_db()
+            run_id = self.run_id
+            with db.atomic():
+                if run_id is None:
+                    run_id = db["runs"].insert(self.run_row).last_pk
+                for table, rows in (
+                    ("steps", self._steps),
+                    ("step_requests", self._step_requests),
+                    ("requests", self._requests),
+                ):
+                    if rows:
+                        db[table].insert_all(({"run_id": run_id, **r} for r in rows), batch_size=1000)
+        except Exception as e:  # noqa: BLE001 -- any write failure must leave serving alone
+            self._fail(e)
+            return False
+        self.run_id, self.run_row = run_id, None
+        self.num_written_steps += len(self._steps)
+        self._steps, self._step_requests, self._requests = [], [], []
+        if self._is_failing:
+            self._is_failing = False
+            logger.warning(
+                "decision log %s: writes recovered (%d failed attempt(s) so far)",
+                self.path,
+                self.num_failures,
+            )
+        return True
+
+    def discard_pending(self) -> None:
+        """Count what is buffered as dropped and forget it."""
+        self._drop(len(self._steps) + len(self._requests), quiet=True)
+        self._steps, self._step_requests, self._requests = [], [], []
+
+    def close(self) -> None:
+        if self._db is not None:
+            try:
+                self._db.close()
+            except sqlite3.Error:
+                pass
+            self._db = None
+
+    def _fail(self, e: Exception) -> None:
+        self.num_failures += 1
+        self._is_failing = True
+        self.last_error = f"{type(e).__name__}: {e}"
+        if isinstance(e, LogFormatError):  # the file is not ours: give up on it (start_run raises it)
+            self.fatal = e
+            self.close()
+            self.discard_pending()
+            logger.error("decision log %s is unusable (%s); no records will be written", self.path, e)
+            return
+        if isinstance(e, sqlite3.Error):
+            self.close()  # reopen on the next attempt (file may have been replaced, directory created)
+        if not self._is_reported:
+            self._is_reported = True
+            logger.error(
+                "decision log %s: write failed (%s); serving continues, later flushes retry; "
+                "further failures are counted (num_failures), not logged",
+                self.path,
+                self.last_error,
+            )
+
+    def _open_db(self) -> sqlite_utils.Database:
+        if self._db is not None:
+            return self._db
+        conn = sqlite3.connect(self.path, timeout=self.cfg.busy_timeout_s)
+        try:
+            db = sqlite_utils.Database(conn)
+            check_schema(db, self.path, allow_new=True)
+            db.enable_wal()
+            db.execute("PRAGMA synchronous=NORMAL")
+            with db.atomic():
+                for statement in SCHEMA_SQL.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except BaseException:
+            conn.close()
+            raise
+        self._db = db
+        return db

@@ -1,0 +1,64 @@
+"""One admitted request as the engine thread tracks it: its text (detokenized incrementally, cut at a
+stop string), what was sent to the client, and its speculation counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specsched.daemon.messages import Done, SpecUsage, Usage
+from specsched.models.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class RequestStream:
+    """One admitted request as the daemon tracks it (text, stop strings, what was sent)."""
+
+    client: bytes
+    id: str  # the client's id
+    key: str  # the engine's request id (unique across clients)
+    is_streaming: bool
+    stop: list[str]
+    num_prompt_tokens: int
+    arrival_time: float
+    detok: IncrementalDetokenizer | None
+    deadline: float | None = None  # time.monotonic() after which it finishes with "timeout"
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # all text so far (cut before a stop string)
+    num_sent_chars: int = 0
+    is_stopped: bool = False  # a stop string matched
+    first_token_time: float | None = None
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+    def advance(self, new_ids: list[int], finishing: bool) -> tuple[str, bool]:
+        """Take new ids; return (text to send now, whether a stop string matched). Until the request
+        finishes, the last ``max(len(stop)) - 1`` characters are held back: they may start a stop
+        string that later tokens complete, and text after a stop string is never sent."""
+        self.token_ids.extend(new_ids)
+        if self.detok is None or self.is_stopped:
+            return "", self.is_stopped
+        old_len = len(self.text)
+        self.text += self.detok.push(new_ids) + (self.detok.flush() if finishing else "")
+        if self.stop and len(self.text) > old_len:
+            start = max(0, old_len - max(map(len, self.stop)) + 1)
+            hits = [p for p in (self.text.find(s, start) for s in self.stop) if p >= 0]
+            if hits:
+                self.text, self.is_stopped = self.text[: min(hits)], True
+        if finishing or self.is_stopped or not self.stop:
+            end = len(self.text)
+        else:
+            end = max(self.num_sent_chars, len(self.text) - max(map(len, self.stop)) + 1)
+        out, self.num_sent_chars = self.text[self.num_sent_chars : end], end
+        return out, self.is_stopped
+
+    def done(self, reason: str) -> Done:
+        """The request's ``done`` message (with the whole output when it was not streamed)."""
+        return Done(
+            self.id,
+            reason,
+            Usage(self.num_prompt_tokens, len(self.token_ids)),
+            SpecUsage(self.proposed, self.accepted, self.steps),
+            text=None if self.is_streaming else self.text,
+            token_ids=None if self.is_streaming else list(self.token_ids),
+        )
