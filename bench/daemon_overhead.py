@@ -87,8 +87,15 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "specsched.daemon", "model=tiny", "policy=fixed", "policy.k=0",
-            f"daemon.endpoint={endpoint}", f"log.path={tmp}/run.sqlite", "cache.num_blocks=4096",
+            sys.executable,
+            "-m",
+            "specsched.daemon",
+            "model=tiny",
+            "policy=fixed",
+            "policy.k=0",
+            f"daemon.endpoint={endpoint}",
+            f"log.path={tmp}/run.sqlite",
+            "cache.num_blocks=4096",
         ],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -116,9 +123,9 @@ def main() -> None:
     eng = engine_ms(args.n)
     base = statistics.median(eng)
     over = [x - base for x in lat]
-    print(f"round trip ms: p50 {pct(lat, .5):.2f}  p99 {pct(lat, .99):.2f}")
-    print(f"engine alone ms (in-process, same request): p50 {base:.2f}  p99 {pct(eng, .99):.2f}")
-    print(f"daemon+protocol overhead ms: p50 {pct(over, .5):.2f}  p99 {pct(over, .99):.2f}")
+    print(f"round trip ms: p50 {pct(lat, 0.5):.2f}  p99 {pct(lat, 0.99):.2f}")
+    print(f"engine alone ms (in-process, same request): p50 {base:.2f}  p99 {pct(eng, 0.99):.2f}")
+    print(f"daemon+protocol overhead ms: p50 {pct(over, 0.5):.2f}  p99 {pct(over, 0.99):.2f}")
     print(f"throughput: {rps:.0f} requests/s ({args.m} one-token requests, {args.clients} clients)")
 
 
