@@ -52,6 +52,7 @@ class E2ERow:
     scorer_steps: dict | None = None
     speedup: float | None = None  # vs the non-speculative row of the same batch
     graph_fallbacks: int = 0
+    step_ms: dict | None = None  # mean ms per decode step: propose, score, verify, total (host wall)
     note: str = ""
     error: str = ""
 
@@ -108,11 +109,13 @@ def timed_generate(
     fallbacks0 = sum(r.num_eager_fallbacks for r in runners)
     steps = Counter()  # decode steps per scorer
     totals = Counter()  # request-steps, proposed, accepted over decode steps
+    phase_ms = Counter()  # summed over decode steps
 
     def on_step(rec: StepRecord) -> None:
         if rec.kind == "decode":
             steps[rec.scorer] += 1
             totals.update(request_steps=rec.batch_size, proposed=rec.num_proposed, accepted=rec.num_accepted)
+            phase_ms.update(propose=rec.propose_ms, score=rec.score_ms, verify=rec.verify_ms, total=rec.total_ms)
 
     engine.on_step = on_step
     params = SamplingParams(max_tokens=max_new_tokens, ignore_eos=True)
@@ -135,6 +138,7 @@ def timed_generate(
         mean_k=totals["proposed"] / totals["request_steps"] if totals["request_steps"] else None,
         scorer_steps=dict(steps),
         graph_fallbacks=sum(r.num_eager_fallbacks for r in runners) - fallbacks0,
+        step_ms={name: ms / max(sum(steps.values()), 1) for name, ms in phase_ms.items()},
     )
     return metrics, outputs
 

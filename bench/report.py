@@ -71,15 +71,18 @@ def scorer_table(res: dict) -> str:
 
 def e2e_table(rows: list[dict]) -> str:
     header = ["suite", "model", "proposer", "batch", "config", "tok/s", "ms/token", "× non-spec",
-              "accept.", "mean k", "scorer steps", "fallbacks", "note"]  # fmt: skip
+              "accept.", "mean k", "scorer steps", "step ms: propose/score/verify/total", "fallbacks",
+              "note"]  # fmt: skip
     out = []
     for r in rows:
         steps = ", ".join(f"{SCORER_LABELS.get(s, s)} {n}" for s, n in (r.get("scorer_steps") or {}).items())
         note = f"error: {r['error']}" if r.get("error") else r.get("note", "")
+        phases = r.get("step_ms") or {}
+        step_ms = "/".join(fmt(phases.get(p), 2) for p in ("propose", "score", "verify", "total"))
         out.append([
             r["suite"], r["model"], r["proposer"], str(r["batch"]), r["config"], fmt(r["tokens_per_s"], 1),
             fmt(r["ms_per_token"]), fmt(r.get("speedup")), fmt(r.get("measured_acceptance")),
-            fmt(r.get("mean_k")), steps, str(r.get("graph_fallbacks", 0)), note,
+            fmt(r.get("mean_k")), steps, step_ms if phases else "–", str(r.get("graph_fallbacks", 0)), note,
         ])  # fmt: skip
     return table(header, out)
 
