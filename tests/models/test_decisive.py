@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specsched.kernels.metadata import build_metadata
@@ -19,18 +20,27 @@ def _margins(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:  # [T]
     return (top[:, 0] - top[:, 1]) / top[:, 0].abs()
 
 
-def test_decisive_weights_have_wide_greedy_margins_and_follow_the_permutation():
+@pytest.mark.parametrize(
+    "num_layers, std",
+    [
+        (4, 0.02),
+        # llama2-7b's ratio of sublayer output to embedding, std * hidden * sqrt(2 * layers) = 655:
+        # 0.32 * 256 * 8 (a fixed output scale of 0.05 left a min margin of 0.005 here)
+        (32, 0.32),
+    ],
+)
+def test_decisive_weights_have_wide_greedy_margins_and_follow_the_permutation(num_layers: int, std: float):
     cfg = LlamaConfig(
         vocab_size=512,
         hidden_size=256,
         intermediate_size=512,
-        num_layers=4,
+        num_layers=num_layers,
         num_heads=4,
         num_kv_heads=4,
         max_position=256,
     )
     tokens = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    plain = init_random(LlamaForCausalLM(cfg).eval(), seed=0, std=0.02)
+    plain = init_random(LlamaForCausalLM(cfg).eval(), seed=0, std=std)
     before = _margins(plain, tokens)
     decisive = make_decisive(plain, seed=1)
     after = _margins(decisive, tokens)
