@@ -68,11 +68,16 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # running requests at most
     max_num_batched_tokens: int = 2048  # prefill chunk budget per step
     max_queue: int = 1024  # waiting requests at most (more: error 'overloaded')
+    # Decide the next decode step's plan while the GPU runs this step's scoring, for policies that
+    # allow it (Policy.is_plan_ahead_safe): auto = on CUDA, on, off. See Engine._decode.
+    plan_ahead: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler.{name} must be >= 1, got {getattr(self, name)}")
+        if self.plan_ahead not in ("auto", "on", "off"):
+            raise ValueError(f"scheduler.plan_ahead must be auto, on or off, got {self.plan_ahead!r}")
 
 
 @dataclass

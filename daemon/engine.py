@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -20,7 +21,7 @@ from specsched.daemon.scheduler import ScheduledBatch, Scheduler
 from specsched.daemon.stats import EngineStats
 from specsched.daemon.step_timer import StepTimer
 from specsched.kernels.rejection_sampling import verify
-from specsched.policies.base import BatchView, Policy, RequestView
+from specsched.policies.base import BatchView, Plan, Policy, RequestView
 from specsched.proposers.base import Proposals
 from specsched.scorers.inputs import build_chunk_inputs, tokens_from
 
@@ -48,6 +49,9 @@ class Engine:
         self.stats = EngineStats()
         self.timer = StepTimer(self.device)  # phase times: perf_counter on the host, CUDA events on GPU
         self.is_overlapped_observe = self.timer.is_events  # see flush_observations
+        mode = cfg.scheduler.plan_ahead
+        self.is_plan_ahead = mode == "on" or (mode == "auto" and self.timer.is_events)  # see _decode
+        self._ahead: tuple[list[str], Plan] | None = None  # (request ids, plan) decided a step early
         self._unobserved: list[StepRecord] = []
         self.num_steps = 0
 
@@ -131,7 +135,8 @@ class Engine:
     def _decode(self, reqs: list[Request]) -> tuple[list[RequestOutput], StepRecord]:
         rec = StepRecord(self.num_steps, "decode", time.time(), 0, 0)
         names = self._proposer_names(reqs)
-        plan = self.policy.decide(self._view(reqs, names), self.costs)
+        view = self._view(reqs, names)
+        plan = self._plan_decided_ahead(reqs, view) or self.policy.decide(view, self.costs)
         if plan.scorer not in self.scorers:
             raise ValueError(
                 f"policy {plan.policy!r} chose scorer {plan.scorer!r}, which is not built here; "
@@ -146,6 +151,9 @@ class Engine:
             logits = self.scorers[plan.scorer].score(reqs, props)  # [sum(k_i+1), vocab]
         if self._unobserved:  # host work while the GPU scores (CUDA): nothing here waits for it
             self.flush_observations()
+        if self.is_plan_ahead and self.policy.is_plan_ahead_safe:  # likewise: the next step's plan
+            ahead = self.policy.decide(self._view(reqs, names), self.costs)
+            self._ahead = [r.request_id for r in reqs], ahead
         with self._timed(rec, "verify_ms"):
             result = verify(logits, props, [r.sampling for r in reqs], [r.generator for r in reqs])
             emitted = result.to_lists()
@@ -199,6 +207,17 @@ class Engine:
         return self._commit(done, first, [0] * len(done), None), rec
 
     # ---- helpers ------------------------------------------------------------------------------------
+    def _plan_decided_ahead(self, reqs: list[Request], view: BatchView) -> Plan | None:
+        """The plan decided during the last step's scoring, when this step runs the same requests:
+        its k capped by each request's cap now (n-gram matches, lengths moved on). The policy saw
+        every outcome but the last step's (one step of lag in acceptance and costs)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead[0] != [r.request_id for r in reqs]:
+            return None
+        plan = ahead[1]
+        k = [min(ki, v.max_k) for ki, v in zip(plan.k, view.requests)]
+        return replace(plan, k=k, info={**plan.info, "is_planned_ahead": True})
+
     def _view(self, reqs: list[Request], names: list[str]) -> BatchView:
         peek = {
             n: iter(self.proposers[n].peek(reqs if len(by) == len(reqs) else [reqs[i] for i in by]).max_k)

@@ -69,6 +69,10 @@ class Policy(ABC):
     """Decides a :class:`Plan` each step from a :class:`BatchView` and the cost models."""
 
     name: str = "base"
+    # True when a plan decided one step early (before the previous step's verification and
+    # ``observe``) is as good as one decided on time: the engine may then decide while the GPU
+    # scores. False for policies that react to the last step's outcome (hf_heuristic, threshold).
+    is_plan_ahead_safe: bool = False
 
     @abstractmethod
     def decide(self, view: BatchView, costs) -> Plan:  # costs: specsched.policies.cost_model.CostModels

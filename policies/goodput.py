@@ -78,6 +78,8 @@ class GoodputPolicy(Policy):
     name = "goodput"
     config_cls = GoodputConfig
 
+    is_plan_ahead_safe = True  # reads posteriors and cost models, which move slowly
+
     def __init__(self, config: GoodputConfig | None = None) -> None:
         self.config = config or GoodputConfig()
         self._last_scorer: str | None = None

@@ -1,0 +1,89 @@
+"""Plan-ahead: the engine decides the next decode step's plan while the GPU scores this one.
+
+On CPU the mode is forced on (``scheduler.plan_ahead=on``): the plan is then decided synchronously
+at the same point of the step, so what is checked here is what the mode changes — which plan a step
+uses, its caps, the log's flag — and that greedy output stays the non-speculative output.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specsched.daemon.engine import Engine
+from specsched.daemon.records import StepRecord
+from specsched.daemon.request import SamplingParams
+from specsched.policies.base import BatchView, Plan, RequestView
+
+
+def make_engine(plan_ahead: str, policy: dict, proposer: str = "ngram") -> Engine:
+    cfg = EngineConfig(
+        model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, plan_ahead=plan_ahead),
+        spec=SpecConfig(proposer=proposer, scorers=["batch_expansion", "mqa"], max_k=4),
+        policy=policy,
+    )
+    return Engine(cfg)
+
+
+PROMPTS = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7, [12, 13, 14, 15, 16] * 5]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def run(engine: Engine) -> tuple[list[list[int]], list[StepRecord]]:
+    records: list[StepRecord] = []
+    engine.on_step = records.append
+    return engine.generate(PROMPTS, GREEDY), [r for r in records if r.kind == "decode"]
+
+
+def test_config_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="plan_ahead must be auto, on or off, got 'sometimes'"):
+        SchedulerConfig(plan_ahead="sometimes")
+
+
+def test_auto_is_off_on_cpu():
+    assert not make_engine("auto", {"name": "goodput"}).is_plan_ahead
+    assert make_engine("on", {"name": "goodput"}).is_plan_ahead
+
+
+def test_goodput_planned_ahead_is_lossless_and_flagged_in_the_log():
+    reference, _ = run(make_engine("off", {"name": "fixed", "k": 0, "scorer": "batch_expansion"}))
+    outputs, records = run(make_engine("on", {"name": "goodput"}))
+    assert outputs == reference
+    # a step uses the plan decided ahead exactly when it runs the previous decode step's requests
+    ids = [[q.request_id for q in r.requests] for r in records]
+    flags = [bool(r.plan_info.get("is_planned_ahead")) for r in records]
+    assert flags == [i > 0 and ids[i] == ids[i - 1] for i in range(len(records))]
+    ahead = [r for r, f in zip(records, flags) if f]
+    assert len(ahead) > len(records) // 2 and any(r.num_proposed for r in ahead), (len(ahead), len(records))
+    _, off = run(make_engine("off", {"name": "goodput"}))
+    assert not any(r.plan_info.get("is_planned_ahead") for r in off)
+
+
+def test_policies_that_react_to_the_last_step_decide_on_time():
+    outputs, records = run(make_engine("on", {"name": "hf_heuristic"}))
+    assert records and not any(r.plan_info.get("is_planned_ahead") for r in records)
+
+
+def view_of(ids: list[str], caps: list[int]) -> BatchView:
+    reqs = [RequestView(i, 10, "ngram", c, 0.5, 0.1, 0, 0) for i, c in zip(ids, caps)]
+    return BatchView(reqs, 100, 4, ["batch_expansion", "mqa"], 0)
+
+
+class _Req:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+def test_a_plan_decided_ahead_is_capped_now_and_used_once_for_the_same_requests_only():
+    engine = make_engine("on", {"name": "goodput"})
+    plan = Plan([4, 3, 2], "mqa", "goodput", 1.0, 2.0, {"reason": "x"})
+    reqs = [_Req("a"), _Req("b"), _Req("c")]
+    engine._ahead = (["a", "b", "c"], plan)
+    got = engine._plan_decided_ahead(reqs, view_of(["a", "b", "c"], [1, 3, 0]))
+    assert got.k == [1, 3, 0] and got.scorer == "mqa" and got.info["is_planned_ahead"]
+    assert plan.k == [4, 3, 2] and "is_planned_ahead" not in plan.info  # the original is untouched
+    assert engine._plan_decided_ahead(reqs, view_of(["a", "b", "c"], [4, 4, 4])) is None  # used up
+    engine._ahead = (["a", "b", "c"], plan)
+    assert engine._plan_decided_ahead(reqs[:2], view_of(["a", "b"], [4, 4])) is None  # batch changed
