@@ -53,6 +53,7 @@ class E2ERow:
     speedup: float | None = None  # vs the non-speculative row of the same batch
     graph_fallbacks: int = 0
     step_ms: dict | None = None  # mean ms per decode step: propose, score, verify, total (host wall)
+    same_output: float | None = None  # share of requests whose output equals the non-speculative one
     note: str = ""
     error: str = ""
 
@@ -157,13 +158,19 @@ def run_grid(
     acceptance: float | None = None,
     proposer_label: str = "",
     baseline: E2ERow | None = None,
+    reference: list[list[int]] | None = None,
 ) -> list[E2ERow]:
-    """Time each run; a failing run becomes an error row and the grid goes on."""
+    """Time each run; a failing run becomes an error row and the grid goes on. With ``reference``
+    (the non-speculative outputs), each row records the share of requests with the same output:
+    greedy speculation is lossless, so anything below 1 is bf16 rounding in another row layout
+    flipping a near-tie (see docs/benchmarks.md)."""
     rows = []
     for run in runs:
         row = E2ERow(suite, spec.name, proposer_label or run.proposer, acceptance, batch, run.label)
         try:
-            metrics, _ = timed_generate(spec, run, prompts, batch, cfg.max_new_tokens, cfg.warmup_tokens)
+            metrics, outputs = timed_generate(
+                spec, run, prompts, batch, cfg.max_new_tokens, cfg.warmup_tokens
+            )
         except Exception as e:
             logger.exception("e2e %s %s batch %d failed", suite, run.label, batch)
             row.error = f"{type(e).__name__}: {e}"[:300]
@@ -171,6 +178,8 @@ def run_grid(
             continue
         for key, value in metrics.items():
             setattr(row, key, value)
+        if reference is not None:
+            row.same_output = sum(o == r for o, r in zip(outputs, reference, strict=True)) / len(reference)
         if baseline is not None and baseline.tokens_per_s == baseline.tokens_per_s:
             row.speedup = row.tokens_per_s / baseline.tokens_per_s
         logger.info("e2e %s %s a=%s batch %d %s: %.1f tok/s", suite, row.proposer, acceptance, batch,

@@ -71,8 +71,8 @@ def scorer_table(res: dict) -> str:
 
 def e2e_table(rows: list[dict]) -> str:
     header = ["suite", "model", "proposer", "batch", "config", "tok/s", "ms/token", "× non-spec",
-              "accept.", "mean k", "scorer steps", "step ms: propose/score/verify/total", "fallbacks",
-              "note"]  # fmt: skip
+              "accept.", "mean k", "scorer steps", "step ms: propose/score/verify/total", "same output",
+              "fallbacks", "note"]  # fmt: skip
     out = []
     for r in rows:
         steps = ", ".join(f"{SCORER_LABELS.get(s, s)} {n}" for s, n in (r.get("scorer_steps") or {}).items())
@@ -82,7 +82,8 @@ def e2e_table(rows: list[dict]) -> str:
         out.append([
             r["suite"], r["model"], r["proposer"], str(r["batch"]), r["config"], fmt(r["tokens_per_s"], 1),
             fmt(r["ms_per_token"]), fmt(r.get("speedup")), fmt(r.get("measured_acceptance")),
-            fmt(r.get("mean_k")), steps, step_ms if phases else "–", str(r.get("graph_fallbacks", 0)), note,
+            fmt(r.get("mean_k")), steps, step_ms if phases else "–", fmt(r.get("same_output")),
+            str(r.get("graph_fallbacks", 0)), note,
         ])  # fmt: skip
     return table(header, out)
 

@@ -45,7 +45,7 @@ step() {  # step NAME LIMIT_S CMD...: run guarded, full log in $OUT/NAME.log, ou
   python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)"
   python3 -c "import hydra, omegaconf; print('hydra', hydra.__version__, 'omegaconf', omegaconf.__version__)" || echo "!!! hydra/omegaconf missing: stage their wheels"
   python3 -c "import pytest; print('pytest', pytest.__version__)" || echo "!!! pytest missing: stage pytest pluggy iniconfig"
-  python3 -c "import gguf; print('gguf', gguf.__version__)" || echo "!!! gguf missing: the SmolLM2 parts will fail"
+  python3 -c "import gguf; print('gguf', getattr(gguf, '__version__', 'ok'))" || echo "!!! gguf missing: the SmolLM2 parts will fail"
   ls -l "$GGUF" || echo "!!! no SmolLM2 GGUF at $GGUF: the real-model and peer parts are skipped"
 } >"$OUT/env.txt" 2>&1 || true
 cat "$OUT/env.txt"

@@ -57,7 +57,7 @@ def run_synthetic_suite(
                 for label, make in policy_configs(cfg, list(scorers))
             ]
             label = f"synthetic a={a} (+{cfg.draft})"
-            rows += run_grid("synthetic", spec, b, prompts, runs, cfg, a, label, base)
+            rows += run_grid("synthetic", spec, b, prompts, runs, cfg, a, label, base, outputs)
     return rows
 
 
@@ -110,7 +110,7 @@ def run_real_suite(
     rows: list[E2ERow] = []
     for b in cfg.batch:
         try:
-            base, _ = baseline_run("real", spec, b, prompts, cfg, none)
+            base, reference = baseline_run("real", spec, b, prompts, cfg, none)
         except Exception as e:
             logger.exception("real baseline at batch %d failed", b)
             rows.append(failed_baseline("real", spec.name, b, e))
@@ -123,5 +123,5 @@ def run_real_suite(
                 RunConfig(lbl, make, {"none": none, key: prop}, key)
                 for lbl, make in policy_configs(cfg, list(scorers))
             ]
-            rows += run_grid("real", spec, b, prompts, runs, cfg, None, label, base)
+            rows += run_grid("real", spec, b, prompts, runs, cfg, None, label, base, reference)
     return rows

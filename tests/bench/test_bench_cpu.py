@@ -49,9 +49,13 @@ def test_cli_smoke_run_end_to_end(tmp_path):
     assert all(not r["error"] and r["num_tokens"] == 2 * 5 and r["tokens_per_s"] > 0 for r in e2e)
     assert all(r["graph_fallbacks"] == 0 for r in e2e)
     assert e2e[1]["scorer_steps"].keys() == {"batch_expansion"} and e2e[1]["mean_k"] > 0
+    # float32 on CPU: every speculative row reproduces the non-speculative outputs
+    assert [r["same_output"] for r in e2e[1:]] == [1.0, 1.0, 1.0] and e2e[0]["same_output"] is None
+    assert all(r["step_ms"]["total"] >= r["step_ms"]["score"] > 0 for r in e2e)
     real = res["real"]
     assert {r["proposer"] for r in real} == {"none", "draft (self, 2 layers)", "ngram"}
     assert all(not r["error"] and r["num_tokens"] == 5 for r in real)
+    assert all(r["same_output"] == 1.0 for r in real if r["proposer"] != "none")
     text = (tmp_path / "tables.md").read_text()
     for title in ("Scorer micro-benchmark", "End-to-end", "Targets (issue 5)"):
         assert f"### {title}" in text
