@@ -225,12 +225,16 @@ def test_read_only_file_never_raises(tmp_path, caplog):
 def test_full_queue_drops_and_counts(tmp_path):
     path = tmp_path / "log.sqlite"
     rng = random.Random(5)
-    w = LogWriter(fast_cfg(path, batch_size=4, queue_max=8, busy_timeout_s=1.0))
+    # busy_timeout_s far beyond the test: the writer stays blocked until the ROLLBACK below
+    w = LogWriter(fast_cfg(path, batch_size=4, queue_max=8, busy_timeout_s=10.0))
     w.start_run({}, model="m", device="cpu", version="v")
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
     w.write_step(make_record(0, rng))
-    time.sleep(0.3)  # the writer is now blocked in a write for busy_timeout_s
+    deadline = time.monotonic() + 10.0
+    while w._queue.qsize() and time.monotonic() < deadline:  # the writer took record 0 ...
+        time.sleep(0.01)
+    time.sleep(0.2)  # ... and is blocked in its write (a loaded CI machine may be slow to get there)
     t0 = time.perf_counter()
     for i in range(1, 40):
         w.write_step(make_record(i, rng))
