@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from specsched.daemon.client_errors import (
+    HANDSHAKE_FAILED,
     ConnectionLost,
     DuplicateId,
     MessageTooLarge,
@@ -92,6 +93,8 @@ class ClientCore:
         self._lost: dict[str, int] = {}  # pending ids whose connection dropped -> the monitor event
         self._abandoned: set[str] = set()  # ids whose remaining replies are dropped
         self._to_cancel: list[str] = []  # abandoned ids to cancel on the daemon at the next call
+        # the last handshake failed (monitor event) and none succeeded since: new requests fail at once
+        self._refused_by: int | None = None
 
     # ---- requests ---------------------------------------------------------------------------------
     def encode(self, msg: Message) -> bytes:
@@ -112,6 +115,8 @@ class ClientCore:
         send fails). Raises :class:`DuplicateId` when a request with its id is still pending."""
         if msg.id in self._replies:
             raise DuplicateId(ErrorCode.DUPLICATE_ID.value, f"id {msg.id!r} is already in flight", msg.id)
+        if self._refused_by is not None:  # the failure came before this request: it would never be read
+            raise connection_error(self._refused_by, msg.id)
         data = self.encode(msg)
         self._replies[msg.id] = deque()
         self._lost.pop(msg.id, None)
@@ -166,7 +171,13 @@ class ClientCore:
 
     def connection_event(self, event: int) -> None:
         """The socket monitor reported ``event``: it concerns the requests pending now (the first event
-        names the cause). Their replies already received still come first."""
+        names the cause). Their replies already received still come first. A failed handshake also
+        refuses the requests submitted after it, until a handshake succeeds (ZeroMQ keeps retrying)."""
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._refused_by = None
+            return
+        if event in HANDSHAKE_FAILED:
+            self._refused_by = event
         for rid in self._replies:
             self._lost.setdefault(rid, event)
 

@@ -79,7 +79,9 @@ HANDSHAKE_FAILED = {
     "(pass curve=CurveKeys(...)), or this client uses CURVE and the daemon does not",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed (a CURVE mismatch, or not a specsched daemon)",
 }
-MONITORED_EVENTS = zmq.EVENT_DISCONNECTED | functools.reduce(operator.or_, HANDSHAKE_FAILED)
+MONITORED_EVENTS = (
+    zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | functools.reduce(operator.or_, HANDSHAKE_FAILED)
+)
 
 
 def connection_error(event: int, rid: str | None) -> ConnectionLost:

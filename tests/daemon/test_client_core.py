@@ -131,7 +131,8 @@ def test_a_dropped_connection_fails_pending_requests_after_their_received_replie
     core.receive(chunk("a", [5]))
     core.connection_event(zmq.EVENT_DISCONNECTED)
     core.connection_event(zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # the first event names the cause
-    core.submit(gen("c"))  # sent after the event: not concerned
+    core.connection_event(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # reconnected
+    core.submit(gen("c"))  # sent after the events: not concerned
     assert core.next_reply("a").token_ids == [5]
     with pytest.raises(ConnectionLost) as info:
         core.next_reply("a")
@@ -149,6 +150,22 @@ def test_a_failed_handshake_raises_authentication_failed():
     with pytest.raises(AuthenticationFailed) as info:
         core.next_reply("a")
     assert info.value.code == "auth_failed" and "not allowed" in info.value.message
+
+
+def test_a_handshake_that_failed_before_the_request_refuses_it_until_one_succeeds():
+    """The monitor's event can come before the first request (the client connects at once); the
+    request must then fail at once, not wait out its timeout for an event that came already."""
+    core = ClientCore(1 << 20)
+    core.connection_event(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    with pytest.raises(AuthenticationFailed, match="requires CURVE"):
+        core.submit(gen("a"))
+    assert not core.is_pending("a")  # nothing sent, nothing kept
+    core.connection_event(zmq.EVENT_DISCONNECTED)  # the retry's disconnect does not clear it
+    with pytest.raises(AuthenticationFailed):
+        core.submit(gen("b"))
+    core.connection_event(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    core.submit(gen("c"))
+    assert core.next_reply("c") is None  # pending, waiting for its replies
 
 
 def test_an_abandoned_request_is_cancelled_once_and_its_late_replies_are_dropped():
