@@ -41,7 +41,10 @@ def run_synthetic_suite(
     none = NoProposer(device)
     rows: list[E2ERow] = []
     for b in cfg.batch:
-        prompts = random_prompts(target.cfg.vocab_size, b, cfg.prompt_len, seed + b)
+        # at least ``min_prompts``, timed in groups of b: a batch-1 row over one prompt is ~50 steps,
+        # and run-to-run spread at that length is as large as the differences between policies
+        n = max(b, cfg.min_prompts)
+        prompts = random_prompts(target.cfg.vocab_size, n, cfg.prompt_len, seed + b)
         try:
             base, outputs = baseline_run("synthetic", spec, b, prompts, cfg, none)
         except Exception as e:
