@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from specsched.bench.common import EngineSpec, make_engine, sync
+from specsched.daemon.log import LogWriter
+from specsched.daemon.log_schema import LogConfig
 from specsched.daemon.records import StepRecord
 from specsched.daemon.request import SamplingParams
 from specsched.policies.base import Policy
@@ -98,12 +100,45 @@ def timed_generate(
     batch: int,
     max_new_tokens: int,
     warmup_tokens: int,
+    log_path: str | None = None,
+    log_run: dict | None = None,
 ) -> tuple[dict, list[list[int]]]:
     """Warm up, then time the prompts in groups of ``batch`` (each group one ``generate``); returns
-    metrics and the outputs."""
+    metrics and the outputs. With ``log_path``, every step (warm-up included) also goes to that
+    SQLite decision log as one run (``log_run``: its config row), for specsched-replay and SQL."""
     engine = make_engine(spec, run.proposers, run.proposer, run.make_policy())
     device = spec.model.lm_head.weight.device
+    log = open_run_log(log_path, log_run or {"config": run.label}, spec.name, str(device))
+    try:
+        return _timed(engine, log, spec, prompts, batch, max_new_tokens, warmup_tokens, device)
+    finally:
+        if log is not None:
+            log.close()
+
+
+def open_run_log(path: str | None, config: dict, model: str, device: str) -> LogWriter | None:
+    if not path:
+        return None
+    from specsched.daemon.cli import version
+
+    log = LogWriter(LogConfig(path=path))
+    log.start_run(config, model=model, device=device, version=version())
+    return log
+
+
+def _timed(
+    engine,
+    log: LogWriter | None,
+    spec: EngineSpec,
+    prompts: list[list[int]],
+    batch: int,
+    max_new_tokens: int,
+    warmup_tokens: int,
+    device: torch.device,
+) -> tuple[dict, list[list[int]]]:
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    if log is not None:
+        engine.on_step = log.write_step
     if warmup_tokens:  # every group's prefill shape too: a Triton variant first met while timing
         for i, group in enumerate(groups):  # compiles inside the timed window (~0.5 s each)
             n = warmup_tokens if i == 0 else min(4, warmup_tokens)
@@ -115,6 +150,8 @@ def timed_generate(
     phase_ms = Counter()  # summed over decode steps
 
     def on_step(rec: StepRecord) -> None:
+        if log is not None:
+            log.write_step(rec)
         if rec.kind == "decode":
             steps[rec.scorer] += 1
             totals.update(request_steps=rec.batch_size, proposed=rec.num_proposed, accepted=rec.num_accepted)
@@ -169,8 +206,9 @@ def run_grid(
         row = E2ERow(suite, spec.name, proposer_label or run.proposer, acceptance, batch, run.label)
         try:
             metrics, outputs = timed_generate(
-                spec, run, prompts, batch, cfg.max_new_tokens, cfg.warmup_tokens
-            )
+                spec, run, prompts, batch, cfg.max_new_tokens, cfg.warmup_tokens,
+                cfg.get("log_path"), run_identity(suite, spec, batch, row.proposer, acceptance, run.label),
+            )  # fmt: skip
         except Exception as e:
             logger.exception("e2e %s %s batch %d failed", suite, run.label, batch)
             row.error = f"{type(e).__name__}: {e}"[:300]
@@ -196,11 +234,20 @@ def baseline_run(
     run = RunConfig("non-speculative", lambda: FixedPolicy(FixedConfig(k=0, scorer=scorer)),
                     {"none": none_proposer}, "none")  # fmt: skip
     row = E2ERow(suite, spec.name, "none", None, batch, run.label)
-    metrics, outputs = timed_generate(spec, run, prompts, batch, cfg.max_new_tokens, cfg.warmup_tokens)
+    metrics, outputs = timed_generate(
+        spec, run, prompts, batch, cfg.max_new_tokens, cfg.warmup_tokens,
+        cfg.get("log_path"), run_identity(suite, spec, batch, "none", None, run.label),
+    )  # fmt: skip
     for key, value in metrics.items():
         setattr(row, key, value)
     row.speedup = 1.0
     return row, outputs
+
+
+def run_identity(suite: str, spec: EngineSpec, batch: int, proposer: str, acceptance, config: str) -> dict:
+    """The ``runs.config`` row of one benchmark run in the decision log."""
+    return {"bench": suite, "model": spec.name, "batch": batch, "proposer": proposer,
+            "acceptance": acceptance, "config": config}  # fmt: skip
 
 
 def rows_as_dicts(rows: list[E2ERow]) -> list[dict]:

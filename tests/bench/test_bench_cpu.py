@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,28 @@ def test_a_failing_part_does_not_stop_the_others(tmp_path):
     assert [r["config"] for r in res["real"]] == ["non-speculative", "fixed k=2 mqa_graph"]
     text = (tmp_path / "tables.md").read_text()
     assert "**scorers failed**" in text and "### End-to-end" in text
+
+
+def test_e2e_runs_go_to_a_decision_log(tmp_path):
+    """``bench.e2e.log_path``: one run per table row in a real SQLite log, every step of it."""
+    db = tmp_path / "bench.sqlite"
+    cfg = smoke_cfg(
+        "bench.scorers.enabled=false", "bench.real.enabled=false", f"bench.out_dir={tmp_path}",
+        f"bench.e2e.log_path={db}",
+    )  # fmt: skip
+    res = cli.run_bench(cfg, "specsched-bench test")
+    assert res["errors"] == {}
+    con = sqlite3.connect(db)
+    runs = {json.loads(c)["config"]: i for i, c in con.execute("select id, config from runs").fetchall()}
+    assert sorted(runs) == sorted(r["config"] for r in res["e2e"])
+    goodput = runs["policy goodput"]
+    kinds = dict(con.execute("select kind, count(*) from steps where run_id = ? group by kind", [goodput]))
+    assert kinds["decode"] > 0 and kinds["prefill"] > 0
+    num_req = con.execute("select count(*) from step_requests where run_id = ?", [goodput]).fetchone()[0]
+    assert num_req >= kinds["decode"]
+    infos = [json.loads(i) for (i,) in con.execute(
+        "select plan_info from steps where run_id = ? and kind = 'decode'", [goodput])]  # fmt: skip
+    assert all("reason" in i for i in infos)
 
 
 def test_shared_prefix_batch_shares_prefix_blocks_only():
