@@ -17,13 +17,10 @@ position are visible to every query of the tile and take an unmasked loop; the r
 loop up to the causal limit of the tile's last query.
 
 Split-KV (flash-decoding; Dao et al., 2023, "Flash-Decoding for long-context inference"): when the
-grid above would leave SMs idle (few rows, long keys), each program takes one of ``num_splits``
+grid above would leave SMs idle (few rows, long keys), each program takes one of ``NUM_SPLITS``
 key chunks and writes its partial (m, l, acc) to an fp32 workspace; ``_combine_splits_kernel``
 merges them per (token, head) as ``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``. The split
-count is fixed from host bounds, so the split path is graph-capturable too. It is a runtime argument
-(not specialised): the split count grows with context length, and as a compile-time constant every
-new count was a new kernel variant, compiled on first use in the middle of serving (26–38 variants
-over the shapes of one model instead of 11).
+count is fixed from host bounds, so the split path is graph-capturable too.
 """
 
 from __future__ import annotations
@@ -40,7 +37,6 @@ from specsched.kernels.attention import check_attention_args
 from specsched.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
-MAX_SPLITS = 16  # key chunks per program row at most (the combine kernel reduces them in one tile)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -81,19 +77,19 @@ def _attn_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, seq_k_ptr, bt_ptr, ws_ml_ptr, ws_acc_ptr, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, num_splits,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_SPLIT: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     NUM_HEADS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     q_start = tl.program_id(1) * BLOCK_Q  # first query index (within the row) of this tile
-    kvh = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    kvh = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
     q_begin = tl.load(cu_q_ptr + row)
     q_len = tl.load(cu_q_ptr + row + 1) - q_begin
     if q_start >= q_len:  # padding row, or a tile past this row's queries
@@ -118,10 +114,10 @@ def _paged_attn_kernel(
     full_end = k_len - q_len + q_start  # keys below this are visible to every query of the tile
     kv_end = k_len - q_len + tl.minimum(q_start + BLOCK_Q, q_len)  # one past the last query's limit
     unmasked_end = (full_end // BLOCK_N) * BLOCK_N
-    if not IS_SPLIT:
+    if NUM_SPLITS == 1:
         lo, hi = 0, kv_end
     else:  # this program takes one BLOCK_N-aligned chunk of [0, kv_end)
-        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, kv_end)
     k_ptr += kvh * stride_kh
@@ -144,21 +140,22 @@ def _paged_attn_kernel(
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
             PAGE, BLOCK_N, True, PRECISION, UPCAST,
         )  # fmt: skip
-    if not IS_SPLIT:
+    if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_ptrs = o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=qo_mask)
     else:  # partial (m, l, acc) of this split; _combine_splits_kernel merges them
-        ws = (q_rows * NUM_HEADS + head) * num_splits + split  # [T, NUM_HEADS, num_splits] index
+        ws = (q_rows * NUM_HEADS + head) * NUM_SPLITS + split  # [T, NUM_HEADS, NUM_SPLITS] index
         tl.store(ws_ml_ptr + 2 * ws, m_i, mask=m_valid)
         tl.store(ws_ml_ptr + 2 * ws + 1, l_i, mask=m_valid)
         tl.store(ws_acc_ptr + ws[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_valid[:, None])
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
 def _combine_splits_kernel(
-    o_ptr, cu_q_ptr, ws_ml_ptr, ws_acc_ptr, num_rows, stride_ot, stride_oh, num_splits,
-    NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    o_ptr, cu_q_ptr, ws_ml_ptr, ws_acc_ptr, num_rows, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s, per (token, head)."""
     t = tl.program_id(0)
@@ -166,9 +163,9 @@ def _combine_splits_kernel(
     if t >= tl.load(cu_q_ptr + num_rows):  # padding token past the last row
         return
     offs_s = tl.arange(0, SPLITS_PAD)
-    s_valid = offs_s < num_splits
+    s_valid = offs_s < NUM_SPLITS
     offs_d = tl.arange(0, BLOCK_D)
-    ws = (t.to(tl.int64) * NUM_HEADS + h) * num_splits + offs_s
+    ws = (t.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS + offs_s
     m_s = tl.load(ws_ml_ptr + 2 * ws, mask=s_valid, other=-1.0e30)
     l_s = tl.load(ws_ml_ptr + 2 * ws + 1, mask=s_valid, other=0.0)
     acc = tl.load(ws_acc_ptr + ws[:, None] * BLOCK_D + offs_d[None, :], mask=s_valid[:, None], other=0.0)
@@ -243,9 +240,8 @@ def launch_config(
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
-        num_splits = min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max(max_k, 1), block_n), MAX_SPLITS)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+        num_splits = min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max(max_k, 1), block_n), 16)
+    num_splits = max(num_splits, 1)
     if num_warps is None:
         num_warps = 8 if block_q * group_pad * block_d >= 128 * 128 else 4
     if num_stages is None:
@@ -339,16 +335,17 @@ def paged_attention_triton(
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), splits,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         GROUP=num_heads // kv_heads, GROUP_PAD=cfg.group_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, IS_SPLIT=splits > 1,
+        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, NUM_SPLITS=splits,
         NUM_HEADS=num_heads, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
-            out, meta.cu_seqlens_q, ws_ml, ws_acc, meta.num_rows, out.stride(0), out.stride(1), splits,
-            NUM_HEADS=num_heads, SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d,
+            out, meta.cu_seqlens_q, ws_ml, ws_acc, meta.num_rows, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+            HEAD_DIM=head_dim, BLOCK_D=cfg.block_d,
         )  # fmt: skip
     return out
 

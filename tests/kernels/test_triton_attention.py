@@ -98,8 +98,6 @@ CASES: dict[str, tuple] = {
     "split3_gqa": ([1, 4, 0, 1, 20], [100, 37, 8, 2, 90], (4, 2, 16, 16), "float32", 1e-5,
                    {"num_splits": 3, "block_n": 16}),
     "split5_bf16": ([1, 6], [150, 70], (4, 4, 32, 16), "bfloat16", 1e-2, {"num_splits": 5, "block_n": 16}),
-    # the most splits the combine kernel reduces in one tile (MAX_SPLITS), most of them empty here
-    "split16_max": ([1, 2], [300, 40], (2, 1, 16, 16), "float32", 1e-5, {"num_splits": 16, "block_n": 16}),
 }  # fmt: skip
 
 
@@ -267,12 +265,9 @@ def test_launch_config_splits_only_small_grids_with_long_rows() -> None:
     assert launch_config(1, 2048, 1, 1, 32, 128, num_splits=7).num_splits == 7
 
 
-def test_launch_config_rejects_bad_block_n_and_split_counts() -> None:
+def test_launch_config_rejects_bad_block_n() -> None:
     with pytest.raises(ValueError, match="block_n"):
         launch_config(4, 64, 1, 1, 1, 64, block_n=24)
-    for bad in (0, 17):
-        with pytest.raises(ValueError, match=f"num_splits must be in \\[1, 16\\], got {bad}"):
-            launch_config(1, 2048, 1, 1, 32, 128, num_splits=bad)
 
 
 def _small(dtype: torch.dtype = torch.float32):
