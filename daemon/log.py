@@ -175,6 +175,9 @@ class LogWriter:
         if self._is_closed:
             self._drop()
             return
+        if self._queue.qsize() + self._store.num_pending >= self.cfg.queue_max:
+            self._drop()  # log.queue_max bounds the queue and the retry buffer together
+            return
         try:
             self._queue.put_nowait(item)
         except queue.Full:

@@ -50,9 +50,14 @@ class LogStore:
     def has_pending(self) -> bool:
         return bool(self.run_row or self._steps or self._requests)
 
+    @property
+    def num_pending(self) -> int:
+        """Records held for the next write (read from the serving threads too: a bound, not exact)."""
+        return len(self._steps) + len(self._requests)
+
     def buffer(self, item: StepRecord | dict) -> None:
         """Hold a step record (-> ``steps`` + ``step_requests`` rows) or a ``requests`` row."""
-        if self.fatal is not None or len(self._steps) + len(self._requests) >= self.cfg.queue_max:
+        if self.fatal is not None or self.num_pending >= self.cfg.queue_max:
             self._drop()  # retry buffer full (writes failing for a long time) or the file is unusable
         elif isinstance(item, StepRecord):
             try:
