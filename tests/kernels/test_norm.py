@@ -7,12 +7,7 @@ when run with ``--interpreted``. GPU (marked ``gpu``): real shapes in bf16 and C
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import time
-import traceback
 
 import pytest
 import torch
@@ -25,6 +20,7 @@ from specsched.kernels.norm import (
     rms_norm_ref,
     rms_norm_triton,
 )
+from specsched.kernels.testing import interpreted_results, run_jobs
 from specsched.kernels.triton_utils import diff_stats, is_interpreted
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -106,27 +102,12 @@ def run_empty() -> dict:
 def interpreted_main() -> None:
     jobs = {name: (lambda c=case: run_case(*c)) for name, case in CASES.items()}
     jobs["empty"] = run_empty
-    results: dict[str, dict] = {"_interpreted": {"value": is_interpreted()}}
-    t0 = time.perf_counter()
-    for name, job in jobs.items():
-        try:
-            results[name] = job()
-        except Exception:  # reported to the parent test, which fails on it
-            results[name] = {"error": traceback.format_exc()}
-    results["_seconds"] = {"value": time.perf_counter() - t0}
-    print(json.dumps(results))
+    run_jobs(jobs)
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--interpreted"], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert results["_interpreted"]["value"], "the subprocess did not run Triton in interpreter mode"
-    return results
+    return interpreted_results(__file__)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -8,17 +8,13 @@ NaN first, so slots the kernel must not write stay NaN and unwritten slots show 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import time
-import traceback
 
 import pytest
 import torch
 
 from specsched.kernels.rotary import rotary_store_kv, rotary_store_kv_ref, rotary_store_kv_triton
+from specsched.kernels.testing import interpreted_results, run_jobs
 from specsched.kernels.triton_utils import diff_stats, is_interpreted
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -138,27 +134,12 @@ def run_negative_slot_case() -> dict:
 def interpreted_main() -> None:
     jobs = {name: (lambda c=case: run_case(*c)) for name, case in CASES.items()}
     jobs |= {"graph_padding": run_graph_padding_case, "negative_slot": run_negative_slot_case}
-    results: dict[str, dict] = {"_interpreted": {"value": is_interpreted()}}
-    t0 = time.perf_counter()
-    for name, job in jobs.items():
-        try:
-            results[name] = job()
-        except Exception:  # reported to the parent test, which fails on it
-            results[name] = {"error": traceback.format_exc()}
-    results["_seconds"] = {"value": time.perf_counter() - t0}
-    print(json.dumps(results))
+    run_jobs(jobs)
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--interpreted"], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert results["_interpreted"]["value"], "the subprocess did not run Triton in interpreter mode"
-    return results
+    return interpreted_results(__file__)
 
 
 def assert_bit_equal(r: dict, num_tokens: int) -> None:

@@ -8,13 +8,8 @@ capture/replay with new metadata contents.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
 import sys
-import time
-import traceback
 
 import pytest
 import torch
@@ -23,6 +18,7 @@ import triton.language as tl
 
 from specsched.kernels.attention import paged_attention_torch, store_kv
 from specsched.kernels.metadata import AttentionMetadata, build_metadata
+from specsched.kernels.testing import interpreted_results, run_jobs
 from specsched.kernels.triton_attention import (
     LaunchConfig,
     is_interpreted,
@@ -187,7 +183,7 @@ def interpreter_defect() -> str | None:
 
 def interpreted_main() -> None:
     if (defect := interpreter_defect()) is not None:
-        print(json.dumps({"_interpreted": {"value": is_interpreted()}, "_defect": {"reason": defect}}))
+        run_jobs({}, header={"_defect": {"reason": defect}})
         return
     jobs = {name: (lambda c=case: run_case(*c)) for name, case in CASES.items()}
     jobs |= {
@@ -196,26 +192,12 @@ def interpreted_main() -> None:
         "strided_q": run_strided_q_case,
         "store_kv": run_store_kv_case,
     }
-    results: dict[str, dict] = {"_interpreted": {"value": is_interpreted()}}
-    t0 = time.perf_counter()
-    for name, job in jobs.items():
-        try:
-            results[name] = job()
-        except Exception:  # reported to the parent test, which fails on it
-            results[name] = {"error": traceback.format_exc()}
-    results["_seconds"] = {"value": time.perf_counter() - t0}
-    print(json.dumps(results))
+    run_jobs(jobs)
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--interpreted"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert results["_interpreted"]["value"], "the subprocess did not run Triton in interpreter mode"
+    results = interpreted_results(__file__, timeout_s=600)
     if "_defect" in results:
         pytest.skip(results["_defect"]["reason"])
     return results

@@ -1,0 +1,53 @@
+"""What the kernel tests share: running Triton kernels under the interpreter in a subprocess.
+
+``TRITON_INTERPRET`` is read when triton is imported, so a test module that also runs compiled
+kernels on the GPU re-runs itself as ``python <test file> --interpreted`` with the variable set:
+there :func:`run_jobs` runs each case and prints every result as one JSON line, and the test process
+reads them back with :func:`interpreted_results` (a pytest fixture per module, one subprocess).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+from specsched.kernels.triton_utils import is_interpreted
+
+
+def run_jobs(jobs: dict[str, Callable[[], dict]], header: dict[str, dict] | None = None) -> None:
+    """Subprocess side: run each job; print ``{name: result}`` as one JSON line. A job that raises
+    records its traceback as ``{"error": ...}`` (the test of that name fails on it) and the rest
+    still run. ``header`` entries (e.g. ``_defect``) are printed with the results."""
+    results: dict[str, dict] = {"_interpreted": {"value": is_interpreted()}, **(header or {})}
+    t0 = time.perf_counter()
+    for name, job in jobs.items():
+        try:
+            results[name] = job()
+        except Exception:  # reported to the parent test, which fails on it
+            results[name] = {"error": traceback.format_exc()}
+    results["_seconds"] = {"value": time.perf_counter() - t0}
+    print(json.dumps(results))
+
+
+def interpreted_results(test_file: str, timeout_s: float = 300.0) -> dict[str, dict]:
+    """Test side: run ``test_file --interpreted`` with ``TRITON_INTERPRET=1``; its results by name.
+    Raises ``AssertionError`` when the subprocess fails or did not run Triton interpreted."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, test_file, "--interpreted"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"{test_file} --interpreted failed:\n{proc.stderr[-4000:]}")
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not results["_interpreted"]["value"]:
+        raise AssertionError("the subprocess did not run Triton in interpreter mode")
+    return results
