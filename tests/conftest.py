@@ -163,3 +163,37 @@ def smollm2(smollm2_path, smollm2_cache_dir):
         cache_dir=str(smollm2_cache_dir),
     )
     return load_model(cfg, progress=False)
+
+
+@pytest.fixture
+def decoding_batch() -> Callable:
+    """``decoding_batch(model, kv, rng, num, max_k=5, max_len=40, block=4) -> (requests, proposals)``:
+    requests whose prompts are prefilled into ``kv`` (all but the last token, blocks drawn at random
+    from the pool, block 0 left as the pad block) and ragged random drafts (0 and ``max_k`` included),
+    on the model's device. For the graph runner and graph scorer tests."""
+    import random
+
+    from specsched.daemon.request import Request, SamplingParams
+    from specsched.kernels.metadata import build_metadata
+    from specsched.proposers.base import Proposals
+
+    def make(model, kv, rng: random.Random, num: int, max_k: int = 5, max_len: int = 40, block: int = 4):
+        vocab, device = model.cfg.vocab_size, model.lm_head.weight.device
+        free = list(range(1, kv[0][0].shape[0]))
+        rng.shuffle(free)
+        reqs, drafts = [], []
+        for i in range(num):
+            n = rng.randint(2, max_len)
+            k = rng.choice([0, max_k, rng.randint(0, max_k)])
+            prompt = [rng.randrange(vocab) for _ in range(n)]
+            table = [free.pop() for _ in range(-(-(n + k) // block))]
+            r = Request(f"r{i}", prompt, SamplingParams(), block_table=table)
+            meta = build_metadata([n - 1], [n - 1], [r.block_table], block, device)
+            with torch.inference_mode():
+                model(torch.tensor(prompt[:-1], device=device), torch.arange(n - 1, device=device), meta, kv)
+            r.num_computed = n - 1
+            reqs.append(r)
+            drafts.append([rng.randrange(vocab) for _ in range(k)])
+        return reqs, Proposals.from_lists(drafts, device)
+
+    return make

@@ -19,8 +19,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specsched.daemon.request import Request, SamplingParams
-from specsched.kernels.metadata import build_metadata
 from specsched.models.config import get_preset
 from specsched.models.cuda_graphs import GraphRunner
 from specsched.models.graph_buckets import (
@@ -32,7 +30,6 @@ from specsched.models.graph_buckets import (
     pad_inputs,
 )
 from specsched.models.llama import LlamaForCausalLM, init_random
-from specsched.proposers.base import Proposals
 from specsched.scorers.graph import GraphForward
 from specsched.scorers.inputs import chunk_host_inputs
 from specsched.scorers.metadata_gpu import pack_scoring_batch, scoring_host_inputs
@@ -43,28 +40,6 @@ WIDTH = 16  # captured block-table width
 
 def tiny_model(device: str = "cpu") -> LlamaForCausalLM:
     return init_random(LlamaForCausalLM(get_preset("tiny")).eval(), seed=0, std=0.1).to(device)
-
-
-def decoding_batch(model, kv, rng: random.Random, num: int, max_k: int = 5, max_len: int = 40):
-    """Requests prefilled into ``kv`` (all but the last token), with ragged drafts (0 included)."""
-    vocab, device = model.cfg.vocab_size, model.lm_head.weight.device
-    free = list(range(1, kv[0][0].shape[0]))
-    rng.shuffle(free)
-    reqs, drafts = [], []
-    for i in range(num):
-        n = rng.randint(2, max_len)
-        k = rng.choice([0, max_k, rng.randint(0, max_k)])
-        prompt = [rng.randrange(vocab) for _ in range(n)]
-        r = Request(
-            f"r{i}", prompt, SamplingParams(), block_table=[free.pop() for _ in range(-(-(n + k) // BLOCK))]
-        )
-        meta = build_metadata([n - 1], [n - 1], [r.block_table], BLOCK, device)
-        with torch.inference_mode():
-            model(torch.tensor(prompt[:-1], device=device), torch.arange(n - 1, device=device), meta, kv)
-        r.num_computed = n - 1
-        reqs.append(r)
-        drafts.append([rng.randrange(vocab) for _ in range(k)])
-    return reqs, Proposals.from_lists(drafts)
 
 
 def clone_kv(kv):
@@ -156,7 +131,7 @@ def test_host_padding_equals_device_reference(seed):
 @pytest.mark.parametrize("is_expanded", [False, True], ids=["mqa", "expanded"])
 @pytest.mark.parametrize("scatter", [False, True], ids=["host-drafts", "device-drafts"])
 @pytest.mark.parametrize("seed", range(3))
-def test_run_host_equals_eager_forward_with_padding(seed, scatter, is_expanded):
+def test_run_host_equals_eager_forward_with_padding(seed, scatter, is_expanded, decoding_batch):
     rng = random.Random(seed * 10 + scatter)
     model = tiny_model()
     kv = model.allocate_kv_cache(200, BLOCK)
@@ -185,7 +160,7 @@ def test_run_host_equals_eager_forward_with_padding(seed, scatter, is_expanded):
         torch.testing.assert_close(v[1:], rv[1:], atol=1e-5, rtol=1e-5)
 
 
-def test_replays_of_different_buckets_reuse_the_buffer_correctly():
+def test_replays_of_different_buckets_reuse_the_buffer_correctly(decoding_batch):
     """Buckets' layouts overlap in the one static buffer: a small batch after a large one must not
     read the large one's leftovers."""
     rng = random.Random(11)
@@ -206,7 +181,7 @@ def test_replays_of_different_buckets_reuse_the_buffer_correctly():
     assert runner.num_replays == 4 and runner.stats()["num_staging_waits"] == 0
 
 
-def test_run_host_outside_buckets_runs_eagerly_and_counts():
+def test_run_host_outside_buckets_runs_eagerly_and_counts(decoding_batch):
     rng = random.Random(4)
     model = tiny_model()
     kv = model.allocate_kv_cache(300, BLOCK)

@@ -24,7 +24,7 @@ from specsched.daemon.config import (
     SpecConfig,
 )
 from specsched.daemon.engine import Engine
-from specsched.daemon.request import Request, SamplingParams
+from specsched.daemon.request import SamplingParams
 from specsched.kernels.metadata import build_metadata
 from specsched.models.config import get_preset
 from specsched.models.cuda_graphs import GraphRunner
@@ -59,27 +59,6 @@ def tiny_model(device: str = "cpu", dtype: torch.dtype = torch.float32, preset: 
     return m
 
 
-def decoding_batch(model, kv, rng: random.Random, num: int, max_k: int = 5, max_len: int = 40):
-    """Requests whose prompts are prefilled into ``kv`` (all but the last token), ragged drafts."""
-    vocab, device = model.cfg.vocab_size, model.lm_head.weight.device
-    free = list(range(1, kv[0][0].shape[0]))
-    rng.shuffle(free)
-    reqs, drafts = [], []
-    for i in range(num):
-        n = rng.randint(2, max_len)
-        k = rng.choice([0, max_k, rng.randint(0, max_k)])
-        prompt = [rng.randrange(vocab) for _ in range(n)]
-        table = [free.pop() for _ in range(-(-(n + k) // BLOCK))]
-        r = Request(f"r{i}", prompt, SamplingParams(), block_table=table)
-        meta = build_metadata([n - 1], [n - 1], [r.block_table], BLOCK, device)
-        with torch.inference_mode():
-            model(torch.tensor(prompt[:-1], device=device), torch.arange(n - 1, device=device), meta, kv)
-        r.num_computed = n - 1
-        reqs.append(r)
-        drafts.append([rng.randrange(vocab) for _ in range(k)])
-    return reqs, Proposals.from_lists(drafts, device)
-
-
 def clone_kv(kv):
     return [(k.clone(), v.clone()) for k, v in kv]
 
@@ -111,7 +90,7 @@ def test_runner_needs_cuda_unless_emulated():
 # ---- runner: padded replay == eager ---------------------------------------------------------------
 @pytest.mark.parametrize("is_expanded", [False, True], ids=["mqa", "expanded"])
 @pytest.mark.parametrize("seed", range(3))
-def test_emulated_runner_equals_eager_forward(seed, is_expanded):
+def test_emulated_runner_equals_eager_forward(seed, is_expanded, decoding_batch):
     from specsched.scorers.inputs import build_scoring_inputs
 
     rng = random.Random(seed)
@@ -132,7 +111,7 @@ def test_emulated_runner_equals_eager_forward(seed, is_expanded):
         torch.testing.assert_close(v[1:], rv[1:], atol=1e-5, rtol=1e-5)
 
 
-def test_shapes_outside_the_buckets_run_eagerly_and_are_counted(caplog):
+def test_shapes_outside_the_buckets_run_eagerly_and_are_counted(caplog, decoding_batch):
     rng = random.Random(7)
     model = tiny_model()
     kv = model.allocate_kv_cache(300, BLOCK)
@@ -156,7 +135,7 @@ def test_shapes_outside_the_buckets_run_eagerly_and_are_counted(caplog):
 
 # ---- scorers ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", range(3))
-def test_emulated_graph_scorers_equal_eager_mqa(seed):
+def test_emulated_graph_scorers_equal_eager_mqa(seed, decoding_batch):
     rng = random.Random(100 + seed)
     model = tiny_model()
     kv = model.allocate_kv_cache(300, BLOCK)
@@ -287,7 +266,7 @@ no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @gpu
 @no_cuda
 @pytest.mark.parametrize("seed", range(2))
-def test_cuda_graph_scorers_vs_eager_mqa_bf16(seed):
+def test_cuda_graph_scorers_vs_eager_mqa_bf16(seed, decoding_batch):
     rng = random.Random(200 + seed)
     model = tiny_model("cuda", torch.bfloat16, preset="llama-68m")
     model.set_attn_backend("triton")
@@ -309,7 +288,7 @@ def test_cuda_graph_scorers_vs_eager_mqa_bf16(seed):
 
 @gpu
 @no_cuda
-def test_cuda_graph_fallback_outside_buckets_equals_eager():
+def test_cuda_graph_fallback_outside_buckets_equals_eager(decoding_batch):
     rng = random.Random(3)
     model = tiny_model("cuda", torch.float32)
     model.set_attn_backend("triton")
