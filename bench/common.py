@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specsched.daemon.components import EngineParts
-from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from specsched.daemon.engine import Engine
+from specsched.engine.components import EngineParts
+from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specsched.engine.engine import Engine
 from specsched.models.config import get_preset
 from specsched.models.llama import KVCache, LlamaForCausalLM, make_decisive, rope_inv_freq
 from specsched.models.loader import resolve_attn_backend

@@ -22,10 +22,10 @@ import sys
 import tempfile
 import time
 
-from specsched.daemon.client import AsyncClient, Client
-from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
-from specsched.daemon.engine import Engine
-from specsched.daemon.request import SamplingParams
+from specsched.client.sync_client import AsyncClient, Client
+from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
+from specsched.engine.engine import Engine
+from specsched.engine.request import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 

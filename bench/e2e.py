@@ -27,9 +27,9 @@ import torch
 
 from specsched.bench.common import EngineSpec, make_engine, sync
 from specsched.daemon.log import LogWriter
-from specsched.daemon.log_schema import LogConfig
-from specsched.daemon.records import StepRecord
-from specsched.daemon.request import SamplingParams
+from specsched.daemon.log_config import LogConfig
+from specsched.engine.records import StepRecord
+from specsched.engine.request import SamplingParams
 from specsched.policies.base import Policy
 from specsched.policies.fixed import FixedConfig, FixedPolicy
 from specsched.proposers.base import Proposer

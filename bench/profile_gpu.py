@@ -25,15 +25,16 @@ import torch
 
 from specsched.bench.common import EngineSpec, blocks_for, make_engine, median, random_model, time_ms
 from specsched.bench.scorers import shared_prefix_batch
-from specsched.daemon.config import NgramConfig
-from specsched.daemon.request import SamplingParams
+from specsched.engine.config import NgramConfig
+from specsched.engine.request import SamplingParams
 from specsched.kernels.metadata import build_metadata
 from specsched.models.cuda_graphs import GraphRunner
 from specsched.models.graph_buckets import decode_buckets
 from specsched.policies.fixed import FixedConfig, FixedPolicy
 from specsched.proposers.ngram import NgramProposer
 from specsched.proposers.none import NoProposer
-from specsched.scorers.graph import GraphConfig, GraphForward, build_graph_scorers
+from specsched.scorers.graph import GraphConfig, GraphForward
+from specsched.scorers.registry import build_scorers
 
 
 def kernel_profile(
@@ -74,7 +75,7 @@ def profile_scorers(top: int) -> None:
     num_blocks = 1 + shared + max_b * (-(-(max_ctx + max_k) // bs) - shared + 1)
     kv = model.allocate_kv_cache(num_blocks, bs)
     gcfg = GraphConfig(enabled=True, max_batch=max_b, max_k=max_k, max_model_len=max_ctx + max_k + 1)
-    scorers = build_graph_scorers(["batch_expansion", "mqa", "mqa_graph"], model, kv, bs, gcfg)
+    scorers = build_scorers(["batch_expansion", "mqa", "mqa_graph"], model, kv, bs, gcfg)
     for b, k, c in [(1, 3, 550), (64, 3, 2048)]:
         reqs, props, _ = shared_prefix_batch(b, k, c, bs, 1, model.cfg.vocab_size, 0, "cuda")
         for name, scorer in scorers.items():
@@ -109,7 +110,7 @@ def profile_draft(top: int) -> None:
 
 
 def profile_engine(top: int, tokens: int) -> None:
-    from specsched.daemon.config import ModelConfig
+    from specsched.engine.config import ModelConfig
     from specsched.models.loader import load_model
 
     loaded = load_model(ModelConfig(source="smollm2-135m", device="cuda", dtype="bfloat16"))
@@ -117,7 +118,7 @@ def profile_engine(top: int, tokens: int) -> None:
     num_blocks = blocks_for(1, max_len, bs)
     kv = model.allocate_kv_cache(num_blocks, bs)
     gcfg = GraphConfig(enabled=True, max_batch=4, max_k=max_k, max_model_len=max_len)
-    scorers = build_graph_scorers(["batch_expansion", "mqa_graph"], model, kv, bs, gcfg)
+    scorers = build_scorers(["batch_expansion", "mqa_graph"], model, kv, bs, gcfg)
     spec = EngineSpec(model, kv, num_blocks, bs, scorers, 4, max_k, max_len, [2], None, "smollm2-135m")
     prompt = [[5, 6, 7, 8, 9, 10, 11, 12] * 8]
     for label, k, proposer in [("non-spec", 0, "none"), ("ngram fixed k=3 mqa_graph", 3, "ngram")]:

@@ -21,7 +21,7 @@ shift $(( $# > 0 ? 1 : 0 ))
 # must not be pip-installed there: a namespace folder of symlinks makes `import specsched.x` work.
 NS=/tmp/specsched-ns
 rm -rf "$NS" && mkdir -p "$NS/specsched"
-for d in daemon models kernels proposers scorers policies bench conf; do ln -s "$PWD/$d" "$NS/specsched/$d"; done
+for d in engine daemon client models kernels proposers scorers policies bench conf; do ln -s "$PWD/$d" "$NS/specsched/$d"; done
 export PYTHONPATH=/tmp/site:$NS:$PWD
 export PYTHONUNBUFFERED=1
 
@@ -55,7 +55,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 step test_kernels 150 python3 -m pytest -m gpu -q -rA -s tests/kernels/ || true
 step test_scorers 110 python3 -m pytest -m gpu -x -q -rA -s tests/scorers/ || true
 step test_other_gpu 60 python3 -m pytest -m gpu -q -rA --continue-on-collection-errors \
-  tests/models tests/proposers tests/policies tests/daemon/test_engine_timer.py || true
+  tests/models tests/proposers tests/policies tests/engine || true
 fi
 [ "${SKIP_BENCH:-0}" = 1 ] && { cat "$OUT/summary.txt"; exit 0; }
 

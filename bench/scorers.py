@@ -24,12 +24,13 @@ from specsched.bench.common import (
     sync,
     time_ms,
 )
-from specsched.daemon.request import Request, SamplingParams
+from specsched.engine.request import Request, SamplingParams
 from specsched.kernels.metadata import build_metadata
 from specsched.models.cuda_graphs import GraphRunner
 from specsched.models.graph_buckets import decode_buckets
 from specsched.proposers.base import Proposals
-from specsched.scorers.graph import GraphForward, build_graph_scorers, graph_runners_of
+from specsched.scorers.graph import GraphForward, graph_runners_of
+from specsched.scorers.registry import build_scorers
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def run_scorer_bench(
     num_blocks = 1 + shared + max_b * (-(-(max_ctx + max_k) // block_size) - shared + 1)
     kv = model.allocate_kv_cache(num_blocks, block_size)
     gcfg = graph_config(graphs_cfg, max_b, max_k, max_ctx + max_k + 1)
-    scorers = build_graph_scorers(list(cfg.scorers), model, kv, block_size, gcfg)
+    scorers = build_scorers(list(cfg.scorers), model, kv, block_size, gcfg)
     runners = graph_runners_of(scorers)
     rows: list[ScorerRow] = []
     for b, k, c in shapes:

@@ -45,8 +45,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specsched.daemon.components import build_parts
-from specsched.daemon.config import (
+from specsched.engine.components import build_parts
+from specsched.engine.config import (
     CacheConfig,
     DraftConfig,
     EngineConfig,
@@ -54,11 +54,12 @@ from specsched.daemon.config import (
     SchedulerConfig,
     SpecConfig,
 )
-from specsched.daemon.engine import Engine
-from specsched.daemon.records import StepRecord
-from specsched.daemon.request import Request, SamplingParams
+from specsched.engine.engine import Engine
+from specsched.engine.records import StepRecord
+from specsched.engine.request import Request, SamplingParams
 from specsched.policies.cost_model import CostModels
-from specsched.scorers.graph import GraphConfig, attach_draft_graphs, build_graph_scorers, graph_buckets_of
+from specsched.scorers.graph import GraphConfig, attach_draft_graphs, graph_buckets_of
+from specsched.scorers.registry import build_scorers
 
 CONFIGS = {  # name -> (proposer, policy, label)
     "none": ("none", {"name": "fixed", "k": 0, "scorer": "batch_expansion"}, "proposer=none (k=0)"),
@@ -238,7 +239,7 @@ def build_engine(source: str, name: str, graphs: str) -> Engine:
     parts = build_parts(cfg)
     if graphs == "emulate":
         gcfg = GraphConfig(max_batch=64, max_k=8, max_model_len=2048, emulate=True, progress=False)
-        parts.scorers = build_graph_scorers(cfg.spec.scorers, parts.model, parts.kv_cache, 16, gcfg)
+        parts.scorers = build_scorers(cfg.spec.scorers, parts.model, parts.kv_cache, 16, gcfg)
         if "draft" in parts.proposers:  # the draft's single-token steps on (emulated) graphs too
             attach_draft_graphs(parts.proposers["draft"], gcfg, 16)
         parts.costs = CostModels(graph_buckets_of(parts.scorers), device="cpu")

@@ -9,11 +9,12 @@ import torch
 from specsched.bench.common import EngineSpec, blocks_for, graph_config, random_model, random_prompts
 from specsched.bench.e2e import E2ERow, RunConfig, baseline_run, policy_configs, run_grid
 from specsched.bench.prompts import chat_prompts
-from specsched.daemon.config import ModelConfig, NgramConfig
+from specsched.engine.config import ModelConfig, NgramConfig
 from specsched.proposers.draft import DraftModelProposer
 from specsched.proposers.none import NoProposer
 from specsched.proposers.synthetic import SyntheticProposer, attach_oracle
-from specsched.scorers.graph import attach_draft_graphs, build_graph_scorers
+from specsched.scorers.graph import attach_draft_graphs
+from specsched.scorers.registry import build_scorers
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def run_synthetic_suite(
     num_blocks = blocks_for(max_b, max_len, block_size)
     kv = target.allocate_kv_cache(num_blocks, block_size)
     gcfg = graph_config(graphs_cfg, max_b, cfg.max_k, max_len)
-    scorers = build_graph_scorers(list(cfg.scorers), target, kv, block_size, gcfg)
+    scorers = build_scorers(list(cfg.scorers), target, kv, block_size, gcfg)
     draft_prop = DraftModelProposer(draft, draft.allocate_kv_cache(num_blocks, block_size), block_size)
     attach_draft_graphs(draft_prop, gcfg, block_size)
     spec = EngineSpec(
@@ -93,7 +94,7 @@ def run_real_suite(
     num_blocks = blocks_for(max_b, max_len, block_size)
     kv = model.allocate_kv_cache(num_blocks, block_size)
     gcfg = graph_config(graphs_cfg, max_b, cfg.max_k, max_len)
-    scorers = build_graph_scorers(list(cfg.scorers), model, kv, block_size, gcfg)
+    scorers = build_scorers(list(cfg.scorers), model, kv, block_size, gcfg)
     eos = list(loaded.llama_config.eos_token_ids)
     spec = EngineSpec(model, kv, num_blocks, block_size, scorers, max_b, cfg.max_k, max_len, eos,
                       loaded.tokenizer, loaded.name)  # fmt: skip

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from specsched.daemon.commands import Admit
 from specsched.daemon.messages import ErrorCode, Generate, ProtocolError
-from specsched.daemon.request import Request, SamplingParams, SpecParams
+from specsched.engine.request import Request, SamplingParams, SpecParams
 
 
 def request_key(client: bytes, request_id: str) -> str:

@@ -1,5 +1,5 @@
 """The hydra config schemas of the console entry points (cli.py), and the one mapping from them onto
-the engine's :class:`~specsched.daemon.config.EngineConfig`.
+the engine's :class:`~specsched.engine.config.EngineConfig`.
 
 Configs live in ``conf/`` (installed as ``specsched.conf``); the dataclass schemas below are registered
 in hydra's ConfigStore (:func:`register_configs`), so a mistyped override fails at start with hydra's
@@ -15,7 +15,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from specsched.daemon.config import (
+from specsched.daemon.limits import DaemonConfig
+from specsched.daemon.log_config import LogConfig
+from specsched.engine.config import (
     CacheConfig,
     DraftConfig,
     EngineConfig,
@@ -24,8 +26,6 @@ from specsched.daemon.config import (
     SchedulerConfig,
     SpecConfig,
 )
-from specsched.daemon.limits import DaemonConfig
-from specsched.daemon.log_schema import LogConfig
 
 
 @dataclass

@@ -4,7 +4,7 @@ in process, streamed to the terminal, then a summary of the per-step decisions).
 Configs live in ``conf/`` (installed as ``specsched.conf``); their dataclass schemas, registered in
 hydra's ConfigStore so that a mistyped override fails at start with hydra's own message, are in
 app_config.py (re-exported here); the entry points turn the composed config into those dataclasses and
-map them onto :class:`~specsched.daemon.config.EngineConfig` in :func:`to_engine_config`; no DictConfig
+map them onto :class:`~specsched.engine.config.EngineConfig` in :func:`to_engine_config`; no DictConfig
 goes further.
 """
 
@@ -29,10 +29,10 @@ from specsched.daemon.app_config import (
     to_engine_config,
 )
 from specsched.daemon.log import LogFormatError, LogWriter
-from specsched.daemon.records import StepRecord
 from specsched.daemon.server import Server
-from specsched.daemon.settings import load_settings
 from specsched.daemon.summary import StepSummary, summarize_steps
+from specsched.engine.records import StepRecord
+from specsched.engine.settings import load_settings
 
 CONFIG_PATH = "pkg://specsched.conf"
 logger = logging.getLogger("specsched")
@@ -89,7 +89,7 @@ def _open_log(app: AppConfig, cfg: DictConfig, engine) -> LogWriter | None:
 
 def _serve(cfg: DictConfig) -> None:
     app = _setup(cfg)
-    from specsched.daemon.engine import Engine
+    from specsched.engine.engine import Engine
 
     engine = Engine.from_config(to_engine_config(app))
     log = _open_log(app, cfg, engine)
@@ -103,8 +103,8 @@ def _serve(cfg: DictConfig) -> None:
 def _generate(cfg: DictConfig) -> None:
     app = _setup(cfg)
     assert isinstance(app, GenerateConfig)
-    from specsched.daemon.engine import Engine
-    from specsched.daemon.request import Request, SamplingParams
+    from specsched.engine.engine import Engine
+    from specsched.engine.request import Request, SamplingParams
     from specsched.models.tokenizer import IncrementalDetokenizer
 
     engine = Engine.from_config(to_engine_config(app))

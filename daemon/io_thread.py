@@ -18,12 +18,14 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import zmq
 
 from specsched.daemon.admission import early_rejection
 from specsched.daemon.commands import Admit, CancelRequest, DropClient
+from specsched.daemon.limits import DaemonConfig
+from specsched.daemon.log import LogWriter
 from specsched.daemon.protocol import (
     Cancel,
     Done,
@@ -31,6 +33,7 @@ from specsched.daemon.protocol import (
     ErrorCode,
     Generate,
     Health,
+    HealthReply,
     Message,
     ProtocolError,
     Stats,
@@ -38,12 +41,26 @@ from specsched.daemon.protocol import (
     decode,
     encode,
 )
-from specsched.daemon.stats import rss_bytes
-
-if TYPE_CHECKING:
-    from specsched.daemon.server import Server
+from specsched.engine.stats import rss_bytes
 
 logger = logging.getLogger(__name__)
+
+
+class ServerView(Protocol):
+    """What the IO thread reads from the server that owns it (server.Server implements it): the
+    config, replies and counters it completes, the shutdown flag, and the shutdown request."""
+
+    cfg: DaemonConfig
+    log: LogWriter | None
+    stats_snapshot: StatsReply  # the engine thread's latest
+    is_shutting_down: bool
+    num_auth_denied: int
+    uptime_s: float
+    max_queue: int
+
+    def health_reply(self, request_id: str | None) -> HealthReply: ...
+
+    def request_shutdown(self, grace_s: float | None = None) -> None: ...
 
 
 class IOThread:
@@ -52,7 +69,7 @@ class IOThread:
 
     def __init__(
         self,
-        server: Server,
+        server: ServerView,
         router: zmq.Socket,
         wake_rx: zmq.Socket,
         inbox: queue.Queue,

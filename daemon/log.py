@@ -15,18 +15,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specsched.daemon.log_schema import (
+from specsched.daemon.log_config import LogConfig
+from specsched.daemon.log_store import LogStore
+from specsched.engine.log_schema import (
     SCHEMA_SQL,
     SCHEMA_VERSION,
     STEP_FIELDS,
     STEP_REQUEST_FIELDS,
-    LogConfig,
     LogFormatError,
     open_log,
     to_json,
 )
-from specsched.daemon.log_store import LogStore
-from specsched.daemon.records import StepRecord
+from specsched.engine.records import StepRecord
 
 logger = logging.getLogger(__name__)
 __all__ = [

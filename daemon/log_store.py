@@ -13,15 +13,15 @@ from collections.abc import Callable
 
 import sqlite_utils
 
-from specsched.daemon.log_schema import (
+from specsched.daemon.log_config import LogConfig
+from specsched.engine.log_schema import (
     SCHEMA_SQL,
     SCHEMA_VERSION,
-    LogConfig,
     LogFormatError,
     check_schema,
     step_rows,
 )
-from specsched.daemon.records import StepRecord
+from specsched.engine.records import StepRecord
 
 logger = logging.getLogger("specsched.daemon.log")  # one logger name for the whole decision log
 

@@ -21,10 +21,11 @@ from collections.abc import Callable
 from specsched.daemon.admission import build_request, engine_error, request_key
 from specsched.daemon.commands import Admit, CancelRequest, Command, DropClient, Shutdown
 from specsched.daemon.messages import Chunk, Error, ErrorCode, Message, ProtocolError, StatsReply
-from specsched.daemon.records import RequestOutput, StepRecord
-from specsched.daemon.request import FinishReason
 from specsched.daemon.request_stream import RequestStream
-from specsched.daemon.stats import EngineStats, engine_counters
+from specsched.daemon.stats_reply import engine_counters, proposer_stats, scorer_stats
+from specsched.engine.records import RequestOutput, StepRecord
+from specsched.engine.request import FinishReason
+from specsched.engine.stats import EngineStats
 from specsched.models.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,8 @@ class Serving:
             num_requests_aborted=c["aborted"],
             num_requests_errored=c["errored"],
             num_requests_rejected=c["rejected"],
-            proposers=self.step_stats.proposer_stats(),
-            scorers=self.step_stats.scorer_stats(),
+            proposers=proposer_stats(self.step_stats),
+            scorers=scorer_stats(self.step_stats),
             engine=engine_counters(e),
             num_requests_timed_out=c["timed_out"],
             num_preemptions=int(getattr(getattr(e, "scheduler", None), "num_preemptions", 0)),

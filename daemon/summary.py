@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from specsched.daemon.records import StepRecord
+from specsched.engine.records import StepRecord
 
 
 @dataclass

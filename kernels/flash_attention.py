@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specsched.kernels.attention import check_attention_args
-from specsched.kernels.metadata import AttentionMetadata
+from specsched.kernels.metadata import AttentionMetadata, check_attention_args
 
 try:
     from flash_attn import flash_attn_varlen_func

@@ -126,3 +126,24 @@ def build_metadata(
         cu, k, tables, torch.from_numpy(slots).to(device, non_blocking=True),
         max_q=int(np.diff(cu).max(initial=0)), max_k=int(k.max(initial=0)), device=device,
     )  # fmt: skip
+
+
+def check_attention_args(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """Shape/dtype checks shared by every backend's wrapper."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache must both be [num_blocks, block_size, kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if q.shape[-1] != k_cache.shape[-1]:
+        raise ValueError(f"head_dim differs: q {q.shape[-1]}, cache {k_cache.shape[-1]}")
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of kv_heads {k_cache.shape[2]}")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"dtype differs: q {q.dtype}, cache {k_cache.dtype}")
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens, metadata {meta.num_tokens}")

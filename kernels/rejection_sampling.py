@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specsched.daemon.request import SamplingParams
+from specsched.engine.request import SamplingParams
 from specsched.kernels.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from specsched.proposers.base import Proposals
 

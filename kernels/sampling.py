@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specsched.daemon.request import SamplingParams
+from specsched.engine.request import SamplingParams
 
 
 @dataclass

@@ -33,8 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from specsched.kernels.attention import check_attention_args
-from specsched.kernels.metadata import AttentionMetadata
+from specsched.kernels.metadata import AttentionMetadata, check_attention_args
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specsched.daemon.config import ModelConfig
+from specsched.engine.config import ModelConfig
 from specsched.models.config import PRESETS, LlamaConfig, get_preset
 from specsched.models.convert import META_FILE, WEIGHTS_FILE, convert_bin_folder, convert_gguf, no_bar
 from specsched.models.hf_config import llama_config_from_hf
@@ -54,8 +54,8 @@ class LoadedModel:
 
 
 def default_cache_dir() -> Path:
-    """``SPECSCHED_CACHE_DIR`` (via :mod:`specsched.daemon.settings`), else ``~/.cache/specsched``."""
-    from specsched.daemon.settings import load_settings
+    """``SPECSCHED_CACHE_DIR`` (via :mod:`specsched.engine.settings`), else ``~/.cache/specsched``."""
+    from specsched.engine.settings import load_settings
 
     return Path(load_settings().cache_dir)
 

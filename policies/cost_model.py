@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specsched.daemon.records import StepRecord
+from specsched.engine.records import StepRecord
 from specsched.policies.rls import OnlineLinearModel
 from specsched.policies.shapes import (
     EXPANSION_SCORERS,

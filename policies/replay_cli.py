@@ -21,7 +21,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from specsched.daemon.log import LogFormatError
+from specsched.engine.log_schema import LogFormatError
 from specsched.policies.registry import build_policy
 from specsched.policies.replay import PolicyResult, ReplayOptions, ReplayReport, replay
 from specsched.policies.replay_log import ReplayError, load_run

@@ -24,9 +24,9 @@ import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from specsched.daemon.config import SchedulerConfig, SpecConfig
-from specsched.daemon.log import SCHEMA_VERSION, LogFormatError, open_log
-from specsched.daemon.records import StepRecord, StepRequestRecord
+from specsched.engine.config import SchedulerConfig, SpecConfig
+from specsched.engine.log_schema import SCHEMA_VERSION, LogFormatError, open_log
+from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.policies.registry import POLICIES
 
 PRIOR_STRENGTH = 2.0  # pseudo-observations of the run mean in a request's imputation rate

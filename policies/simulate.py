@@ -1,6 +1,6 @@
 """Run a policy for hundreds of decode steps on a modelled machine, on CPU, in well under a second.
 
-The loop feeds the policy exactly as :class:`specsched.daemon.engine.Engine` does: each step it
+The loop feeds the policy exactly as :class:`specsched.engine.engine.Engine` does: each step it
 builds the :class:`BatchView` (context lengths, each request's ``max_k``, the
 :class:`AcceptanceEstimator`'s mean and std, last k and accepted), calls ``decide(view, costs)``,
 draws the acceptance walk, "measures" the step on the :class:`~specsched.policies.sim_machine.Machine`
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specsched.daemon.records import StepRecord, StepRequestRecord
+from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.policies.acceptance import AcceptanceEstimator, expected_tokens
 from specsched.policies.base import BatchView, Policy, RequestView
 from specsched.policies.cost_model import CostModels

@@ -9,7 +9,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from specsched.daemon.request import Request
+from specsched.engine.request import Request
 
 
 @dataclass

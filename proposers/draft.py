@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specsched.daemon.request import Request
+from specsched.engine.request import Request
 from specsched.kernels.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from specsched.models.graph_buckets import HostInputs
 from specsched.models.llama import KVCache, LlamaForCausalLM

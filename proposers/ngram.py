@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specsched.daemon.config import NgramConfig
-from specsched.daemon.request import Request
+from specsched.engine.config import NgramConfig
+from specsched.engine.request import Request
 from specsched.proposers.base import Proposals, Proposer, ProposerPeek
 
 

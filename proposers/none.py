@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specsched.daemon.request import Request
+from specsched.engine.request import Request
 from specsched.proposers.base import Proposals, Proposer, ProposerPeek
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specsched.daemon.config import SpecConfig
+from specsched.engine.config import SpecConfig
 from specsched.models.llama import LlamaForCausalLM
 from specsched.proposers.base import Proposer
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 
-from specsched.daemon.request import Request
+from specsched.engine.request import Request
 from specsched.models.llama import LlamaForCausalLM
 from specsched.proposers.base import Proposals, Proposer, ProposerPeek
 

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from specsched.daemon.request import Request
+from specsched.engine.request import Request
 from specsched.proposers.base import Proposals
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specsched.daemon.request import Request
+from specsched.engine.request import Request
 from specsched.models.llama import KVCache, LlamaForCausalLM
 from specsched.proposers.base import Proposals
 from specsched.scorers.base import Scorer

@@ -9,8 +9,8 @@ one set of static buffers); inputs are built on the host by ``metadata_gpu`` and
 copy into the runner's static buffer. A shape outside the buckets runs eagerly, logged and counted by
 the runner.
 
-:func:`build_graph_scorers` is the registry hook; without CUDA (or with graphs off) it builds the
-eager scorers, and ``mqa_graph`` falls back to the eager MQA scorer with one warning.
+:func:`build_graph_scorers` builds them when graphs are usable (the registry's ``build_scorers``
+decides; without CUDA, or with graphs off, it builds the eager scorers instead).
 :func:`attach_draft_graphs` gives a draft-model proposer graph-replayed single-token steps.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specsched.daemon.request import Request
+from specsched.engine.request import Request
 from specsched.kernels.metadata import AttentionMetadata
 from specsched.models.cuda_graphs import GraphRunner
 from specsched.models.graph_buckets import HostInputs, decode_buckets, mqa_buckets
@@ -29,10 +29,9 @@ from specsched.models.llama import KVCache, LlamaForCausalLM
 from specsched.proposers.base import Proposals, Proposer
 from specsched.scorers.base import Scorer
 from specsched.scorers.metadata_gpu import pack_scoring_batch, scoring_host_inputs
+from specsched.scorers.mqa import MQAScorer
 
 logger = logging.getLogger(__name__)
-
-SCORER_NAMES = ("batch_expansion", "mqa", "mqa_graph")
 
 
 @dataclass
@@ -113,12 +112,6 @@ class MQAGraphScorer(GraphScorer):
     is_expanded = False
 
 
-def check_scorer_names(names: list[str]) -> None:
-    unknown = [n for n in names if n not in SCORER_NAMES]
-    if unknown:
-        raise ValueError(f"unknown scorer {unknown[0]!r}; known: {', '.join(SCORER_NAMES)}")
-
-
 def build_target_runner(
     names: list[str], model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, cfg: GraphConfig
 ) -> GraphRunner:
@@ -135,25 +128,13 @@ def build_target_runner(
 
 
 def build_graph_scorers(
-    names: list[str], model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, cfg: GraphConfig | None
+    names: list[str], model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, cfg: GraphConfig
 ) -> dict[str, Scorer]:
-    """The named scorers; ``batch_expansion``/``mqa_graph`` on CUDA graphs when ``cfg`` allows."""
-    from specsched.scorers.mqa import MQAScorer
-    from specsched.scorers.registry import SCORERS  # the eager classes, by name
-
-    check_scorer_names(names)
-    cfg = cfg or GraphConfig(enabled=False)
-    device = model.lm_head.weight.device
-    out: dict[str, Scorer] = {}
-    if not cfg.uses_graphs(device):
-        for n in names:
-            if n == "mqa_graph":
-                why = "CUDA graphs are disabled" if not cfg.enabled else f"the model is on {device}, not CUDA"
-                logger.warning("scorer mqa_graph: %s; it runs as the eager MQA scorer", why)
-            out[n] = SCORERS[n](model, kv_cache, block_size)
-        return out
+    """The named scorers with ``batch_expansion``/``mqa_graph`` on CUDA graphs (``cfg`` allows them:
+    :func:`specsched.scorers.registry.build_scorers` checks); ``mqa`` stays eager."""
     graph_names = [n for n in names if n != "mqa"]
     runner = build_target_runner(graph_names, model, kv_cache, block_size, cfg) if graph_names else None
+    out: dict[str, Scorer] = {}
     for n in names:
         if n == "batch_expansion":
             out[n] = GraphBatchExpansionScorer(runner, block_size)

@@ -16,7 +16,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from specsched.daemon.request import Request
+from specsched.engine.request import Request
 from specsched.kernels.metadata import AttentionMetadata, build_metadata, host_metadata
 from specsched.models.graph_buckets import HostInputs
 from specsched.proposers.base import Proposals

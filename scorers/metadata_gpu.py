@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specsched.daemon.request import Request
+from specsched.engine.request import Request
 from specsched.kernels.metadata import pad_block_tables
 from specsched.models.graph_buckets import HostInputs
 from specsched.proposers.base import Proposals

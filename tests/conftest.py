@@ -152,7 +152,7 @@ def smollm2_cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path, smollm2_cache_dir):
     """SmolLM2-135M-Instruct as a LoadedModel (float32, CPU, torch attention), converted once."""
-    from specsched.daemon.config import ModelConfig
+    from specsched.engine.config import ModelConfig
     from specsched.models.loader import load_model
 
     cfg = ModelConfig(
@@ -173,7 +173,7 @@ def decoding_batch() -> Callable:
     on the model's device. For the graph runner and graph scorer tests."""
     import random
 
-    from specsched.daemon.request import Request, SamplingParams
+    from specsched.engine.request import Request, SamplingParams
     from specsched.kernels.metadata import build_metadata
     from specsched.proposers.base import Proposals
 

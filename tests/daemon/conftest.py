@@ -30,8 +30,8 @@ LAUNCHER = """
 import json, logging, sys
 import torch
 torch.set_num_threads(1)
-from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from specsched.daemon.engine import Engine
+from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specsched.engine.engine import Engine
 from specsched.daemon.server import DaemonConfig, Server
 spec = json.loads(sys.argv[1])
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

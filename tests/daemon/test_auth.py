@@ -14,6 +14,7 @@ import msgpack
 import pytest
 import zmq
 
+from specsched.client.sync_client import AuthenticationFailed, Client
 from specsched.daemon.auth import (
     CurveKeys,
     KeyPair,
@@ -26,7 +27,6 @@ from specsched.daemon.auth import (
     read_public_key,
     write_key_pair,
 )
-from specsched.daemon.client import AuthenticationFailed, Client
 from specsched.daemon.limits import DaemonConfig
 
 

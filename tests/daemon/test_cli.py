@@ -20,9 +20,9 @@ from specsched.daemon.cli import (
     summarize_steps,
     to_engine_config,
 )
-from specsched.daemon.config import EngineConfig
 from specsched.daemon.log import open_log
-from specsched.daemon.records import StepRecord, StepRequestRecord
+from specsched.engine.config import EngineConfig
+from specsched.engine.records import StepRecord, StepRequestRecord
 
 BIN = os.path.dirname(sys.executable)
 TINY = ["model=tiny", "cache.num_blocks=64", "model.device=cpu"]
@@ -236,8 +236,8 @@ def test_summarize_steps():
 
 @pytest.mark.slow
 def test_generate_end_to_end(tmp_path):
-    from specsched.daemon.engine import Engine
-    from specsched.daemon.request import SamplingParams
+    from specsched.engine.engine import Engine
+    from specsched.engine.request import SamplingParams
 
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
     overrides = [*TINY, f"prompt_ids=[{','.join(map(str, prompt))}]", "max_tokens=16", "log.path=g.sqlite"]

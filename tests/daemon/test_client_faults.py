@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import zmq
 
-from specsched.daemon.client import AsyncClient, Client, ConnectionLost, DuplicateId, RequestTimeout
+from specsched.client.sync_client import AsyncClient, Client, ConnectionLost, DuplicateId, RequestTimeout
 
 LONG = 1500
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from specsched.daemon.client import (
+from specsched.client.sync_client import (
     AsyncClient,
     Client,
     Completion,
@@ -28,8 +28,8 @@ LONG = 1500  # max_tokens for requests that are cancelled / abandoned long befor
 @pytest.fixture(scope="module")
 def reference_engine(tiny_daemon):
     """An in-process engine with exactly the daemon's engine config."""
-    from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-    from specsched.daemon.engine import Engine
+    from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+    from specsched.engine.engine import Engine
 
     o = tiny_daemon.options
     cfg = EngineConfig(
@@ -46,7 +46,7 @@ def greedy(engine, prompts: list[list[int]], max_tokens: list[int]) -> list[list
     threads only contend)."""
     import torch
 
-    from specsched.daemon.request import SamplingParams
+    from specsched.engine.request import SamplingParams
 
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -233,9 +233,9 @@ def test_breaking_out_of_a_stream_cancels_the_request(tiny_daemon):
 
 def test_in_process_server_on_an_ipc_endpoint(tmp_path):
     """Embedding API (start / request_shutdown / join / close) and an ipc:// endpoint."""
-    from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig
-    from specsched.daemon.engine import Engine
     from specsched.daemon.server import DaemonConfig, Server
+    from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig
+    from specsched.engine.engine import Engine
 
     engine = Engine.from_config(
         EngineConfig(model=ModelConfig(source="tiny"), cache=CacheConfig(num_blocks=32))

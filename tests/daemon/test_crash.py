@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from specsched.daemon.client import AsyncClient, Client
+from specsched.client.sync_client import AsyncClient, Client
 
 pytestmark = pytest.mark.slow
 FLUSH_INTERVAL_S = 0.5  # log.flush_interval_s: the production default (conf/log/default.yaml)

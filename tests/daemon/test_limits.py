@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import zmq
 
-from specsched.daemon.client import (
+from specsched.client.sync_client import (
     Client,
     ConnectionLost,
     InvalidField,

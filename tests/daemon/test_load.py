@@ -23,7 +23,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from specsched.daemon.client import Client
+from specsched.client.sync_client import Client
 
 NUM_PROMPTS = 16
 MB = 1 << 20
@@ -43,9 +43,9 @@ def reference():
     """Greedy outputs of the NUM_PROMPTS prompts, from an in-process engine with the daemons' config."""
     import torch
 
-    from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
-    from specsched.daemon.engine import Engine
-    from specsched.daemon.request import SamplingParams
+    from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
+    from specsched.engine.engine import Engine
+    from specsched.engine.request import SamplingParams
 
     engine = Engine.from_config(
         EngineConfig(
@@ -266,7 +266,7 @@ def test_small_kv_cache_queues_and_preempts_but_never_fails(start_daemon, refere
     peaks = {"waiting": 0, "running": 0}
 
     async def main():
-        from specsched.daemon.client import AsyncClient
+        from specsched.client.sync_client import AsyncClient
 
         async with AsyncClient(d.endpoint, timeout_s=120) as watcher:
             clients = [AsyncClient(d.endpoint, timeout_s=120) for _ in range(6)]

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from specsched.daemon.log import SCHEMA_VERSION, LogConfig, LogFormatError, LogWriter, open_log
-from specsched.daemon.records import StepRecord, StepRequestRecord
-from specsched.daemon.request import FinishReason
+from specsched.engine.records import StepRecord, StepRequestRecord
+from specsched.engine.request import FinishReason
 
 LOGGER = "specsched.daemon.log"
 

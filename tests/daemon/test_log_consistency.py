@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from specsched.daemon.client import Client
+from specsched.client.sync_client import Client
 
 
 def test_log_rows_add_up_to_the_streamed_tokens(start_daemon):

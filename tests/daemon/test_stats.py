@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from specsched.daemon import stats as stats_module
 from specsched.daemon.admission import early_rejection
 from specsched.daemon.limits import DaemonConfig
 from specsched.daemon.protocol import ErrorCode, Generate, ProposerStats, ScorerStats
-from specsched.daemon.records import StepRecord, StepRequestRecord
-from specsched.daemon.stats import EngineStats, engine_counters
+from specsched.daemon.stats_reply import engine_counters, proposer_stats, scorer_stats
+from specsched.engine import stats as stats_module
+from specsched.engine.records import StepRecord, StepRequestRecord
+from specsched.engine.stats import EngineStats
 
 
 class Clock:
@@ -46,8 +47,8 @@ def test_typed_views_and_the_engine_map_count_the_same_decode_steps(clock):
     s.observe(decode_step(1, "ngram", "mqa", [3, 1], [2, 0], ms=4.0))
     s.observe(decode_step(2, "ngram", "batch_expansion", [2], [2], ms=2.0))
     s.observe(decode_step(3, "draft", "mqa", [0], [0], ms=6.0))
-    assert s.proposer_stats() == {"ngram": ProposerStats(6, 4, 4 / 6), "draft": ProposerStats(0, 0, 0.0)}
-    assert s.scorer_stats() == {"mqa": ScorerStats(2, 5.0, 2.5), "batch_expansion": ScorerStats(1, 2.0, 1.0)}
+    assert proposer_stats(s) == {"ngram": ProposerStats(6, 4, 4 / 6), "draft": ProposerStats(0, 0, 0.0)}
+    assert scorer_stats(s) == {"mqa": ScorerStats(2, 5.0, 2.5), "batch_expansion": ScorerStats(1, 2.0, 1.0)}
     d = s.to_dict()
     assert (d["steps"], d["prefill_steps"], d["tokens_out"]) == (4, 1, 2 + 4 + 3 + 1)
     assert d["acceptance"]["ngram"] == {"proposed": 6, "accepted": 4, "rate": 4 / 6}

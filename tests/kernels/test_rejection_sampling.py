@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from specsched.daemon.request import SamplingParams
+from specsched.engine.request import SamplingParams
 from specsched.kernels.rejection_sampling import verify, verify_greedy, verify_sampled
 from specsched.kernels.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from specsched.proposers.base import Proposals

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specsched.daemon.request import SamplingParams
+from specsched.engine.request import SamplingParams
 from specsched.kernels.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsched.daemon.config import ModelConfig
+from specsched.engine.config import ModelConfig
 from specsched.kernels.metadata import build_metadata
 from specsched.models.llama import LlamaForCausalLM
 from specsched.models.loader import load_model

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from specsched.daemon.config import ModelConfig
+from specsched.engine.config import ModelConfig
 from specsched.kernels.metadata import build_metadata
 from specsched.models.config import PRESETS, get_preset
 from specsched.models.convert import META_FILE

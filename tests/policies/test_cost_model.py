@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import sqlite_utils
 
-from specsched.daemon.records import StepRecord, StepRequestRecord
+from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.policies.cost_model import CostModels
 from specsched.policies.rls import OnlineLinearModel
 from specsched.policies.shapes import StepShape

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from specsched.daemon.records import StepRecord, StepRequestRecord
+from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.policies.acceptance import expected_tokens
 from specsched.policies.base import BatchView, RequestView
 from specsched.policies.cost_model import CostModels

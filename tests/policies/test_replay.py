@@ -10,7 +10,8 @@ import pytest
 import sqlite_utils
 import torch
 
-from specsched.daemon.config import (
+from specsched.daemon.log import SCHEMA_SQL, LogConfig, LogFormatError, LogWriter
+from specsched.engine.config import (
     CacheConfig,
     DraftConfig,
     EngineConfig,
@@ -18,10 +19,9 @@ from specsched.daemon.config import (
     SchedulerConfig,
     SpecConfig,
 )
-from specsched.daemon.engine import Engine
-from specsched.daemon.log import SCHEMA_SQL, LogConfig, LogFormatError, LogWriter
-from specsched.daemon.records import StepRecord, StepRequestRecord
-from specsched.daemon.request import Request, SamplingParams
+from specsched.engine.engine import Engine
+from specsched.engine.records import StepRecord, StepRequestRecord
+from specsched.engine.request import Request, SamplingParams
 from specsched.policies.registry import build_policy
 from specsched.policies.replay import ReplayOptions, policy_label, refit_costs, replay, simulate
 from specsched.policies.replay_log import ReplayError, RunSettings, complete_bits, load_run

@@ -12,7 +12,7 @@ import pytest
 import sqlite_utils
 
 from specsched.daemon.log import LogConfig, LogWriter
-from specsched.daemon.records import StepRecord, StepRequestRecord
+from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.policies.replay_cli import COLUMNS, ReplayConfig, main, rewrite_args
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from specsched.daemon.request import Request, SamplingParams
+from specsched.engine.request import Request, SamplingParams
 from specsched.kernels.metadata import build_metadata
 from specsched.models.config import get_preset
 from specsched.models.llama import LlamaForCausalLM, init_random

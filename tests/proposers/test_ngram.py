@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from specsched.daemon.config import NgramConfig
-from specsched.daemon.request import Request, SamplingParams
+from specsched.engine.config import NgramConfig
+from specsched.engine.request import Request, SamplingParams
 from specsched.proposers.ngram import NgramIndex, NgramProposer, ngram_lookup, ngram_match
 
 

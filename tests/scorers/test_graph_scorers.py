@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from specsched.daemon.components import EngineParts
-from specsched.daemon.config import (
+from specsched.engine.components import EngineParts
+from specsched.engine.config import (
     CacheConfig,
     DraftConfig,
     EngineConfig,
@@ -23,8 +23,8 @@ from specsched.daemon.config import (
     SchedulerConfig,
     SpecConfig,
 )
-from specsched.daemon.engine import Engine
-from specsched.daemon.request import SamplingParams
+from specsched.engine.engine import Engine
+from specsched.engine.request import SamplingParams
 from specsched.kernels.metadata import build_metadata
 from specsched.models.config import get_preset
 from specsched.models.cuda_graphs import GraphRunner

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from specsched.daemon.request import Request, SamplingParams
+from specsched.engine.request import Request, SamplingParams
 from specsched.models.graph_buckets import PAD_SLOT, pad_inputs
 from specsched.proposers.base import Proposals
 from specsched.scorers.inputs import build_scoring_inputs

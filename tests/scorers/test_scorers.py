@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from specsched.daemon.request import Request, SamplingParams
+from specsched.engine.request import Request, SamplingParams
 from specsched.kernels.metadata import build_metadata
 from specsched.models.config import get_preset
 from specsched.models.llama import LlamaForCausalLM, init_random

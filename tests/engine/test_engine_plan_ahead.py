@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from specsched.daemon.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from specsched.daemon.engine import Engine
-from specsched.daemon.records import StepRecord
-from specsched.daemon.request import SamplingParams
+from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specsched.engine.engine import Engine
+from specsched.engine.records import StepRecord
+from specsched.engine.request import SamplingParams
 from specsched.policies.base import BatchView, Plan, RequestView
 
 

@@ -1,10 +1,10 @@
-"""Client library for the specsched daemon (protocol v1, docs/protocol.md).
+"""The blocking ``Client`` and the public names of the client library (protocol v1, docs/protocol.md).
 
-``Client`` (blocking, pyzmq) and ``AsyncClient`` (zmq.asyncio; client_async.py) share one DEALER socket
+``Client`` (blocking, pyzmq) and ``AsyncClient`` (zmq.asyncio; async_client.py) share one DEALER socket
 per client and keep many requests in flight on it: replies are routed by request id (``AsyncClient``:
 one reader task; ``Client``: replies for other ids are buffered until asked for). Both are thin shells
-around one sans-IO core (client_core.py: requests, reply routing, errors, reconnect bookkeeping, stream
-assembly) and one transport (client_socket.py). Errors are typed (client_errors.py):
+around one sans-IO core (core.py: requests, reply routing, errors, reconnect bookkeeping, stream
+assembly) and one transport (transport.py). Errors are typed (errors.py):
 :class:`ServerError` subclasses carry the server's ``code``; :class:`RequestTimeout` (a
 ``TimeoutError``) when no reply came within ``timeout_s``; :class:`ConnectionLost` when the connection
 to the daemon dropped while the request was in flight (the daemon aborts such requests).
@@ -25,9 +25,9 @@ import uuid
 
 import zmq
 
-from specsched.daemon.client_async import AsyncChunkStream, AsyncClient
-from specsched.daemon.client_core import Completion, StreamAssembly, build_generate, completion_of
-from specsched.daemon.client_errors import (
+from specsched.client.async_client import AsyncChunkStream, AsyncClient
+from specsched.client.core import Completion, StreamAssembly, build_generate, completion_of
+from specsched.client.errors import (
     SERVER_ERRORS,
     AuthenticationFailed,
     BadMessage,
@@ -48,7 +48,7 @@ from specsched.daemon.client_errors import (
     UnknownType,
     server_error,
 )
-from specsched.daemon.client_socket import DEFAULT_ENDPOINT, ClientSocket
+from specsched.client.transport import DEFAULT_ENDPOINT, ClientSocket
 from specsched.daemon.curve_keys import CurveKeys
 from specsched.daemon.protocol import (  # the message types of this API (all importable from here)
     MAX_ID_CHARS,

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from specsched.daemon.records import StepRecord
+from specsched.engine.records import StepRecord
 
 
 class StepTimer:

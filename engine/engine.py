@@ -13,13 +13,13 @@ from dataclasses import replace
 
 import torch
 
-from specsched.daemon.components import EngineParts, build_parts, merge_proposals
-from specsched.daemon.config import EngineConfig
-from specsched.daemon.records import RequestOutput, StepRecord, StepRequestRecord
-from specsched.daemon.request import FinishReason, Request, SamplingParams, SpecParams
-from specsched.daemon.scheduler import ScheduledBatch, Scheduler
-from specsched.daemon.stats import EngineStats
-from specsched.daemon.step_timer import StepTimer
+from specsched.engine.components import EngineParts, build_parts, merge_proposals
+from specsched.engine.config import EngineConfig
+from specsched.engine.records import RequestOutput, StepRecord, StepRequestRecord
+from specsched.engine.request import FinishReason, Request, SamplingParams, SpecParams
+from specsched.engine.scheduler import ScheduledBatch, Scheduler
+from specsched.engine.stats import EngineStats
+from specsched.engine.step_timer import StepTimer
 from specsched.kernels.rejection_sampling import verify
 from specsched.policies.base import BatchView, Plan, Policy, RequestView
 from specsched.proposers.base import Proposals
@@ -133,15 +133,10 @@ class Engine:
         self._unobserved.clear()
 
     def _decode(self, reqs: list[Request]) -> tuple[list[RequestOutput], StepRecord]:
+        """One decode step: decide -> propose -> score -> verify -> commit -> record."""
         rec = StepRecord(self.num_steps, "decode", time.time(), 0, 0)
         names = self._proposer_names(reqs)
-        view = self._view(reqs, names)
-        plan = self._plan_decided_ahead(reqs, view) or self.policy.decide(view, self.costs)
-        if plan.scorer not in self.scorers:
-            raise ValueError(
-                f"policy {plan.policy!r} chose scorer {plan.scorer!r}, which is not built here; "
-                f"built: {', '.join(self.scorers)}"
-            )
+        plan = self._decide(reqs, names)
         kept, ks = self.scheduler.reserve_lookahead(reqs, plan.k)  # may lower k or preempt
         if len(kept) != len(reqs):  # kept is in batch order
             reqs, names = kept, self._proposer_names(kept)
@@ -149,32 +144,49 @@ class Engine:
             props = self._propose(reqs, ks, names)
         with self._timed(rec, "score_ms"):
             logits = self.scorers[plan.scorer].score(reqs, props)  # [sum(k_i+1), vocab]
-        if self._unobserved:  # host work while the GPU scores (CUDA): nothing here waits for it
-            self.flush_observations()
-        if self.is_plan_ahead and self.policy.is_plan_ahead_safe:  # likewise: the next step's plan
-            ahead = self.policy.decide(self._view(reqs, names), self.costs)
-            self._ahead = [r.request_id for r in reqs], ahead
+        self._while_scoring(reqs, names)
         with self._timed(rec, "verify_ms"):
             result = verify(logits, props, [r.sampling for r in reqs], [r.generator for r in reqs])
             emitted = result.to_lists()
-        num_draft = props.num_draft
         context = [r.num_tokens - 1 for r in reqs]  # before this step's tokens are committed
-        outputs = self._commit(reqs, emitted, num_draft, names)
+        outputs = self._commit(reqs, emitted, props.num_draft, names)
+        self._record(rec, reqs, names, plan, props, context, emitted, result.match_bits(), outputs)
+        self.policy.observe(plan, [len(e) - 1 for e in emitted])
+        return outputs, rec
+
+    def _decide(self, reqs: list[Request], names: list[str]) -> Plan:
+        view = self._view(reqs, names)
+        plan = self._plan_decided_ahead(reqs, view) or self.policy.decide(view, self.costs)
+        if plan.scorer not in self.scorers:
+            raise ValueError(
+                f"policy {plan.policy!r} chose scorer {plan.scorer!r}, which is not built here; "
+                f"built: {', '.join(self.scorers)}"
+            )
+        return plan
+
+    def _while_scoring(self, reqs: list[Request], names: list[str]) -> None:
+        """Host work while the GPU scores (CUDA): nothing here waits for it. Observe the last step's
+        costs, and decide the next step's plan ahead where the policy allows it."""
+        if self._unobserved:
+            self.flush_observations()
+        if self.is_plan_ahead and self.policy.is_plan_ahead_safe:
+            ahead = self.policy.decide(self._view(reqs, names), self.costs)
+            self._ahead = [r.request_id for r in reqs], ahead
+
+    def _record(self, rec, reqs, names, plan, props, context, emitted, match_bits, outputs) -> None:
+        """Fill the step's record (the decision log's ``steps`` and ``step_requests`` rows)."""
         rec.requests = [
             StepRequestRecord(r.request_id, c, k, len(e) - 1, b, len(o.new_token_ids))
-            for r, c, e, k, b, o in zip(reqs, context, emitted, num_draft, result.match_bits(), outputs)
+            for r, c, e, k, b, o in zip(reqs, context, emitted, props.num_draft, match_bits, outputs)
         ]
         rec.batch_size, rec.num_tokens = len(reqs), props.num_tokens + len(reqs)
         rec.num_emitted = sum(len(e) for e in emitted)
         rec.scorer, rec.policy, rec.is_synthetic = plan.scorer, plan.policy, props.is_synthetic
         rec.proposer = names[0] if len(set(names)) == 1 else "+".join(sorted(set(names)))
         rec.predicted_ms, rec.plan_info = plan.predicted_ms, plan.info
-        info = plan.info
-        rec.predicted_propose_ms = info.get("predicted_propose_ms")
-        rec.predicted_score_ms = info.get("predicted_score_ms")
-        rec.predicted_verify_ms = info.get("predicted_verify_ms")
-        self.policy.observe(plan, [len(e) - 1 for e in emitted])
-        return outputs, rec
+        rec.predicted_propose_ms = plan.info.get("predicted_propose_ms")
+        rec.predicted_score_ms = plan.info.get("predicted_score_ms")
+        rec.predicted_verify_ms = plan.info.get("predicted_verify_ms")
 
     def _prefill(self, batch: ScheduledBatch) -> tuple[list[RequestOutput], StepRecord]:
         reqs, chunks = batch.requests, batch.chunk_lens

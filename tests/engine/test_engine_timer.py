@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from specsched.daemon.config import (
+from specsched.engine.config import (
     CacheConfig,
     DraftConfig,
     EngineConfig,
@@ -24,10 +24,10 @@ from specsched.daemon.config import (
     SchedulerConfig,
     SpecConfig,
 )
-from specsched.daemon.engine import Engine
-from specsched.daemon.records import StepRecord
-from specsched.daemon.request import Request, SamplingParams
-from specsched.daemon.step_timer import StepTimer
+from specsched.engine.engine import Engine
+from specsched.engine.records import StepRecord
+from specsched.engine.request import Request, SamplingParams
+from specsched.engine.step_timer import StepTimer
 
 PHASES = ("propose_ms", "score_ms", "verify_ms")
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from specsched.daemon.config import CacheConfig, SchedulerConfig
-from specsched.daemon.request import FinishReason, Request, SamplingParams
-from specsched.daemon.scheduler import BlockAllocator, NoFreeBlocks, Scheduler
+from specsched.engine.config import CacheConfig, SchedulerConfig
+from specsched.engine.request import FinishReason, Request, SamplingParams
+from specsched.engine.scheduler import BlockAllocator, NoFreeBlocks, Scheduler
 
 
 def test_allocator_reserves_block_zero_and_never_double_allocates():

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from specsched.daemon.config import (
+from specsched.engine.config import (
     CacheConfig,
     DraftConfig,
     EngineConfig,
@@ -15,8 +15,8 @@ from specsched.daemon.config import (
     SchedulerConfig,
     SpecConfig,
 )
-from specsched.daemon.engine import Engine
-from specsched.daemon.request import Request, SamplingParams, SpecParams
+from specsched.engine.engine import Engine
+from specsched.engine.request import Request, SamplingParams, SpecParams
 from specsched.policies.base import BatchView, Plan, Policy
 
 

@@ -1,7 +1,7 @@
 """The asyncio client (zmq.asyncio): a thin shell around the sans-IO :class:`ClientCore`.
 
 One reader task feeds every reply frame and monitor event to the core and wakes the task waiting for
-that request; ``AsyncClient`` and ``AsyncChunkStream`` are re-exported by ``specsched.daemon.client``
+that request; ``AsyncClient`` and ``AsyncChunkStream`` are re-exported by ``specsched.client.sync_client``
 (whose docstring describes the client library).
 """
 
@@ -13,9 +13,9 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from specsched.daemon.client_core import Completion, StreamAssembly, build_generate, completion_of
-from specsched.daemon.client_errors import ConnectionLost
-from specsched.daemon.client_socket import DEFAULT_ENDPOINT, ClientSocket
+from specsched.client.core import Completion, StreamAssembly, build_generate, completion_of
+from specsched.client.errors import ConnectionLost
+from specsched.client.transport import DEFAULT_ENDPOINT, ClientSocket
 from specsched.daemon.curve_keys import CurveKeys
 from specsched.daemon.protocol import (
     Cancel,

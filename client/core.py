@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from specsched.daemon.client_errors import (
+from specsched.client.errors import (
     HANDSHAKE_FAILED,
     ConnectionLost,
     DuplicateId,
@@ -47,7 +47,7 @@ from specsched.daemon.protocol import (
     encode,
 )
 
-logger = logging.getLogger("specsched.daemon.client")  # the client library's one logger name
+logger = logging.getLogger("specsched.client.sync_client")  # the client library's one logger name
 
 
 @dataclass

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from specsched.daemon.settings import Settings, load_settings
+from specsched.engine.settings import Settings, load_settings
 
 
 def test_defaults_without_environment():
@@ -36,7 +36,7 @@ def test_bad_log_level_names_the_variable():
 
 
 def test_unknown_variable_is_warned_with_the_known_ones(caplog):
-    with caplog.at_level(logging.WARNING, logger="specsched.daemon.settings"):
+    with caplog.at_level(logging.WARNING, logger="specsched.engine.settings"):
         Settings.from_env({"SPECSCHED_CACHE_DIRR": "/x"})
     (rec,) = caplog.records
     assert "SPECSCHED_CACHE_DIRR" in rec.getMessage() and "SPECSCHED_CACHE_DIR," in rec.getMessage()

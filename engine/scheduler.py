@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from specsched.daemon.config import CacheConfig, SchedulerConfig
-from specsched.daemon.request import FinishReason, Request
+from specsched.engine.config import CacheConfig, SchedulerConfig
+from specsched.engine.request import FinishReason, Request
 
 
 class NoFreeBlocks(RuntimeError):

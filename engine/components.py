@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specsched.daemon.config import EngineConfig
+from specsched.engine.config import EngineConfig
 from specsched.models.llama import KVCache, LlamaForCausalLM
 from specsched.policies.acceptance import AcceptanceEstimator
 from specsched.policies.base import Policy
@@ -59,7 +59,7 @@ def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
     model = loaded.model
     draft = None
     if cfg.spec.proposer == "draft" and cfg.spec.draft.source != "self":
-        from specsched.daemon.config import ModelConfig
+        from specsched.engine.config import ModelConfig
 
         draft = load_model(
             ModelConfig(

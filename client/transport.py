@@ -7,8 +7,8 @@ import struct
 
 import zmq
 
-from specsched.daemon.client_core import ClientCore
-from specsched.daemon.client_errors import MONITORED_EVENTS, RequestTimeout
+from specsched.client.core import ClientCore
+from specsched.client.errors import MONITORED_EVENTS, RequestTimeout
 from specsched.daemon.curve_keys import CurveKeys
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"

@@ -1,9 +1,9 @@
-"""Counters for ``stats``: throughput, acceptance per proposer, step time per scorer, process memory.
+"""Step counters: throughput, acceptance per proposer, step time per scorer, process memory.
 
-One home for the daemon's statistics. :class:`EngineStats` accumulates the engine's step records; the
-engine keeps one (its free-form counters, the ``engine`` map of a ``stats_reply``, via ``to_dict``) and
-the serving loop keeps another with the daemon's ``stats_window_s`` (the reply's ``tokens_per_s``,
-``proposers`` and ``scorers``). :func:`engine_counters` reads an engine's counters msgpack-safe;
+One home for the statistics. :class:`EngineStats` accumulates the engine's step records; the engine
+keeps one (its free-form counters, the ``engine`` map of a ``stats_reply``, via ``to_dict``) and the
+daemon's serving loop keeps another with its ``stats_window_s`` (the reply's ``tokens_per_s``,
+``proposers`` and ``scorers``: daemon/stats_reply.py turns it into protocol messages).
 :func:`rss_bytes` is the process's resident memory.
 """
 
@@ -13,8 +13,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from specsched.daemon.messages import ProposerStats, ScorerStats
-from specsched.daemon.records import StepRecord
+from specsched.engine.records import StepRecord
 
 
 @dataclass
@@ -67,18 +66,6 @@ class EngineStats:
         span = min(self.window_s, max(now - self.started, 1e-3))
         return sum(n for _, n in self._recent) / span
 
-    def proposer_stats(self) -> dict[str, ProposerStats]:
-        return {
-            p: ProposerStats(n, self.accepted[p], self.accepted[p] / n if n else 0.0)
-            for p, n in self.proposed.items()
-        }
-
-    def scorer_stats(self) -> dict[str, ScorerStats]:
-        return {
-            s: ScorerStats(n, self.scorer_step_ms[s] / n, self.scorer_ms[s] / n)
-            for s, n in self.scorer_steps.items()
-        }
-
     def to_dict(self) -> dict:
         return {
             "steps": self.num_steps,
@@ -97,22 +84,6 @@ class EngineStats:
     def _forget_before(self, t: float) -> None:
         while self._recent and self._recent[0][0] < t:
             self._recent.popleft()
-
-
-def engine_counters(engine) -> dict:
-    """The engine's own counters (``stats()`` in the API notes; an :class:`EngineStats` with
-    ``to_dict`` in the implementation), with values made msgpack-safe."""
-    stats = getattr(engine, "stats", None)
-    raw = stats() if callable(stats) else stats.to_dict() if stats is not None else {}
-
-    def plain(v):
-        if isinstance(v, dict):
-            return {str(k): plain(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        return v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
-
-    return plain(raw)
 
 
 def rss_bytes() -> int:

@@ -10,8 +10,8 @@ import msgpack
 import pytest
 import zmq
 
-from specsched.daemon.client_core import ClientCore, Completion, StreamAssembly, build_generate
-from specsched.daemon.client_errors import (
+from specsched.client.core import ClientCore, Completion, StreamAssembly, build_generate
+from specsched.client.errors import (
     AuthenticationFailed,
     ConnectionLost,
     DuplicateId,
@@ -73,7 +73,7 @@ def test_submit_encodes_the_request_and_replies_are_routed_by_id():
 def test_unreadable_and_idless_replies_are_dropped_with_a_warning(caplog):
     core = ClientCore(1 << 20)
     core.submit(gen("a"))
-    with caplog.at_level(logging.WARNING, logger="specsched.daemon.client"):
+    with caplog.at_level(logging.WARNING, logger="specsched.client.sync_client"):
         assert core.receive(b"\xc1 not msgpack") is None
         assert core.receive(encode(Error(None, "bad_message", "x"))) is None
         assert core.receive(encode(StatsReply(id=None))) is None

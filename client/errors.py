@@ -1,4 +1,4 @@
-"""The client library's typed errors (re-exported by ``specsched.daemon.client``).
+"""The client library's typed errors (re-exported by ``specsched.client.sync_client``).
 
 :class:`ServerError` subclasses carry the daemon's error ``code``; :class:`RequestTimeout` (a
 ``TimeoutError``) means no reply came within the client's ``timeout_s``; :class:`ConnectionLost` (a
