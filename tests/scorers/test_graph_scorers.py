@@ -42,10 +42,10 @@ from specsched.scorers.graph import (
     GraphForward,
     MQAGraphScorer,
     attach_draft_graphs,
-    build_graph_scorers,
     graph_buckets_of,
 )
 from specsched.scorers.mqa import MQAScorer
+from specsched.scorers.registry import build_scorers
 
 BLOCK = 4
 needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -141,7 +141,7 @@ def test_emulated_graph_scorers_equal_eager_mqa(seed, decoding_batch):
     kv = model.allocate_kv_cache(300, BLOCK)
     reqs, props = decoding_batch(model, kv, rng, rng.randint(1, 7))
     cfg = GraphConfig(max_batch=8, max_k=5, max_model_len=64, emulate=True, progress=False)
-    scorers = build_graph_scorers(["batch_expansion", "mqa", "mqa_graph"], model, kv, BLOCK, cfg)
+    scorers = build_scorers(["batch_expansion", "mqa", "mqa_graph"], model, kv, BLOCK, cfg)
     assert isinstance(scorers["batch_expansion"], GraphBatchExpansionScorer)
     assert isinstance(scorers["mqa_graph"], MQAGraphScorer) and isinstance(scorers["mqa"], MQAScorer)
     assert scorers["batch_expansion"].runner is scorers["mqa_graph"].runner
@@ -157,14 +157,14 @@ def test_emulated_graph_scorers_equal_eager_mqa(seed, decoding_batch):
 def test_without_cuda_graph_scorers_are_eager_with_one_warning(caplog):
     model = tiny_model()
     kv = model.allocate_kv_cache(16, BLOCK)
-    with caplog.at_level(logging.WARNING, logger="specsched.scorers.graph"):
-        scorers = build_graph_scorers(["batch_expansion", "mqa_graph"], model, kv, BLOCK, GraphConfig())
+    with caplog.at_level(logging.WARNING, logger="specsched.scorers.registry"):
+        scorers = build_scorers(["batch_expansion", "mqa_graph"], model, kv, BLOCK, GraphConfig())
     assert type(scorers["mqa_graph"]) is MQAScorer
     assert not isinstance(scorers["batch_expansion"], GraphBatchExpansionScorer)
     warnings = [r for r in caplog.records if "mqa_graph" in r.message]
     assert len(warnings) == 1 and "cpu" in warnings[0].message
     with pytest.raises(ValueError, match="unknown scorer 'mqa_grph'; known: batch_expansion, mqa, mqa_graph"):
-        build_graph_scorers(["mqa_grph"], model, kv, BLOCK, None)
+        build_scorers(["mqa_grph"], model, kv, BLOCK, None)
 
 
 def test_graph_forward_replays_decode_steps_only():
@@ -216,7 +216,7 @@ def graph_engine(
     )  # fmt: skip
     kv = model.allocate_kv_cache(num_blocks, BLOCK)
     gcfg = GraphConfig.for_engine(cfg, max_len, enabled=graphs, emulate=device == "cpu", progress=False)
-    scorers = build_graph_scorers(cfg.spec.scorers, model, kv, BLOCK, gcfg)
+    scorers = build_scorers(cfg.spec.scorers, model, kv, BLOCK, gcfg)
     proposers = build_proposers(cfg.spec, model, num_blocks, BLOCK)
     draft_fwd = None
     if graphs and "draft" in proposers:
@@ -273,7 +273,7 @@ def test_cuda_graph_scorers_vs_eager_mqa_bf16(seed, decoding_batch):
     kv = model.allocate_kv_cache(3000, BLOCK)
     reqs, props = decoding_batch(model, kv, rng, 12, max_k=5, max_len=700)
     cfg = GraphConfig(max_batch=16, max_k=5, max_model_len=1024, progress=False)
-    scorers = build_graph_scorers(["batch_expansion", "mqa", "mqa_graph"], model, kv, BLOCK, cfg)
+    scorers = build_scorers(["batch_expansion", "mqa", "mqa_graph"], model, kv, BLOCK, cfg)
     want = MQAScorer(model, clone_kv(kv), BLOCK).score(reqs, props)
     for name in ("batch_expansion", "mqa_graph"):
         got = scorers[name].score(reqs, props)
