@@ -74,6 +74,10 @@ def run_bench(cfg: DictConfig, command: str) -> dict:
         from specsched.bench.peers import run_peer_suite
 
         part("peers", lambda: run_peer_suite(cfg.peers, device, dtype))
+    if cfg.serve.enabled:
+        from specsched.bench.serve import run_serve_bench
+
+        part("serve", lambda: run_serve_bench(cfg.serve, cfg.out_dir or "."))
     write_outputs(results, cfg, final=True)
     return results
 

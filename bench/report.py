@@ -173,6 +173,10 @@ def render(results: dict) -> str:
         parts += [title, "", e2e_table(e2e), ""]
     if results.get("peers"):
         parts += ["### Peers (batch 1, same prompts)", "", peers_table(results["peers"], e2e), ""]
+    if results.get("serve"):
+        from specsched.bench.serve_report import serve_section
+
+        parts += [serve_section(results["serve"])]
     parts += ["### Targets (issue 5)", "", targets_table(results), ""]
     for name, err in results.get("errors", {}).items():
         parts += [f"- **{name} failed**: `{err}`"]

@@ -1,0 +1,243 @@
+"""``bench=serve``: the real daemon (``python -m specsched.daemon``) as a subprocess per config, driven
+by N concurrent protocol clients (bench/serve_load.py); tables in bench/serve_report.py.
+
+For each config (hydra overrides of the daemon): start it on a free loopback port, time start-up
+(process start until ``health`` answers ok), send ``warmup_requests`` untimed requests, then
+``passes`` passes, each over every concurrency N in ``concurrency`` (``num_requests`` requests, at
+least N), then SIGTERM. The baseline config (non-speculative) runs first; its pass-1 outputs per
+(N, prompt) are the reference of every row's ``same_output``. A daemon that fails to start gives a
+row saying so; the other configs still run. Each daemon's stdout/stderr: ``<out_dir>/serve_logs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from specsched.bench.common import random_prompts
+from specsched.bench.prompts import PROMPTS
+from specsched.bench.serve_config import DaemonRun, ServeConfig
+from specsched.bench.serve_load import PassResult, run_pass, summarize
+from specsched.client.sync_client import Client
+
+logger = logging.getLogger(__name__)
+
+
+def make_prompts(cfg: ServeConfig) -> list[dict]:
+    """The generate arguments of each prompt: ``messages`` (chat) or ``prompt_ids``."""
+    if cfg.prompts == "ids":
+        ids = random_prompts(cfg.prompt_vocab, cfg.num_prompts, cfg.prompt_len, cfg.seed, motif=True)
+        return [{"prompt_ids": p} for p in ids]
+    indices = cfg.prompt_indices if cfg.prompt_indices is not None else range(cfg.num_prompts)
+    return [{"messages": PROMPTS[i % len(PROMPTS)]} for i in indices]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^\w.=+-]+", "_", name).strip("_") or "config"
+
+
+class Daemon:
+    """``python -m specsched.daemon <overrides>`` on a free loopback port, output to ``log_file``."""
+
+    def __init__(self, overrides: list[str], log_file: Path, env: dict[str, str]) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.argv = [sys.executable, "-m", "specsched.daemon", *overrides, f"daemon.endpoint={self.endpoint}"]
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        self.log_file = log_file
+        self._out = log_file.open("w")
+        self._out.write(" ".join(self.argv) + "\n")
+        self._out.flush()
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.argv, stdout=self._out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **env})  # fmt: skip
+        self.pid = self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds from process start until ``health`` answered ok; raises when it exits or times out."""
+        deadline = self.t0 + timeout_s
+        with Client(self.endpoint, timeout_s=1.0) as c:
+            while True:
+                if not self.is_alive():
+                    raise RuntimeError(f"daemon exited with status {self.proc.returncode} during start-up; "
+                                       f"last lines of {self.log_file}:\n{self.tail()}")  # fmt: skip
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"daemon not healthy after {timeout_s:.0f} s; see {self.log_file}")
+                try:
+                    if c.health().status == "ok":
+                        return time.perf_counter() - self.t0
+                except Exception:  # not bound yet (the request times out) or still starting
+                    time.sleep(0.2)
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM, wait; SIGKILL when it does not exit within ``timeout_s``. Returns the exit status."""
+        try:
+            if self.is_alive():
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    logger.warning("daemon %d ignored SIGTERM for %.0f s: killed", self.pid, timeout_s)
+                    self.proc.kill()
+                    self.proc.wait(30)
+            return self.proc.returncode
+        finally:
+            self._out.close()
+
+    def tail(self, n: int = 15) -> str:
+        self._out.flush()
+        return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+
+
+def daemon_overrides(
+    cfg: ServeConfig, run: DaemonRun, log_dir: Path | None, extra: list[str] = ()
+) -> list[str]:
+    log = [f"log.path={log_dir / (safe_name(run.name) + '.sqlite')}"] if log_dir else ["log=none"]
+    return [f"model.source={cfg.source}", *cfg.model_overrides, *run.overrides, *extra, *log]
+
+
+def write_oracle(path: Path, prompts: list[dict], reference: dict[int, dict[int, list[int]]]) -> Path:
+    """The baseline's greedy outputs (at the lowest N) for the synthetic proposer:
+    ``{"prompts": [[ids]], "outputs": [[ids]]}``."""
+    ref = reference[min(reference)]
+    idx = sorted(ref)
+    path.write_text(json.dumps({"prompts": [prompts[i]["prompt_ids"] for i in idx],
+                                "outputs": [ref[i] for i in idx]}))  # fmt: skip
+    return path
+
+
+def same_output_share(res: PassResult, reference: dict[int, list[int]] | None) -> float | None:
+    """Share of the pass's requests whose token ids equal the reference's for the same prompt."""
+    if reference is None:
+        return None
+    ok = [r for r in res.requests if r.error is None and r.prompt_index in reference]
+    if not ok:
+        return None
+    return sum(r.token_ids == reference[r.prompt_index] for r in ok) / len(ok)
+
+
+def run_config(
+    cfg: ServeConfig, run: DaemonRun, prompts: list[dict], out_dir: Path, log_dir: Path | None,
+    reference: dict[int, dict[int, list[int]]] | None, progress, extra: list[str],
+) -> tuple[dict, list[dict]]:  # fmt: skip
+    """One daemon: start-up, warm-up, the passes. Returns its config row and its table rows; fills
+    ``reference`` (N -> prompt -> ids) from pass 1 when it is an empty dict (the baseline)."""
+    info: dict = {"name": run.name, "kind": run.kind, "overrides": run.overrides, "startup_s": None,
+                  "exit_status": None, "error": None, "pid": None, "compiles_total": None}  # fmt: skip
+    rows: list[dict] = []
+    daemon = Daemon(
+        daemon_overrides(cfg, run, log_dir, extra), out_dir / f"{safe_name(run.name)}.log", cfg.env
+    )
+    info.update(pid=daemon.pid, daemon_log=str(daemon.log_file), argv=daemon.argv[3:])
+    fill = reference is not None and not reference
+    try:
+        info["startup_s"] = daemon.wait_ready(cfg.startup_timeout_s)
+        logger.info("serve %s: up in %.1f s (pid %d)", run.name, info["startup_s"], daemon.pid)
+        if cfg.warmup_requests:
+            warm = run_pass(daemon.endpoint, prompts, cfg.warmup_requests, 1, cfg.max_tokens,
+                            cfg.request_timeout_s, daemon.is_alive)  # fmt: skip
+            if warm.error or any(r.error for r in warm.requests):
+                raise RuntimeError(f"warm-up failed: {warm.error or warm.requests[0].error}")
+        for p in range(1, cfg.passes + 1):
+            progress.set_postfix_str(f"{run.name} pass {p}")
+            for n in cfg.concurrency:
+                res = run_pass(daemon.endpoint, prompts, max(cfg.num_requests, n), n, cfg.max_tokens,
+                               cfg.request_timeout_s, daemon.is_alive)  # fmt: skip
+                if fill and p == 1:
+                    ref_n = reference.setdefault(n, {})
+                    for r in res.requests:
+                        if r.error is None:
+                            ref_n.setdefault(r.prompt_index, r.token_ids)
+                row = {"config": run.name, "kind": run.kind, "concurrency": n, "pass": p, **summarize(res)}
+                ref = None if reference is None or not reference else reference.get(n)
+                row["same_output"] = same_output_share(res, ref)
+                row["ttft_max_s"] = max(
+                    (r.ttft_s for r in res.requests if r.ttft_s is not None), default=None
+                )
+                rows.append(row)
+                if res.error:
+                    raise RuntimeError(f"pass {p}, concurrency {n}: {res.error}; see {daemon.log_file}")
+            progress.update(1)
+        with Client(daemon.endpoint, timeout_s=cfg.request_timeout_s) as c:
+            info["compiles_total"] = getattr(c.stats(), "num_compiles_after_start", None)
+    except Exception as e:
+        logger.error("serve %s failed: %s", run.name, e)
+        info["error"] = f"{type(e).__name__}: {e}"[:1000]
+    finally:
+        info["exit_status"] = daemon.stop(cfg.stop_timeout_s)
+    return info, rows
+
+
+def add_spread(rows: list[dict]) -> None:
+    """``spread`` = |tok/s - pass 1's| / pass 1's, on the rows of later passes."""
+    first = {(r["config"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["pass"] == 1}
+    for r in rows:
+        base = first.get((r["config"], r["concurrency"]))
+        r["spread"] = abs(r["tokens_per_s"] - base) / base if r["pass"] > 1 and base else None
+
+
+def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
+    """``bench.serve``: every config, both passes; returns ``{"configs", "rows", ...}``."""
+    from tqdm import tqdm
+
+    cfg = ServeConfig.from_dictconfig(section)
+    out = Path(out_dir) / "serve_logs"
+    out.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(cfg.log_dir).resolve() if cfg.log_dir else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    prompts = make_prompts(cfg)
+    has_baseline = any(c.kind == "baseline" for c in cfg.configs)
+    reference: dict | None = {} if has_baseline else None
+    configs, rows, extra = [], [], []
+    with tqdm(total=len(cfg.configs) * cfg.passes, desc="serve configs x passes", unit="pass") as bar:
+        for run in cfg.ordered:
+            info, r = run_config(cfg, run, prompts, out, log_dir, reference, bar, extra)
+            if run.kind == "baseline" and info["error"]:
+                reference = None  # no reference: same_output is "–" for the rest
+            elif run.kind == "baseline" and cfg.oracle_override:
+                extra = [f"{cfg.oracle_override}={write_oracle(out / 'oracle.json', prompts, reference)}"]
+            configs.append(info)
+            rows += r
+            bar.n = (len(configs)) * cfg.passes  # a failed config skips its passes
+            bar.refresh()
+    add_spread(rows)
+    result = {"configs": configs, "rows": rows, "warm_start": None,
+              "settings": {k: v for k, v in OmegaConf.to_container(section, resolve=True).items()
+                           if k != "configs"}}  # fmt: skip
+    first = next((c for c in configs if c["startup_s"] is not None), None)
+    if cfg.warm_start and first is not None:
+        result["warm_start"] = warm_start(cfg, first["name"], out, log_dir)
+    return result
+
+
+def warm_start(cfg: ServeConfig, name: str, out: Path, log_dir: Path | None) -> dict:
+    """Start ``name`` once more (the model files and compile caches warm now) and time it."""
+    run = next(c for c in cfg.configs if c.name == name)
+    daemon = Daemon(daemon_overrides(cfg, run, None), out / f"{safe_name(name)}.warm.log", cfg.env)
+    res = {"config": name, "startup_s": None, "error": None, "pid": daemon.pid}
+    try:
+        res["startup_s"] = daemon.wait_ready(cfg.startup_timeout_s)
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"[:500]
+    finally:
+        daemon.stop(cfg.stop_timeout_s)
+    return res

@@ -1,0 +1,97 @@
+"""The config of ``bench=serve`` (the ``serve`` section of conf/bench/default.yaml), validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+
+from specsched.bench.prompts import PROMPTS
+
+KINDS = ("baseline", "fixed", "policy", "default")
+
+
+@dataclass
+class DaemonRun:
+    """One config of the grid: a name and the daemon's hydra overrides. ``kind`` (for the targets):
+    baseline = non-speculative (the same-output reference, run first), fixed = a fixed (k, scorer)
+    row, default = the default policy with the default scorers, policy = any other."""
+
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    kind: str = "policy"
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise ValueError("bench.serve.configs: every config needs a non-empty name")
+        if self.kind not in KINDS:
+            raise ValueError(
+                f"bench.serve.configs[{self.name!r}].kind must be one of {KINDS}, got {self.kind!r}"
+            )
+        bad = [o for o in self.overrides if "=" not in o or o.split("=", 1)[0].startswith("daemon.endpoint")]
+        if bad:
+            raise ValueError(f"bench.serve.configs[{self.name!r}]: {bad[0]!r} is not a key=value override "
+                             "(daemon.endpoint is set by the bench)")  # fmt: skip
+
+
+@dataclass
+class ServeConfig:
+    enabled: bool = False
+    source: str = "smollm2"  # model.source of every daemon: smollm2 | a .gguf file | an HF folder | a preset
+    model_overrides: list[str] = field(default_factory=list)  # more overrides for every daemon
+    configs: list[DaemonRun] = field(default_factory=list)
+    prompts: str = "chat"  # chat: bench/prompts.py as messages | ids: token-id motifs (no tokenizer)
+    num_prompts: int = 8
+    prompt_indices: list[int] | None = None  # chat: which of bench/prompts.py (None: the first num_prompts)
+    prompt_len: int = 64  # ids only
+    prompt_vocab: int = 256  # ids: token ids in [3, prompt_vocab)
+    num_requests: int = 32  # per pass and concurrency (at least the concurrency)
+    max_tokens: int = 128
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    passes: int = 2
+    warmup_requests: int = 1
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 300.0
+    stop_timeout_s: float = 60.0
+    warm_start: bool = True  # restart the first config at the end: warm start-up time
+    log_dir: str | None = None  # decision logs <log_dir>/<config>.sqlite (specsched-replay); None: log=none
+    oracle_override: str | None = None  # ids prompts: later daemons get <this>=<oracle.json> (synthetic)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of the daemons
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.configs = [c if isinstance(c, DaemonRun) else DaemonRun(**c) for c in self.configs]
+        self.env = {str(k): str(v) for k, v in self.env.items()}
+        names = [c.name for c in self.configs]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"bench.serve.configs: need at least one config, names unique; got {names}")
+        if sum(c.kind == "baseline" for c in self.configs) > 1:
+            raise ValueError("bench.serve.configs: at most one config of kind baseline")
+        if self.prompts not in ("chat", "ids"):
+            raise ValueError(f"bench.serve.prompts must be chat or ids, got {self.prompts!r}")
+        for key in ("num_prompts", "num_requests", "max_tokens", "passes", "prompt_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"bench.serve.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(
+                f"bench.serve.concurrency must be a non-empty list of ints >= 1, got {self.concurrency}"
+            )
+        if self.prompt_indices is not None and not all(0 <= i < len(PROMPTS) for i in self.prompt_indices):
+            raise ValueError(
+                f"bench.serve.prompt_indices must be in [0, {len(PROMPTS)}), got {self.prompt_indices}"
+            )
+        if self.oracle_override is not None and self.prompts != "ids":
+            raise ValueError(
+                "bench.serve.oracle_override needs prompts=ids (the oracle is keyed by prompt ids)"
+            )
+        if self.prompt_vocab < 4:
+            raise ValueError(f"bench.serve.prompt_vocab must be >= 4, got {self.prompt_vocab}")
+
+    @classmethod
+    def from_dictconfig(cls, cfg: DictConfig) -> ServeConfig:
+        return cls(**OmegaConf.to_container(cfg, resolve=True))
+
+    @property
+    def ordered(self) -> list[DaemonRun]:
+        """The configs, the baseline first."""
+        return sorted(self.configs, key=lambda c: c.kind != "baseline")

@@ -1,0 +1,115 @@
+"""Markdown of ``bench=serve`` (bench/serve.py): the daemons, one row per (config, N, pass), and the
+issue's serving targets (goodput vs the best fixed row and vs non-speculative at every N; compiles;
+pass-to-pass spread)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+from specsched.bench.report import fmt, table
+
+SPREAD_GOAL = 0.05  # the two passes of a row within 5%
+LEAD_GOAL = 0.03  # goodput >= the best fixed row - 3%
+
+
+def _ms(p50: float | None, p99: float | None) -> str:
+    return f"{fmt(p50, 1)} / {fmt(p99, 1)}"
+
+
+def _na(x) -> str:
+    return "n/a" if x is None else str(x)
+
+
+def configs_table(res: dict) -> str:
+    out = []
+    for c in res["configs"]:
+        status = f"error: {c['error'][:200]}" if c["error"] else "ok"
+        out.append([c["name"], c["kind"], f"`{' '.join(c['overrides'])}`", fmt(c["startup_s"], 1),
+                    _na(c["compiles_total"]), _na(c["exit_status"]), status])  # fmt: skip
+    text = table(["config", "kind", "overrides", "start-up s", "compiles after start-up (end)",
+                  "exit", "status"], out)  # fmt: skip
+    first = next((c for c in res["configs"] if c["startup_s"] is not None), None)
+    warm = res.get("warm_start")
+    if first is not None:
+        line = f"Start-up of `{first['name']}`: cold (first daemon of the run) {fmt(first['startup_s'], 1)} s"
+        if warm:
+            line += f", warm (restarted at the end) {fmt(warm['startup_s'], 1)} s"
+            line += f" ({warm['error']})" if warm["error"] else ""
+        text += "\n\n" + line + "."
+    return text
+
+
+def rows_table(rows: list[dict]) -> str:
+    header = ["config", "N", "pass", "tok/s", "spread vs pass 1", "TTFT ms p50 / p99", "ITL ms p50 / p99",
+              "compiles", "same output", "accept.", "tok/step", "requests", "errors"]  # fmt: skip
+    order = {c: i for i, c in enumerate(dict.fromkeys(r["config"] for r in rows))}
+    out = []
+    for r in sorted(rows, key=lambda r: (order[r["config"]], r["concurrency"], r["pass"])):
+        err = str(r["num_errors"]) + (f" ({r['first_error'][:80]})" if r["first_error"] else "")
+        if r.get("error"):
+            err += f"; {r['error'][:80]}"
+        out.append([r["config"], str(r["concurrency"]), str(r["pass"]), fmt(r["tokens_per_s"], 1),
+                    "–" if r["spread"] is None else f"{100 * r['spread']:.1f}%",
+                    _ms(r["ttft_p50_ms"], r["ttft_p99_ms"]), _ms(r["itl_p50_ms"], r["itl_p99_ms"]),
+                    _na(r["compiles"]), fmt(r["same_output"]), fmt(r["acceptance"]),
+                    fmt(r["tokens_per_step"]), str(r["num_requests"]), err])  # fmt: skip
+    return table(header, out)
+
+
+def mean_tok_s(rows: list[dict]) -> dict[tuple[str, int], float]:
+    """(config, N) -> mean tok/s over its passes (rows without errors only)."""
+    acc: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for r in rows:
+        if not r["num_errors"] and not r.get("error"):
+            acc[(r["config"], r["concurrency"])].append(r["tokens_per_s"])
+    return {k: statistics.fmean(v) for k, v in acc.items()}
+
+
+def targets_table(res: dict) -> str:
+    rows = res["rows"]
+    kinds = {c["name"]: c["kind"] for c in res["configs"]}
+    tok = mean_tok_s(rows)
+    default = next((n for n, k in kinds.items() if k == "default"), None)
+    base = next((n for n, k in kinds.items() if k == "baseline"), None)
+    out = []
+    for n in sorted({r["concurrency"] for r in rows}):
+        fixed = [(tok[(c, n)], c) for c, k in kinds.items() if k == "fixed" and (c, n) in tok]
+        best = max(fixed, default=None)
+        g, b = tok.get((default, n)), tok.get((base, n))
+        vs_best = g / best[0] - 1 if g and best else None
+        vs_base = g / b if g and b else None
+        met = None if vs_best is None or vs_base is None else vs_best >= -LEAD_GOAL and vs_base >= 1
+        out.append([str(n), fmt(g, 1), f"{best[1]} {fmt(best[0], 1)}" if best else "–",
+                    "–" if vs_best is None else f"{100 * vs_best:+.1f}%", fmt(b, 1), fmt(vs_base),
+                    "–" if met is None else ("yes" if met else "**no**")])  # fmt: skip
+    header = ["N", f"{default or 'default'} tok/s", "best fixed tok/s", "vs best fixed (≥ -3%)",
+              f"{base or 'non-spec'} tok/s", "× non-spec (≥ 1)", "met"]  # fmt: skip
+    compiles = [r["compiles"] for r in rows if r["compiles"] is not None]
+    spreads = [r["spread"] for r in rows if r["spread"] is not None]
+    same = [r["same_output"] for r in rows if r["same_output"] is not None]
+    lines = [
+        f"- compiles after start-up, most in one pass: {max(compiles) if compiles else 'n/a'} (goal 0)",
+        f"- pass-to-pass spread of tok/s, largest: "
+        f"{f'{100 * max(spreads):.1f}%' if spreads else '–'} (goal ≤ {100 * SPREAD_GOAL:.0f}%)",
+        f"- same output as the baseline, lowest share: {fmt(min(same)) if same else '–'}",
+    ]
+    return table(header, out) + "\n\n" + "\n".join(lines)
+
+
+def serve_section(res: dict) -> str:
+    s = res.get("settings", {})
+    note = (
+        f"Daemon subprocess per config (`model.source={s.get('source')}` "
+        f"{' '.join(s.get('model_overrides') or [])}), N concurrent protocol clients, "
+        f"{s.get('prompts')} prompts, greedy, `max_tokens` {s.get('max_tokens')}, max(N, "
+        f"{s.get('num_requests')}) streamed requests per pass. tok/s = output tokens / wall time of the "
+        "pass; TTFT = send → first chunk with tokens; ITL = gap between chunks / tokens in the chunk "
+        "(one sample per token); compiles = delta of the daemon's `num_compiles_after_start` over the "
+        "pass (n/a: not reported by this daemon); same output = share of requests whose token ids equal "
+        "the baseline's pass-1 output for the prompt at the same N; accept. = accepted / proposed."
+    )
+    return "\n".join([
+        "### Serving benchmark (bench=serve)", "", note, "", configs_table(res), "",
+        rows_table(res["rows"]), "", "Targets (issue 12):", "", targets_table(res), "",
+    ])  # fmt: skip
