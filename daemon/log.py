@@ -1,10 +1,14 @@
 """SQLite decision log (sqlite-utils, WAL): one row per run, request, step and request-in-step.
 
 The engine thread only enqueues (``put_nowait``; a full queue drops and counts); a background thread
-owns the connection (log_store.py) and writes in batches, one transaction per flush. A failed write
-(disk full, read-only file, locked database) is counted and reported once; serving continues and later
-flushes retry. The schema, its config and the reader :func:`open_log` are in log_schema.py (re-exported
-here); docs/logging.md documents the tables.
+owns the connection (log_store.py) and writes in batches, one transaction per flush. Every record
+enqueued gets a sequence number (1, 2, ...; FIFO, so committing record n commits every record before
+it); after each write the writer thread publishes :attr:`LogWriter.settled_seq` and calls the
+:meth:`LogWriter.on_settled` listeners, which is how serving holds a request's ``done`` until its row
+is committed (``log.durable``: group commit, a finished request's row starts a write within
+``log.commit_interval_ms``). A failed write (disk full, read-only file, locked database) is counted and
+reported once; serving continues and later flushes retry. The schema and the reader :func:`open_log`
+are in log_schema.py (re-exported here); docs/logging.md documents the tables.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specsched.daemon.log_config import LogConfig
@@ -64,6 +69,12 @@ class LogWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=cfg.queue_max)
         self._lock = threading.Lock()  # guards the counters written from the serving threads
         self._num_dropped = 0
+        self._put_lock = threading.Lock()  # a sequence number and its place in the queue go together
+        self._num_enqueued = 0  # the sequence number of the latest record on the queue
+        self._num_taken = 0  # writer thread: records taken off the queue (the same numbering)
+        self._settled_seq = 0  # records 1..settled_seq are committed, or failed/dropped and counted
+        self._listeners: list[Callable[[int], None]] = []
+        self._is_listener_broken = False
         self._is_closed = False
         self._run_started = False
         self._store = LogStore(self.path, cfg, self._drop)  # the writer thread's state
@@ -93,9 +104,10 @@ class LogWriter:
             raise ctl.error
         return self._store.run_id
 
-    def write_step(self, record: StepRecord) -> None:
-        """Enqueue one step (→ ``steps`` + ``step_requests``). The record must not be mutated afterwards."""
-        self._put(record)
+    def write_step(self, record: StepRecord) -> int | None:
+        """Enqueue one step (→ ``steps`` + ``step_requests``); returns its sequence number (None: dropped).
+        The record must not be mutated afterwards."""
+        return self._put(record)
 
     def write_request(
         self,
@@ -110,9 +122,11 @@ class LogWriter:
         finish_reason: str | None,
         proposed: int,
         accepted: int,
-    ) -> None:
-        """Enqueue one finished request (→ ``requests``). Times are ``time.time()`` seconds."""
-        self._put(
+    ) -> int | None:
+        """Enqueue one finished request (→ ``requests``); returns its sequence number (None: dropped,
+        counted). Times are ``time.time()`` seconds. With ``log.durable`` it is committed (with all that
+        was enqueued before it: the request's steps) within about ``log.commit_interval_ms``."""
+        return self._put(
             {
                 "request_id": request_id,
                 "client": client.hex() if isinstance(client, bytes) else client,
@@ -143,6 +157,21 @@ class LogWriter:
         self._control("stop", timeout)
         self._thread.join(timeout)
 
+    def on_settled(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(settled_seq)`` on the writer thread after every write attempt (and at close).
+        It must be quick and must not block: it runs between two commits."""
+        self._listeners.append(listener)
+
+    @property
+    def settled_seq(self) -> int:
+        """Records 1..settled_seq are settled: committed to the file, or their write failed (counted in
+        ``num_failures``; they stay queued for a retry) or they were dropped (``num_dropped``)."""
+        return self._settled_seq
+
+    @property
+    def is_durable(self) -> bool:
+        return self.cfg.durable
+
     def __enter__(self) -> LogWriter:
         return self
 
@@ -169,19 +198,25 @@ class LogWriter:
     def last_error(self) -> str | None:
         return self._store.last_error
 
-    def _put(self, item) -> None:
+    def _put(self, item) -> int | None:
         if not self._run_started:
             raise RuntimeError("call LogWriter.start_run before writing steps or requests")
         if self._is_closed:
             self._drop()
-            return
+            return None
         if self._queue.qsize() + self._store.num_pending >= self.cfg.queue_max:
             self._drop()  # log.queue_max bounds the queue and the retry buffer together
-            return
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            self._drop()
+            return None
+        with self._put_lock:
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                pass
+            else:
+                self._num_enqueued += 1
+                return self._num_enqueued
+        self._drop()
+        return None
 
     def _drop(self, n: int = 1, quiet: bool = False) -> None:
         with self._lock:
@@ -205,33 +240,57 @@ class LogWriter:
 
     # ---- writer thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
+        """Take records until the flush interval ends, ``batch_size`` are waiting or a control arrives;
+        with ``durable``, a request row shortens the wait to the next commit slot (group commit: at
+        most one write per ``commit_interval_ms``, with everything queued by then). Write, settle."""
         cfg, store = self.cfg, self._store
+        commit_s = cfg.commit_interval_ms / 1e3
+        last_write = -commit_s
         while True:
             controls: list[_Control] = []
             deadline = time.monotonic() + cfg.flush_interval_s
             num_new = 0
             while num_new < cfg.batch_size and not controls:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    item = self._queue.get(timeout=remaining)
+                try:  # past the deadline: still take what is queued already, without waiting
+                    item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if isinstance(item, _Control):
                     controls.append(item)
-                else:
-                    store.buffer(item)
-                    num_new += 1
+                    continue
+                store.buffer(item)
+                num_new += 1
+                if cfg.durable and isinstance(item, dict):  # a finished request: its done is waiting
+                    deadline = min(deadline, max(time.monotonic(), last_write + commit_s))
+            self._num_taken += num_new
             for ctl in controls:
                 if ctl.run_row is not None:
                     store.run_row = ctl.run_row
-            ok = store.write() if (num_new or controls or store.has_pending) else True
+            ok = True
+            if num_new or controls or store.has_pending:
+                last_write = time.monotonic()
+                ok = store.write()
             for ctl in controls:
-                ctl.ok, ctl.error = ok, store.fatal
                 if ctl.kind == "stop":
                     store.discard_pending()  # what the last write could not store is lost: count it
                     store.close()
-                    ctl.done.set()
-                    return
+            self._settle()
+            for ctl in controls:
+                ctl.ok, ctl.error = ok, store.fatal
                 ctl.done.set()
+                if ctl.kind == "stop":
+                    return
+
+    def _settle(self) -> None:
+        """Publish how far the queue is settled and tell the listeners (serving releases held dones)."""
+        if self._num_taken == self._settled_seq:
+            return
+        self._settled_seq = self._num_taken
+        for listener in self._listeners:
+            try:
+                listener(self._settled_seq)
+            except Exception:  # noqa: BLE001 -- a listener's bug must not stop the writer
+                if not self._is_listener_broken:
+                    self._is_listener_broken = True
+                    logger.exception("decision log %s: a settle listener failed (reported once)", self.path)

@@ -8,7 +8,11 @@ from dataclasses import dataclass
 @dataclass
 class LogConfig:
     path: str | None = None  # SQLite file; None = no log
-    flush_interval_s: float = 0.5  # longest a record waits in memory (what a crash can lose)
+    # durable: a request's done leaves only once its requests row (and its steps) are committed
+    # (group commit, docs/logging.md); false: done at once, a kill -9 loses up to flush_interval_s
+    durable: bool = True
+    commit_interval_ms: float = 2.0  # durable: at most one commit per interval while requests finish
+    flush_interval_s: float = 0.5  # longest a step record waits in memory (durable=false: any record)
     batch_size: int = 256  # records that trigger a write before the interval ends
     queue_max: int = 100_000  # records held in memory at most (queue + retry buffer); more are dropped
     busy_timeout_s: float = 1.0  # wait for a locked database before counting the write as failed
@@ -16,6 +20,10 @@ class LogConfig:
     def __post_init__(self) -> None:
         if self.path is not None and not str(self.path).strip():
             raise ValueError("log.path must be a file path or null (no log), got an empty string")
+        if not isinstance(self.durable, bool):
+            raise ValueError(f"log.durable must be true or false, got {self.durable!r}")
+        if not 0 <= self.commit_interval_ms <= 1000:
+            raise ValueError(f"log.commit_interval_ms must be in [0, 1000], got {self.commit_interval_ms}")
         if not self.flush_interval_s > 0:
             raise ValueError(f"log.flush_interval_s must be > 0, got {self.flush_interval_s}")
         if self.batch_size < 1:

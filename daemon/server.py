@@ -30,6 +30,7 @@ from specsched.daemon.io_thread import IOThread
 from specsched.daemon.limits import DaemonConfig
 from specsched.daemon.protocol import HealthReply, Message, StatsReply
 from specsched.daemon.serving import Serving
+from specsched.kernels.compile_watch import compile_watch
 
 logger = logging.getLogger(__name__)
 __all__ = ["DaemonConfig", "Server"]
@@ -52,6 +53,7 @@ class Server:
         self._threads: list[threading.Thread] = []
         self._ctx: zmq.Context | None = None
         self._router = self._wake_rx = self._wake_tx = None
+        self._wake_lock = threading.Lock()  # the engine thread and the log's writer thread both wake
         self._curve: CurveServer | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -99,6 +101,9 @@ class Server:
         if cfg.heartbeat_ivl_ms:
             self._router.setsockopt(zmq.HEARTBEAT_IVL, cfg.heartbeat_ivl_ms)
             self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, cfg.heartbeat_timeout_ms)
+        watch = compile_watch()
+        watch.mark_ready()  # start-up is over: a Triton variant built from now on is a serving stall
+        logger.info("%d Triton kernel variants built before listening", watch.num_built)
         try:
             self._router.bind(cfg.endpoint)
         except zmq.ZMQError as e:
@@ -142,7 +147,9 @@ class Server:
             except Exception:  # noqa: BLE001
                 logger.exception("closing the decision log failed")
         if self._ctx is not None:
-            for sock, linger in ((self._wake_tx, 0), (self._wake_rx, 0), (self._router, self.cfg.linger_ms)):
+            with self._wake_lock:
+                wake_tx, self._wake_tx = self._wake_tx, None
+            for sock, linger in ((wake_tx, 0), (self._wake_rx, 0), (self._router, self.cfg.linger_ms)):
                 if sock is not None:
                     sock.close(linger=linger)
             if self._curve is not None:
@@ -176,10 +183,14 @@ class Server:
         self._outbox.put((client, msg))
 
     def _wake(self) -> None:
-        try:
-            self._wake_tx.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # a wake-up is already pending
+        """Wake the IO thread (thread-safe: the lock serializes the socket's users, as zmq requires)."""
+        with self._wake_lock:
+            if self._wake_tx is None:
+                return
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # a wake-up is already pending
 
     # ---- info (read by the IO thread) -------------------------------------------------------------
     def health_reply(self, request_id: str | None) -> HealthReply:

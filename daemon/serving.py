@@ -7,6 +7,11 @@ tokenizer or the engine), tracks each one's text and stop strings (request_strea
 step's :class:`RequestOutput` s into messages for the IO thread as soon as the step ends. It also runs
 each request's deadline (``generate.timeout``, ``daemon.request_timeout_s``) and keeps the counters of
 ``stats`` (stats.py).
+
+With a durable decision log (``log.durable``, the default), a request's last message (``done``, or the
+``error`` of a failed step) is held in :class:`HeldReplies` until the log's writer thread has committed
+the request's row, and released from that thread; chunks stream as before. The engine thread never
+waits for the disk (only at shutdown, where it flushes the log so that every held reply leaves).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from __future__ import annotations
 import heapq
 import logging
 import queue
+import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 
 from specsched.daemon.admission import build_request, engine_error, request_key
@@ -30,6 +36,45 @@ from specsched.models.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 __all__ = ["Admit", "CancelRequest", "Command", "DropClient", "Serving", "Shutdown"]
+
+
+class HeldReplies:
+    """Final replies waiting for their request's log row: ``send_after(seq, ...)`` holds a reply until
+    the log has settled record ``seq`` (committed it, or counted its failed write: durability then does
+    not hold, but the client is answered), then the writer thread puts it in the outbox (``send``) and
+    wakes the IO thread (``flush``). Both callables must be thread-safe."""
+
+    def __init__(self, log, send: Callable[[bytes, Message], None], flush: Callable[[], None]) -> None:
+        self.log, self.send, self.flush = log, send, flush
+        self._held: deque[tuple[int, bytes, Message]] = deque()  # ascending seq (one producer thread)
+        self._lock = threading.Lock()
+        self.num_released = 0
+        log.on_settled(self.release)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def send_after(self, seq: int, client: bytes, msg: Message) -> None:
+        with self._lock:  # the check and the append are one step: a release cannot slip in between
+            if seq > self.log.settled_seq:
+                self._held.append((seq, client, msg))
+                return
+            self.send(client, msg)
+
+    def release(self, settled_seq: float) -> None:
+        """Send every held reply whose record is settled, in order (the writer thread calls this)."""
+        with self._lock:
+            num = 0
+            while self._held and self._held[0][0] <= settled_seq:
+                _, client, msg = self._held.popleft()
+                self.send(client, msg)
+                num += 1
+            self.num_released += num
+        if num:
+            self.flush()
+
+    def release_all(self) -> None:
+        self.release(float("inf"))
 
 
 class Serving:
@@ -49,32 +94,44 @@ class Serving:
         self._deadline: float | None = None  # shutdown: abort what is left at this monotonic time
         self._is_log_broken = False
         self._chained_on_step = None  # an on_step callback the engine had before serving started
+        is_durable = log is not None and getattr(log, "is_durable", False)
+        self.held = HeldReplies(log, send, flush) if is_durable else None
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self, inbox: queue.Queue) -> None:
         """Drain commands, step, publish; returns once a :class:`Shutdown` has been carried out."""
         idle_s = self.cfg.idle_sleep_ms / 1e3
         self._chained_on_step, self.engine.on_step = self.engine.on_step, self._on_step
-        while True:
-            is_idle = not self.engine.has_unfinished and self._deadline is None
-            try:
-                self._handle_safely(inbox.get(timeout=idle_s) if is_idle else inbox.get_nowait())
-                while True:
-                    self._handle_safely(inbox.get_nowait())
-            except queue.Empty:
-                pass
-            if self._deadline is not None and (
-                not self.engine.has_unfinished or time.monotonic() >= self._deadline
-            ):
-                self.abort_all(FinishReason.ABORT)
+        try:
+            while True:
+                is_idle = not self.engine.has_unfinished and self._deadline is None
+                try:
+                    self._handle_safely(inbox.get(timeout=idle_s) if is_idle else inbox.get_nowait())
+                    while True:
+                        self._handle_safely(inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                if self._deadline is not None and (
+                    not self.engine.has_unfinished or time.monotonic() >= self._deadline
+                ):
+                    self.abort_all(FinishReason.ABORT)
+                    self.publish()
+                    return
+                self.expire()
+                if self.engine.has_unfinished:
+                    self.step()
                 self.publish()
                 self.flush()
-                return
-            self.expire()
-            if self.engine.has_unfinished:
-                self.step()
-            self.publish()
+        finally:
+            self.release_held()
             self.flush()
+
+    def release_held(self) -> None:
+        """Shutdown (or a dying engine thread): commit the log, then let every held reply go, whether
+        or not the commit worked (the IO thread sends them before it stops)."""
+        if self.held is not None and len(self.held):
+            self._log_call(self.log.flush)
+            self.held.release_all()
 
     def _handle_safely(self, cmd: Command) -> None:
         try:
@@ -214,12 +271,13 @@ class Serving:
 
     def _finish(self, st: RequestStream, reason: str, reply: bool = True, error: str | None = None) -> None:
         text, _ = st.advance([], finishing=True)  # what was held back (nothing after a normal finish)
+        last: Message | None = None  # the request's last message: sent once its log row is settled
         if reply and error is not None:
-            self.send(st.client, Error(st.id, ErrorCode.INTERNAL.value, error))
+            last = Error(st.id, ErrorCode.INTERNAL.value, error)
         elif reply:
             if st.is_streaming and text:
                 self.send(st.client, Chunk(st.id, [], text))
-            self.send(st.client, st.done(reason))
+            last = st.done(reason)
         kinds = {"stop": "done", "length": "done", "abort": "aborted", "timeout": "timed_out"}
         self.counts[kinds.get(reason, "errored")] += 1
         del self.streams[st.key]
@@ -227,8 +285,9 @@ class Serving:
         keys.discard(st.key)
         if not keys:
             del self.by_client[st.client]
+        seq = None
         if self.log is not None:
-            self._log_call(
+            seq = self._log_call(
                 self.log.write_request,
                 st.key,
                 client=st.client,
@@ -241,10 +300,16 @@ class Serving:
                 proposed=st.proposed,
                 accepted=st.accepted,
             )
+        if last is None:
+            return
+        if self.held is not None and isinstance(seq, int):
+            self.held.send_after(seq, st.client, last)
+        else:  # no log, log.durable=false, or the row was dropped (counted): nothing to wait for
+            self.send(st.client, last)
 
-    def _log_call(self, fn, *args, **kwargs) -> None:
+    def _log_call(self, fn, *args, **kwargs):
         try:
-            fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         except Exception:  # noqa: BLE001 -- the log must never stop serving
             if not self._is_log_broken:
                 self._is_log_broken = True
