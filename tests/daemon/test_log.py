@@ -106,7 +106,8 @@ def test_steps_from_another_thread_all_present(tmp_path):
 
 def test_requests_and_flush(tmp_path):
     path = tmp_path / "log.sqlite"
-    w = LogWriter(LogConfig(path=str(path), flush_interval_s=30.0))  # only explicit flushes write
+    # durable=false: only explicit flushes write (durable would commit request rows at once)
+    w = LogWriter(LogConfig(path=str(path), flush_interval_s=30.0, durable=False))
     w.start_run({}, model="m", device="cpu", version="v")
     w.write_request(
         "a",
@@ -139,6 +140,102 @@ def test_requests_and_flush(tmp_path):
     assert (rows["a"]["output_tokens"], rows["a"]["accepted"], rows["a"]["run_id"]) == (7, 4, w.run_id)
     assert rows["b"]["first_token_time"] is None and rows["b"]["finish_reason"] == "abort"
     w.close()
+
+
+def request_row(w: LogWriter, rid: str) -> int | None:
+    return w.write_request(
+        rid,
+        client=b"\x01",
+        arrival=1.0,
+        first_token_time=1.1,
+        finish_time=1.2,
+        prompt_tokens=3,
+        output_tokens=2,
+        finish_reason="length",
+        proposed=0,
+        accepted=0,
+    )
+
+
+def wait_settled(w: LogWriter, seq: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while w.settled_seq < seq:
+        assert time.monotonic() < deadline, f"record {seq} not settled (at {w.settled_seq})"
+        time.sleep(0.002)
+
+
+def count(path, table: str) -> int:
+    db = sqlite3.connect(path)  # another connection: sees committed rows only
+    try:
+        return db.execute(f"select count(*) from {table}").fetchone()[0]
+    finally:
+        db.close()
+
+
+def test_durable_request_row_commits_itself_and_the_steps_before_it(tmp_path):
+    """A request row starts a commit within commit_interval_ms (not the 30 s flush interval), with
+    the steps queued before it; the listener hears the settled sequence number."""
+    path = tmp_path / "log.sqlite"
+    w = LogWriter(LogConfig(path=str(path), flush_interval_s=30.0))  # durable is the default
+    assert w.is_durable
+    w.start_run({}, model="m", device="cpu", version="v")
+    heard: list[int] = []
+    w.on_settled(heard.append)
+    rng = random.Random(7)
+    assert [w.write_step(make_record(i, rng)) for i in range(3)] == [1, 2, 3]
+    time.sleep(0.2)
+    assert w.settled_seq == 0 and heard == []  # steps alone wait for the flush interval
+    t = time.monotonic()
+    assert request_row(w, "a") == 4
+    wait_settled(w, 4)
+    assert time.monotonic() - t < 5.0
+    assert heard == [4]
+    assert (count(path, "requests"), count(path, "steps")) == (1, 3)
+    w.close()
+
+
+def test_durable_group_commit_batches_many_requests(tmp_path):
+    """200 request rows enqueued at once settle in a few commits, not 200."""
+    path = tmp_path / "log.sqlite"
+    w = LogWriter(LogConfig(path=str(path), flush_interval_s=30.0, commit_interval_ms=20.0))
+    w.start_run({}, model="m", device="cpu", version="v")
+    heard: list[int] = []
+    w.on_settled(heard.append)
+    seqs = [request_row(w, f"r{i}") for i in range(200)]
+    assert seqs == list(range(1, 201))
+    wait_settled(w, 200)
+    assert heard == sorted(heard) and heard[-1] == 200
+    assert len(heard) < 20, heard
+    assert count(path, "requests") == 200
+    w.close()
+
+
+def test_durable_failed_write_still_settles_and_retries(tmp_path):
+    """A locked database: the request is settled (its done may go: counted in num_failures) and its
+    row is written once the lock is gone."""
+    path = tmp_path / "log.sqlite"
+    w = LogWriter(LogConfig(path=str(path), flush_interval_s=0.05, busy_timeout_s=0.02))
+    w.start_run({}, model="m", device="cpu", version="v")
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    seq = request_row(w, "a")
+    wait_settled(w, seq)
+    assert w.num_failures >= 1
+    other.execute("ROLLBACK")
+    assert w.flush(timeout=5)
+    assert count(path, "requests") == 1
+    w.close()
+
+
+def test_loose_mode_does_not_commit_before_the_flush_interval(tmp_path):
+    path = tmp_path / "log.sqlite"
+    w = LogWriter(LogConfig(path=str(path), flush_interval_s=30.0, durable=False))
+    w.start_run({}, model="m", device="cpu", version="v")
+    assert request_row(w, "a") == 1
+    time.sleep(0.2)
+    assert w.settled_seq == 0 and count(path, "requests") == 0
+    w.close()
+    assert w.settled_seq == 1 and count(path, "requests") == 1
 
 
 def test_restart_appends_a_run(tmp_path):
@@ -301,6 +398,8 @@ def test_open_log_rejects_garbage_and_foreign_files(tmp_path):
         ({"batch_size": 0}, "batch_size"),
         ({"queue_max": 10, "batch_size": 20}, "queue_max"),
         ({"busy_timeout_s": -1}, "busy_timeout_s"),
+        ({"commit_interval_ms": -1}, "commit_interval_ms"),
+        ({"durable": "yes"}, "durable"),
     ],
 )
 def test_log_config_validation(kw, name):
