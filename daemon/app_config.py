@@ -26,6 +26,7 @@ from specsched.engine.config import (
     SchedulerConfig,
     SpecConfig,
 )
+from specsched.scorers.registry import default_scorer_names
 
 
 @dataclass
@@ -99,11 +100,20 @@ class GenerateConfig(AppConfig):
             raise ValueError('give exactly one of prompt="..." or prompt_ids=[...]')
 
 
+def machine_device_type() -> str:
+    """``cuda`` when this machine has a CUDA device (what ``model.device=auto`` picks), else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def register_configs() -> None:
-    """Register the schemas (group ``schema``, selected by conf/config.yaml and conf/generate.yaml)."""
+    """Register the schemas (group ``schema``, selected by conf/config.yaml and conf/generate.yaml)
+    and the ``scorer=auto`` option: this machine's default scorers, so ``--cfg job`` lists them."""
     cs = ConfigStore.instance()
     cs.store(group="schema", name="serve", node=AppConfig)
     cs.store(group="schema", name="generate", node=GenerateConfig)
+    cs.store(group="scorer", name="auto", node={"names": default_scorer_names(machine_device_type())})
 
 
 def to_engine_config(app: AppConfig) -> EngineConfig:

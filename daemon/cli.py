@@ -61,9 +61,9 @@ def version() -> str:
 
 
 def _setup(cfg: DictConfig) -> AppConfig:
-    logging.basicConfig(
-        level=load_settings().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    settings = load_settings()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings.apply_triton_cache()
     try:
         return resolve(cfg)
     except ValueError as e:

@@ -42,6 +42,7 @@ from specsched.daemon.protocol import (
     encode,
 )
 from specsched.engine.stats import rss_bytes
+from specsched.kernels.compile_watch import compile_watch
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +224,7 @@ class IOThread:
     def _stats_reply(self, request_id: str | None) -> StatsReply:
         """The engine thread's latest snapshot, completed with what the IO thread and the server count."""
         server, snap, log = self.server, self.server.stats_snapshot, self.server.log
+        watch = compile_watch()
         return dataclasses.replace(
             snap,
             id=request_id,
@@ -234,4 +236,6 @@ class IOThread:
             num_auth_denied=server.num_auth_denied,
             num_clients=len(self._inflight),
             rss_bytes=rss_bytes(),
+            num_kernels_built_at_start=watch.num_built - watch.num_after_ready,
+            num_compiles_after_start=watch.num_after_ready,
         )

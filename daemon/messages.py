@@ -193,6 +193,8 @@ class StatsReply:
     num_auth_denied: int = 0  # CURVE handshakes refused (client key not allowed)
     num_clients: int = 0  # connections with requests in flight
     rss_bytes: int = 0  # the daemon's resident memory (VmRSS); 0 where /proc is not available
+    num_kernels_built_at_start: int = 0  # Triton kernel variants built before the daemon listened
+    num_compiles_after_start: int = 0  # Triton variants built while serving (a stall each; 0 = warm)
 
 
 @dataclass

@@ -30,6 +30,7 @@ class EngineParts:
     device: torch.device
     max_model_len: int
     eos_token_ids: list[int]
+    warmup: object | None = None  # engine.warmup.WarmupReport: what the start-up warm-up built
 
 
 def size_kv_cache(cfg: EngineConfig, model: LlamaForCausalLM, draft_layers: int) -> int:
@@ -49,11 +50,12 @@ def size_kv_cache(cfg: EngineConfig, model: LlamaForCausalLM, draft_layers: int)
 
 
 def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
+    from specsched.engine.warmup import warm_up_engine
     from specsched.models.loader import load_model
     from specsched.policies.registry import build_policy
     from specsched.proposers.registry import build_proposers
     from specsched.scorers.graph import GraphConfig, attach_draft_graphs, graph_buckets_of
-    from specsched.scorers.registry import build_scorers
+    from specsched.scorers.registry import build_scorers, default_scorer_names
 
     loaded = load_model(cfg.model)
     model = loaded.model
@@ -78,11 +80,12 @@ def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
     kv = model.allocate_kv_cache(num_blocks, cfg.cache.block_size)
     max_len = min(cfg.model.max_model_len or model.cfg.max_position, model.cfg.max_position)
     graphs = GraphConfig.for_engine(cfg, max_len, enabled=cfg.model.cuda_graphs)
-    scorers = build_scorers(cfg.spec.scorers, model, kv, cfg.cache.block_size, graphs)
+    names = cfg.spec.scorers or default_scorer_names(model.lm_head.weight.device.type)
+    scorers = build_scorers(names, model, kv, cfg.cache.block_size, graphs)
     proposers = build_proposers(cfg.spec, model, num_blocks, cfg.cache.block_size, draft)
     if "draft" in proposers:
         attach_draft_graphs(proposers["draft"], graphs, cfg.cache.block_size)
-    return EngineParts(
+    parts = EngineParts(
         model=model,
         tokenizer=loaded.tokenizer,
         kv_cache=kv,
@@ -97,6 +100,8 @@ def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
         max_model_len=max_len,
         eos_token_ids=list(model.cfg.eos_token_ids),
     )
+    parts.warmup = warm_up_engine(cfg, parts)
+    return parts
 
 
 def merge_proposals(

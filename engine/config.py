@@ -19,10 +19,15 @@ class ModelConfig:
     cache_dir: str | None = None  # converted weights cache; None = $SPECSCHED_CACHE_DIR or ~/.cache/specsched
     max_model_len: int | None = None  # None = the model's own
     cuda_graphs: bool = True  # capture batch-expansion / MQA / draft graphs on CUDA
+    # Build every Triton kernel variant serving can launch at start-up (engine/warmup.py), so none
+    # compiles while serving: auto = on CUDA, on, off.
+    kernel_warmup: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.kernel_warmup not in ("auto", "on", "off"):
+            raise ValueError(f"model.kernel_warmup must be auto, on or off, got {self.kernel_warmup!r}")
 
 
 @dataclass
@@ -85,7 +90,7 @@ class SpecConfig:
     """Speculation: the proposer, the scorers to build, the max k, and the policy that picks."""
 
     proposer: str = "ngram"  # none | ngram | draft | synthetic
-    scorers: list[str] = field(default_factory=lambda: ["batch_expansion", "mqa"])
+    scorers: list[str] | None = None  # None = by device: scorers.registry.default_scorer_names
     max_k: int = 8
     ngram: NgramConfig = field(default_factory=NgramConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
@@ -94,8 +99,8 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.max_k < 0:
             raise ValueError(f"spec.max_k must be >= 0, got {self.max_k}")
-        if not self.scorers:
-            raise ValueError("spec.scorers must name at least one scorer")
+        if self.scorers is not None and not self.scorers:
+            raise ValueError("spec.scorers must name at least one scorer (or be null: by device)")
 
 
 @dataclass

@@ -42,6 +42,7 @@ class Engine:
         self.policy = policy or p.policy
         self.model_name, self.device = p.model_name, p.device
         self.max_model_len = p.max_model_len
+        self.warmup = p.warmup  # engine.warmup.WarmupReport, or None when no warm-up ran
         self.eos_token_ids = set(p.eos_token_ids)
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, p.num_blocks)
         self.requests: dict[str, Request] = {}

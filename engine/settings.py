@@ -27,6 +27,12 @@ class Settings:
 
     cache_dir: str = ""  # converted weights etc.; "" = ~/.cache/specsched
     log_level: str = "INFO"  # python logging level of the CLI entry points
+    triton_cache_dir: str = ""  # Triton's on-disk kernel cache; "" = <cache_dir>/triton
+
+    def apply_triton_cache(self) -> str:
+        """Point Triton's on-disk kernel cache (``TRITON_CACHE_DIR``) at ours unless the user set it,
+        so a restart loads the start-up warm-up's kernels instead of compiling them; returns it."""
+        return os.environ.setdefault("TRITON_CACHE_DIR", self.triton_cache_dir)
 
     def __post_init__(self) -> None:
         level = self.log_level.upper()
@@ -36,6 +42,8 @@ class Settings:
             )
         object.__setattr__(self, "log_level", level)
         object.__setattr__(self, "cache_dir", os.path.expanduser(self.cache_dir or _default_cache_dir()))
+        triton_dir = os.path.expanduser(self.triton_cache_dir or os.path.join(self.cache_dir, "triton"))
+        object.__setattr__(self, "triton_cache_dir", triton_dir)
 
     @classmethod
     def variables(cls) -> dict[str, str]:

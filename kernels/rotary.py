@@ -29,6 +29,7 @@ from specsched.kernels.triton_utils import (
     emulate_bf16,
     round_to,
     row_major,
+    runtime_args,
 )
 
 _MAX_TILE = 2048  # elements of one head-block tile (bounds registers per program)
@@ -86,7 +87,7 @@ def _rope_heads(
         tl.store(dst_ptr + off1 + HALF, round_to(o2, dtype, EMULATE_BF16), mask=mask)
 
 
-@triton.jit
+@triton.jit(**runtime_args(pointers=("slot_ptr",)))
 def _rotary_store_kv_kernel(
     qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
     stride_qkv, stride_cos, stride_sin, stride_q, stride_slot,

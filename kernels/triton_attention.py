@@ -34,6 +34,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from specsched.kernels.metadata import AttentionMetadata, check_attention_args
+from specsched.kernels.triton_utils import runtime_args
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -76,7 +77,7 @@ def _attn_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(**runtime_args(ints=("stride_bt",), pointers=("cu_q_ptr", "seq_k_ptr", "bt_ptr")))
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, seq_k_ptr, bt_ptr, ws_ml_ptr, ws_acc_ptr, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -150,7 +151,7 @@ def _paged_attn_kernel(
         tl.store(ws_acc_ptr + ws[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_valid[:, None])
 
 
-@triton.jit
+@triton.jit(**runtime_args(ints=("num_rows",), pointers=("cu_q_ptr",)))
 def _combine_splits_kernel(
     o_ptr, cu_q_ptr, ws_ml_ptr, ws_acc_ptr, num_rows, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
@@ -174,7 +175,7 @@ def _combine_splits_kernel(
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(**runtime_args(pointers=("slot_ptr",)))
 def _store_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_vt, stride_ct,
     ROW: tl.constexpr, BLOCK: tl.constexpr,

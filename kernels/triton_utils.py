@@ -13,6 +13,8 @@ are handled here:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -20,6 +22,25 @@ from triton.runtime.interpreter import InterpretedFunction
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NO_FP_FUSION = {"enable_fp_fusion": False}  # launch kwarg: no a*b+c -> fma contraction
+
+
+def runtime_args(ints: tuple[str, ...] = (), pointers: tuple[str, ...] = ()) -> dict:
+    """``triton.jit`` options that keep arguments whose values vary while serving out of the kernel's
+    cache key, so they do not multiply its compiled variants (each new one is a compile in serving).
+
+    Triton specialises an int argument on ``== 1`` and on divisibility by 16, and a pointer on 16-byte
+    alignment. ``ints`` lose both (``do_not_specialize`` + ``do_not_specialize_on_alignment``);
+    ``pointers`` lose the alignment one. Meant for metadata (block tables, lengths, slot maps: slices
+    of one packed buffer whose alignment depends on the batch) and batch-dependent ints, where the
+    specialisation buys nothing; not for the activation/weight tensors whose aligned loads matter.
+    """
+    params = inspect.signature(triton.jit).parameters
+    out: dict = {}
+    if ints and "do_not_specialize" in params:
+        out["do_not_specialize"] = list(ints)
+    if (ints or pointers) and "do_not_specialize_on_alignment" in params:
+        out["do_not_specialize_on_alignment"] = [*ints, *pointers]
+    return out
 
 
 @triton.jit

@@ -37,6 +37,10 @@ _STEP_COLUMNS = (
 ).split()
 
 
+# a log that names no scorer: the engine default before scorers were chosen by device
+_OLD_DEFAULT_SCORERS = ("batch_expansion", "mqa")
+
+
 class ReplayError(ValueError):
     """The log cannot be replayed (no runs, unknown run id, damaged rows); the message says why."""
 
@@ -87,7 +91,7 @@ class RunSettings:
             max_num_seqs=int(
                 pick("max_num_seqs", ("scheduler.max_num_seqs",), SchedulerConfig().max_num_seqs)
             ),
-            scorers=list(pick("scorers", ("scorer.names", "spec.scorers"), used or SpecConfig().scorers)),
+            scorers=list(pick("scorers", ("scorer.names", "spec.scorers"), used or _OLD_DEFAULT_SCORERS)),
             block_size=int(pick("block_size", ("cache.block_size",), 16)),
             num_blocks=get("cache.num_blocks"),
             policy=dict(policy) if policy is not None else None,

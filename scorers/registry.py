@@ -20,6 +20,15 @@ SCORERS: dict[str, type[Scorer]] = {  # the eager classes
 SCORER_NAMES = tuple(SCORERS)
 
 
+def default_scorer_names(device_type: str) -> list[str]:
+    """The scorers the policy chooses among unless the user narrows them: on CUDA both graph scorers
+    and the eager MQA one (ragged k outside the graph buckets); elsewhere the eager ones (without
+    CUDA, ``mqa_graph`` would only be the eager MQA scorer again)."""
+    if device_type == "cuda":
+        return ["batch_expansion", "mqa", "mqa_graph"]
+    return ["batch_expansion", "mqa"]
+
+
 def check_scorer_names(names: list[str]) -> None:
     unknown = [n for n in names if n not in SCORER_NAMES]
     if unknown:

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_module
 
+from specsched.daemon.app_config import machine_device_type
 from specsched.daemon.cli import (
     AppConfig,
     GenerateConfig,
@@ -23,6 +24,7 @@ from specsched.daemon.cli import (
 from specsched.daemon.log import open_log
 from specsched.engine.config import EngineConfig
 from specsched.engine.records import StepRecord, StepRequestRecord
+from specsched.scorers.registry import default_scorer_names
 
 BIN = os.path.dirname(sys.executable)
 TINY = ["model=tiny", "cache.num_blocks=64", "model.device=cpu"]
@@ -83,8 +85,19 @@ def test_cfg_job_prints_the_resolved_config_with_overrides(tmp_path):
     assert cfg["policy"]["name"] == "goodput" and cfg["policy"]["k_margin"] == 0.1
     assert cfg["daemon"]["endpoint"] == "tcp://127.0.0.1:5600"
     assert cfg["log"]["path"] == "run.sqlite"
-    assert cfg["scorer"]["names"] == ["batch_expansion", "mqa"]
+    assert cfg["scorer"]["names"] == default_scorer_names(machine_device_type())  # this machine's
     assert os.listdir(tmp_path) == []  # no outputs/, no .hydra/, no log files
+
+
+def test_default_scorers_follow_the_device_and_a_user_can_narrow_them(monkeypatch):
+    import specsched.daemon.app_config as app_config
+
+    assert default_scorer_names("cpu") == ["batch_expansion", "mqa"]
+    monkeypatch.setattr(app_config, "machine_device_type", lambda: "cuda")
+    assert compose_app(overrides=TINY).scorer.names == ["batch_expansion", "mqa", "mqa_graph"]
+    assert compose_app(overrides=[*TINY, "scorer=mqa"]).scorer.names == ["mqa"]
+    monkeypatch.setattr(app_config, "machine_device_type", lambda: "cpu")
+    assert compose_app(overrides=TINY).scorer.names == ["batch_expansion", "mqa"]
 
 
 def test_python_m_daemon_is_serve_and_fails_on_a_typo(tmp_path):

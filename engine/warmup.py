@@ -1,0 +1,149 @@
+"""Kernel warm-up at start-up: build every Triton variant the engine can launch before it serves.
+
+Two passes per model (the target, and a separate draft model when there is one):
+
+1. attention: every launch config of the serving domain (:mod:`specsched.kernels.attention_variants`),
+   one dummy launch each;
+2. forwards: the model's own forward over a ladder of token counts and rows (one-row prefill chunks
+   and many-row decode batches) on the pad block, which builds the RMSNorm, rotary + KV store and
+   SiLU-mul variants, and loads the GEMM kernels cuBLAS would otherwise load on first use.
+
+Graph capture (at scorer build) replays the same kernels, so it builds nothing new. Afterwards the
+daemon marks the compile watch ready (:mod:`specsched.kernels.compile_watch`); a variant built later
+is counted and named in a warning. Nothing is compiled off CUDA (torch kernels there; the
+interpreter compiles nothing), so the warm-up does nothing on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from specsched.engine.config import EngineConfig
+from specsched.kernels.compile_watch import compile_watch
+from specsched.kernels.metadata import build_metadata
+from specsched.models.llama import KVCache, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from specsched.kernels.attention_variants import AttentionDomain
+
+logger = logging.getLogger(__name__)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass
+class WarmupReport:
+    num_variants: int = 0  # Triton variants built during the warm-up (compiled or loaded from disk)
+    num_attention_configs: int = 0  # attention launch configs launched
+    num_forwards: int = 0
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        return (
+            f"kernel warm-up: {self.num_variants} Triton variants built ({self.num_attention_configs} "
+            f"attention launch configs, {self.num_forwards} forwards) in {self.seconds:.1f} s"
+        )
+
+
+def is_warmup_on(cfg: EngineConfig, device: torch.device) -> bool:
+    mode = cfg.model.kernel_warmup
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+def serving_domain(cfg: EngineConfig, model: LlamaForCausalLM, max_model_len: int) -> AttentionDomain:
+    """The attention launches of serving ``cfg``: batch-expansion rows up to max_num_seqs x (max_k + 1)
+    and multi-query rows up to max_num_seqs (each rounded up to a power of two: graph buckets pad
+    up to it), queries up to the prefill chunk, keys up to max_model_len."""
+    from specsched.kernels.attention_variants import AttentionDomain  # triton: imported on CUDA only
+
+    seqs, k = cfg.scheduler.max_num_seqs, cfg.spec.max_k
+    mc = model.cfg
+    return AttentionDomain(
+        num_heads=mc.num_heads, kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        max_rows_single=_pow2(seqs * (k + 1)),
+        max_rows_multi=_pow2(seqs),
+        max_q=max(cfg.scheduler.max_num_batched_tokens, k + 1),
+        max_keys=max_model_len,
+    )  # fmt: skip
+
+
+def forward_shapes(domain: AttentionDomain) -> list[tuple[int, int]]:
+    """(rows, query length per row) of the warm-up forwards: one-row chunks over a ladder of token
+    counts (odd and aligned sizes) up to the chunk budget, and single-query batches up to the rows."""
+    ladder = sorted({1, 2, 3, 5, 8, 13, 16, 17, 32, 33, 64, 100, 128, 256, 512, 1024, domain.max_q})
+    chunks = [(1, t) for t in ladder if t <= domain.max_q]
+    rows = [
+        r for r in (2, 3, 8, 17, 64, 128, 256, 512, domain.max_rows_single) if r <= domain.max_rows_single
+    ]
+    return chunks + [(r, 1) for r in sorted(set(rows))]
+
+
+@torch.inference_mode()
+def _warm_up_forwards(
+    model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, shapes: list[tuple[int, int]], bar
+) -> None:
+    dev = model.lm_head.weight.device
+    for rows, q in shapes:
+        blocks = -(-q // block_size)
+        meta = build_metadata([q] * rows, [q] * rows, [[0] * blocks for _ in range(rows)], block_size, dev)
+        positions = torch.arange(q, device=dev).repeat(rows)
+        ids = torch.zeros(rows * q, dtype=torch.int64, device=dev)
+        last = torch.arange(q - 1, rows * q, q, device=dev)
+        model(ids, positions, meta, kv_cache, last)
+        bar.update(1)
+
+
+def warm_up_model(
+    model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, domain: AttentionDomain, name: str
+) -> WarmupReport:
+    """Build ``model``'s kernel variants for ``domain``; returns what was built (also logged)."""
+    watch = compile_watch()
+    dev = model.lm_head.weight.device
+    t0, built0 = time.perf_counter(), watch.num_built
+    configs = []
+    if model.attn_backend == "triton":
+        from specsched.kernels.attention_variants import launch_configs
+
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+        configs = list(launch_configs(domain, num_sms))
+    shapes = forward_shapes(domain)
+    with tqdm(total=len(configs) + len(shapes), desc=f"kernel warm-up ({name})", unit="variant",
+              leave=False) as bar:  # fmt: skip
+        if configs:
+            from specsched.kernels.attention_variants import warm_up_attention
+
+            k_cache, v_cache = kv_cache[0]
+            warm_up_attention(configs, k_cache, v_cache, domain.num_heads, domain.head_dim**-0.5, bar.update)
+        _warm_up_forwards(model, kv_cache, block_size, shapes, bar)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    report = WarmupReport(watch.num_built - built0, len(configs), len(shapes), time.perf_counter() - t0)
+    logger.debug("%s: %s", name, report.describe())
+    return report
+
+
+def warm_up_engine(cfg: EngineConfig, parts) -> WarmupReport | None:
+    """The target's warm-up, then a separate draft model's (``parts``: the engine's EngineParts).
+    None when the warm-up is off (``model.kernel_warmup``; auto = on CUDA)."""
+    if not is_warmup_on(cfg, parts.device):
+        return None
+    bs = cfg.cache.block_size
+    domain = serving_domain(cfg, parts.model, parts.max_model_len)
+    total = warm_up_model(parts.model, parts.kv_cache, bs, domain, "target")
+    draft = parts.proposers.get("draft")
+    if draft is not None and getattr(draft, "model", None) is not parts.model:
+        d = warm_up_model(draft.model, draft.kv_cache, bs,
+                          serving_domain(cfg, draft.model, parts.max_model_len), "draft")  # fmt: skip
+        total = WarmupReport(total.num_variants + d.num_variants, total.num_attention_configs +
+                             d.num_attention_configs, total.num_forwards + d.num_forwards,
+                             total.seconds + d.seconds)  # fmt: skip
+    logger.info("%s", total.describe())
+    return total

@@ -1,0 +1,96 @@
+"""Start-up kernel warm-up: what it runs, that it leaves serving exactly as it was (it writes only the
+pad block), and (GPU) that serving after it builds no Triton variant."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specsched.engine.config import (
+    CacheConfig,
+    DraftConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
+from specsched.engine.engine import Engine
+from specsched.engine.request import SamplingParams
+from specsched.engine.warmup import forward_shapes, is_warmup_on, serving_domain
+from specsched.kernels.attention_variants import AttentionDomain
+
+
+def config(warmup: str, device: str = "cpu", dtype: str = "float32", **spec) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(source="tiny", device=device, dtype=dtype, kernel_warmup=warmup),
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48),
+        spec=SpecConfig(max_k=4, **spec),
+        policy={"name": "fixed", "k": 3, "scorer": "mqa"},
+    )
+
+
+def test_warm_up_is_on_cuda_by_default_and_validated():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not is_warmup_on(config("auto"), cpu) and is_warmup_on(config("auto"), cuda)
+    assert is_warmup_on(config("on"), cpu) and not is_warmup_on(config("off"), cuda)
+    with pytest.raises(ValueError, match="model.kernel_warmup must be auto, on or off, got 'yes'"):
+        ModelConfig(kernel_warmup="yes")
+
+
+def test_serving_domain_and_forward_shapes_cover_the_engines_launches():
+    cfg = config("on")
+    engine = Engine(cfg)
+    d = serving_domain(cfg, engine.model, engine.max_model_len)
+    assert d.max_rows_single >= 4 * (4 + 1) and d.max_rows_multi >= 4  # batch expansion rows, MQA rows
+    assert d.max_q == 48 and d.max_keys == engine.max_model_len
+    shapes = forward_shapes(AttentionDomain(9, 3, 64, 320, 64, 2048, 8192))
+    assert (1, 1) in shapes and (1, 2048) in shapes and (320, 1) in shapes  # both ends of both ladders
+    assert all(q <= 2048 for _, q in shapes) and all(r <= 320 for r, _ in shapes)
+
+
+def test_warm_up_on_cpu_runs_the_forwards_and_changes_no_output():
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(1, 60))] for _ in range(6)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True) for _ in prompts]
+    cold, warm = Engine(config("off", proposer="ngram")), Engine(config("on", proposer="ngram"))
+    assert cold.warmup is None
+    report = warm.warmup
+    assert report is not None and report.num_forwards == len(forward_shapes(serving_domain(
+        warm.cfg, warm.model, warm.max_model_len)))  # fmt: skip
+    assert report.num_attention_configs == 0  # the torch backend on CPU: no Triton attention
+    assert report.num_variants == 0  # nothing compiles on CPU
+    assert warm.generate(prompts, params) == cold.generate(prompts, params)
+    assert warm.num_free_blocks == warm.num_total_blocks  # the warm-up reserved nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_gpu_serving_after_the_warm_up_builds_no_variant(proposer):
+    from specsched.kernels.compile_watch import compile_watch
+
+    watch = compile_watch()
+    spec = {"draft": DraftConfig(source="tiny", seed=3)} if proposer == "draft" else {}
+    cfg = config("auto", device="cuda", dtype="bfloat16", proposer=proposer,
+                 scorers=["batch_expansion", "mqa", "mqa_graph"], **spec)  # fmt: skip
+    cfg.policy = {"name": "goodput"}
+    engine = Engine(cfg)
+    assert engine.warmup is not None and engine.warmup.num_forwards > 0
+    watch.mark_ready()
+    before = watch.num_after_ready
+    rng = random.Random(7)
+    for n in (1, 3, 4):  # batches of mixed prompt lengths (new prefill shapes) and k
+        prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(1, 120))] for _ in range(n)]
+        engine.generate(
+            prompts, [SamplingParams(max_tokens=rng.randint(4, 40), ignore_eos=True) for _ in prompts]
+        )
+    print(
+        "built at start-up:",
+        watch.num_built - watch.num_after_ready,
+        "after:",
+        watch.num_after_ready - before,
+    )
+    assert watch.num_after_ready == before, [e.signature for e in watch.after_ready()]
