@@ -54,7 +54,7 @@ cat "$OUT/env.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
 step test_kernels 150 python3 -m pytest -m gpu -q -rA -s tests/kernels/ || true
 step test_scorers 110 python3 -m pytest -m gpu -x -q -rA -s tests/scorers/ || true
-step test_other_gpu 60 python3 -m pytest -m gpu -q -rA --continue-on-collection-errors \
+step test_other_gpu 120 python3 -m pytest -m gpu -q -rA --continue-on-collection-errors \
   tests/models tests/proposers tests/policies tests/engine || true
 fi
 [ "${SKIP_BENCH:-0}" = 1 ] && { cat "$OUT/summary.txt"; exit 0; }
@@ -63,9 +63,9 @@ fi
 PRESET=bench=h200_quick  # a first override of the form bench=NAME picks another preset
 if [[ "${1:-}" == bench=* ]]; then PRESET=$1; shift; fi
 BENCH_ARGS=("$PRESET" "bench.out_dir=$OUT/bench" "bench.append_to=$OUT/benchmarks.md" "hydra.run.dir=$OUT/hydra")
-if [ -f "$GGUF" ]; then BENCH_ARGS+=("bench.real.source=$GGUF" "bench.peers.source=$GGUF")
+if [ -f "$GGUF" ]; then BENCH_ARGS+=("bench.real.source=$GGUF" "bench.peers.source=$GGUF" "bench.serve.source=$GGUF")
 else BENCH_ARGS+=(bench.real.enabled=false bench.peers.enabled=false); fi
-step bench 360 python3 -m specsched.bench.cli "${BENCH_ARGS[@]}" "$@" || true
+step bench "${BENCH_LIMIT_S:-360}" python3 -m specsched.bench.cli "${BENCH_ARGS[@]}" "$@" || true
 
 # (iii) what comes back: summary first, then the tables.
 echo; echo "################ summary"; cat "$OUT/summary.txt"
