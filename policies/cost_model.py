@@ -137,6 +137,7 @@ class CostModels:
         self.prior_rel_std = prior_rel_std
         self.expansion_scorers = tuple(expansion_scorers)
         self.models: dict[tuple[str, ...], OnlineLinearModel] = {}
+        self.num_decodes: dict[str, int] = {}  # plain decode steps (every k = 0) observed per scorer
         self.seed_defaults(device)
 
     # ---- models and priors ----
@@ -146,6 +147,7 @@ class CostModels:
             raise ValueError(f"no cost-model priors for device {device!r}; known: {sorted(PRIORS)}")
         self.device = device
         self.models.clear()
+        self.num_decodes.clear()
 
     def _prior(self, key: tuple[str, ...]) -> list[float]:
         table = PRIORS[self.device][key[0]]
@@ -177,6 +179,13 @@ class CostModels:
         return score_features(s, scorer in self.expansion_scorers, self.graph_buckets.get(scorer))
 
     # ---- prediction ----
+    def prior_score_ms(self, scorer: str, s: ShapeStats) -> float:
+        """Score ms of a shape under ``scorer``'s device seed (its model before any step). The seeds'
+        levels are set for one model size and may be far off; their ratio between two scorers at one
+        shape is what a model that has not been observed yet can still tell."""
+        coef = self._prior(("score", scorer))
+        return max(float(np.dot(coef, np.asarray(self.score_features(scorer, s), dtype=np.float64))), 0.0)
+
     def predict(self, scorer: str, proposer: str, shape: StepShape) -> StepCost:
         """Predicted ms of a step of ``shape`` scored by ``scorer`` with drafts from ``proposer``."""
         return self.predict_stats(scorer, proposer, shape.stats())
@@ -225,6 +234,8 @@ class CostModels:
         s = shape.stats()
         if s.max_k > 0:
             self.model("propose", record.proposer or "none").update(propose_features(s), record.propose_ms)
+        else:
+            self.num_decodes[record.scorer] = self.num_decodes.get(record.scorer, 0) + 1
         self.model("score", record.scorer).update(self.score_features(record.scorer, s), record.score_ms)
         self.model("verify").update(verify_features(s), record.verify_ms)
         if record.total_ms > 0:

@@ -21,6 +21,10 @@ Learning while deciding (the cost models and acceptance estimates only see what 
   stays at the prior's guess (persistent excitation; Åström & Wittenmark, *Adaptive Control*, §2.4).
 - *Young scorers*: a scorer predicted better whose cost model has seen fewer than
   ``min_scorer_steps`` steps is not held off by the scorer hysteresis, so a prior cannot hide it.
+
+A step where every request gets k = 0 is a plain decode: it runs on the scorer predicted cheapest
+for one (:func:`~specsched.policies.goodput_explore.decode_scorer`; a young decode graph the seeds
+rank alike is tried), not on the one the hysteresis kept from the speculative steps.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.cost_model import CostModels
 from specsched.policies.fixed import step_proposer
+from specsched.policies.goodput_explore import decode_scorer
 from specsched.policies.goodput_search import BatchProblem
 from specsched.policies.goodput_single import SingleProblem
 
@@ -49,12 +54,14 @@ class GoodputConfig:
     min_scorer_steps: int = 8  # a scorer whose cost model has seen fewer steps is not held off
     dither_interval: int = 8  # every this many decides, k ± 1 for the drafting requests (0: never)
     dither_tolerance: float = 0.03  # ... unless predicted worse than the plan by more than this
+    decode_try_tolerance: float = 0.05  # k = 0 steps try a scorer priced this close to the best
     max_iters: int = 3  # Dinkelbach iterations (batch > 1)
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
             raise ValueError(f"policy goodput: max_k must be >= 0, got {self.max_k}")
-        for name in ("scorer_margin", "k_margin", "optimism", "acceptance_z", "dither_tolerance"):
+        for name in ("scorer_margin", "k_margin", "optimism", "acceptance_z", "dither_tolerance",
+                     "decode_try_tolerance"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"policy goodput: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("dither_interval", "min_scorer_steps"):
@@ -158,9 +165,17 @@ class GoodputPolicy(Policy):
                 k, is_dither = dithered, True
         self._is_fresh_k = is_probe or is_dither
         k, num_cuts = prob.fit_kv(k, view.num_free_blocks, view.block_size)
+        self._last_scorer = scorers[chosen]  # the speculative choice, which the hysteresis holds
+        is_decode = is_decode_try = False
+        if not any(prob.as_list(k)) and len(scorers) > 1:  # a plain decode step
+            ctx = [r.context_len for r in reqs]
+            chosen, is_decode_try = decode_scorer(
+                costs, scorers, prob.goodput_k0, ctx, cfg.min_scorer_steps, cfg.decode_try_tolerance
+            )
+            is_decode = True
 
         cost = prob.components(k, chosen)
-        g_plan = prob.goodput(k, chosen) if is_probe or is_dither or num_cuts else g
+        g_plan = prob.goodput(k, chosen) if is_probe or is_dither or num_cuts or is_decode else g
         ranked = sorted(range(len(scorers)), key=lambda s: -g_scorers[s])
         runner_up = next((s for s in ranked if s != chosen), None)
         g_off = prob.goodput_k0[chosen]
@@ -176,10 +191,11 @@ class GoodputPolicy(Policy):
             "num_kv_cuts": num_cuts,
             "is_probe": is_probe,
             "is_dither": is_dither,
+            "is_decode_scorer": is_decode,
+            "is_decode_try": is_decode_try,
         }
         for name in ("propose_ms", "score_ms", "verify_ms", "overhead_ms"):
             info[f"predicted_{name}"] = cost[name]
-        self._last_scorer = scorers[chosen]
         # expected tokens at the posterior means, as every policy's plan reports them (make_plan)
         expected = prob.expected_at_mean(k)
         return Plan(prob.as_list(k), scorers[chosen], self.name, cost["total_ms"], expected, info)
