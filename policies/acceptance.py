@@ -8,6 +8,7 @@ with ``k`` drafts of which ``num_accepted`` were accepted emits ``num_accepted +
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 DEFAULT_PRIORS: dict[str, tuple[float, float]] = {
@@ -46,7 +47,10 @@ class AcceptanceConfig:
     priors: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_PRIORS))
     default_prior: tuple[float, float] = (1.0, 1.0)  # for proposers not in ``priors``
     aggregate_decay: float = 0.995  # per observation, on the per-proposer aggregate counts
-    max_prior_strength: float = 8.0  # pseudo-observations the aggregate may lend a new request
+    prior_strength: float = 8.0  # pseudo-observations the pool lends while it is too young to tell
+    max_prior_strength: float = 64.0  # ... at most, however alike the pool's requests are
+    pool_requests: int = 64  # finished requests (plus the running ones) the prior strength is fitted on
+    min_pool_requests: int = 4  # fewer requests with evidence: ``prior_strength``
     request_decay: float = 1.0  # per observation, on a request's own counts (1 = no forgetting)
 
     def __post_init__(self) -> None:
@@ -59,8 +63,42 @@ class AcceptanceConfig:
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"acceptance.{name} must be in (0, 1], got {value}")
-        if self.max_prior_strength <= 0:
-            raise ValueError(f"acceptance.max_prior_strength must be > 0, got {self.max_prior_strength}")
+        if not 0 < self.prior_strength <= self.max_prior_strength:
+            raise ValueError(
+                f"acceptance: need 0 < prior_strength <= max_prior_strength, got {self.prior_strength}"
+                f" and {self.max_prior_strength}"
+            )
+        if self.pool_requests < 1 or self.min_pool_requests < 2:
+            raise ValueError(
+                f"acceptance: pool_requests must be >= 1 and min_pool_requests >= 2, got "
+                f"{self.pool_requests} and {self.min_pool_requests}"
+            )
+
+
+def pool_strength(counts: list[tuple[float, float]]) -> float | None:
+    """Prior strength α + β of the Beta that the requests' acceptance rates are drawn from, by the
+    method of moments (empirical Bayes), or None when the counts cannot tell.
+
+    Request i saw s_i accepted and f_i rejected drafts (n_i = s_i + f_i Bernoulli trials, rate
+    p_i = s_i / n_i). Under a ~ Beta(α, β) per request (the beta-binomial model), with p̄ = Σ s_i / Σ n_i,
+    N = Σ n_i and R requests, the weighted spread has expectation
+    E[Σ n_i (p_i − p̄)²] ≈ p̄(1 − p̄)(R − 1) + τ² (N − Σ n_i² / N): binomial noise plus the
+    between-request variance τ² (Kleinman 1973, "Proportions with extraneous variance: single and
+    independent samples", JASA 68, eq. 2.3). Solving for τ² and matching the Beta's variance
+    p̄(1 − p̄) / (α + β + 1) = τ² gives α + β = p̄(1 − p̄) / τ² − 1; τ² <= 0 (the requests differ no
+    more than chance) gives +inf. Requests with no trials are skipped; None for fewer than two.
+    """
+    seen = [(s, s + f) for s, f in counts if s + f > 0]
+    if len(seen) < 2:
+        return None
+    total = sum(n for _, n in seen)
+    p = sum(s for s, _ in seen) / total
+    spread = sum(s * s / n for s, n in seen) - p * p * total  # Σ n_i (p_i − p̄)²
+    denom = total - sum(n * n for _, n in seen) / total
+    if denom <= 0 or p <= 0.0 or p >= 1.0:
+        return None
+    tau2 = (spread - p * (1.0 - p) * (len(seen) - 1)) / denom
+    return math.inf if tau2 <= 0 else max(p * (1.0 - p) / tau2 - 1.0, 0.0)
 
 
 class AcceptanceEstimator:
@@ -71,17 +109,39 @@ class AcceptanceEstimator:
     conjugate to each Bernoulli trial, so the update is counting. A request's posterior is its own
     counts on top of a prior that is its proposer's base prior moved towards the proposer's
     (decayed) aggregate over all *other* observations, current at every lookup — requests running
-    side by side share what they see (partial pooling) — with the aggregate's weight capped at
-    ``max_prior_strength`` pseudo-observations, so a request's own steps soon dominate.
+    side by side share what they see (partial pooling, a hierarchical Beta). The prior's weight (its
+    strength, in pseudo-observations) is estimated from the pool — the proposer's running requests
+    and its last ``pool_requests`` finished ones — by :func:`pool_strength`: requests that are alike
+    lend a young request a strong prior (up to ``max_prior_strength``), requests that differ a weak
+    one, and a pool of fewer than ``min_pool_requests`` requests lends ``prior_strength``. Either way
+    a request's own counts add to it, so they dominate as they grow (Efron & Morris 1975, "Data
+    analysis using Stein's estimator and its generalizations", JASA 70: shrinkage by the ratio of
+    within- to between-request variance).
     """
 
     def __init__(self, config: AcceptanceConfig | None = None) -> None:
         self.config = config or AcceptanceConfig()
         self._requests: dict[str, list[float]] = {}  # request_id -> its own [successes, failures]
         self._aggregate: dict[str, list[float]] = {}  # proposer -> [successes, failures] (decayed)
+        self._proposer_of: dict[str, str] = {}  # request_id -> the proposer it was observed under
+        self._finished: dict[str, deque] = {}  # proposer -> (successes, failures) of finished requests
+        self._strength: dict[str, float] = {}  # proposer -> prior strength (cached until it changes)
 
     def _base_prior(self, proposer: str) -> tuple[float, float]:
         return self.config.priors.get(proposer, self.config.default_prior)
+
+    def prior_strength(self, proposer: str) -> float:
+        """Pseudo-observations the pool of ``proposer`` lends a request's prior (see class)."""
+        found = self._strength.get(proposer)
+        if found is None:
+            cfg = self.config
+            counts = list(self._finished.get(proposer, ()))
+            counts += [tuple(c) for r, c in self._requests.items() if self._proposer_of[r] == proposer]
+            num = sum(1 for s, f in counts if s + f > 0)
+            fitted = pool_strength(counts) if num >= cfg.min_pool_requests else None
+            found = cfg.prior_strength if fitted is None else min(fitted, cfg.max_prior_strength)
+            self._strength[proposer] = found
+        return found
 
     def prior(self, proposer: str, own: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
         """The Beta prior of a request of ``proposer`` whose own counts ``own`` are left out of the
@@ -91,7 +151,7 @@ class AcceptanceEstimator:
         s, f = max(s - own[0], 0.0), max(f - own[1], 0.0)
         alpha, beta = alpha0 + s, beta0 + f
         strength = alpha + beta
-        cap = max(self.config.max_prior_strength, alpha0 + beta0)
+        cap = max(self.prior_strength(proposer), alpha0 + beta0)
         if strength > cap:
             alpha, beta = alpha * cap / strength, beta * cap / strength
         return alpha, beta
@@ -106,6 +166,8 @@ class AcceptanceEstimator:
             return
         failures = 1.0 if num_accepted < k else 0.0
         own = self._requests.setdefault(request_id, [0.0, 0.0])
+        self._proposer_of[request_id] = proposer
+        self._strength.pop(proposer, None)
         decay = self.config.request_decay
         own[0] = own[0] * decay + num_accepted
         own[1] = own[1] * decay + failures
@@ -139,8 +201,15 @@ class AcceptanceEstimator:
         return alpha / (alpha + beta)
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's counts (its steps stay in the proposer aggregate)."""
-        self._requests.pop(request_id, None)
+        """Drop a finished request's counts (its steps stay in the proposer aggregate, and its counts
+        in the pool the prior strength is fitted on)."""
+        own = self._requests.pop(request_id, None)
+        if own is None:
+            return
+        proposer = self._proposer_of.pop(request_id)
+        finished = self._finished.setdefault(proposer, deque(maxlen=self.config.pool_requests))
+        finished.append((own[0], own[1]))
+        self._strength.pop(proposer, None)
 
     @property
     def num_requests(self) -> int:
