@@ -26,7 +26,7 @@ from specsched.engine.records import StepRecord
 logger = logging.getLogger("specsched.daemon.log")  # one logger name for the whole decision log
 
 
-ROWS_PER_INSERT = 256  # rows of one multi-row INSERT (SQLite allows 32766 parameters in a statement)
+MAX_PARAMS = 999  # parameters of one statement: SQLite's lowest default limit (before 3.32)
 
 
 def _insert(db: sqlite_utils.Database, table: str, run_id: int, rows: list[dict]) -> None:
@@ -37,8 +37,9 @@ def _insert(db: sqlite_utils.Database, table: str, run_id: int, rows: list[dict]
     cols = list(rows[0])
     one = "(" + ", ".join([str(int(run_id))] + ["?"] * len(cols)) + ")"
     head = f"INSERT INTO {table} (run_id, {', '.join(cols)}) VALUES "
-    for i in range(0, len(rows), ROWS_PER_INSERT):
-        chunk = rows[i : i + ROWS_PER_INSERT]
+    per_insert = max(1, MAX_PARAMS // len(cols))
+    for i in range(0, len(rows), per_insert):
+        chunk = rows[i : i + per_insert]
         db.conn.execute(head + ", ".join([one] * len(chunk)), [r[c] for r in chunk for c in cols])
 
 
