@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "daemon", "client", "models", "kernels", "proposers", "scorers", "policies", "bench")
+PACKAGES = (
+    "engine", "daemon", "client", "models", "kernels", "proposers", "scorers", "policies", "bench", "gateway"
+)  # fmt: skip
 BELOW_THE_SERVICE = ("kernels", "models", "proposers", "scorers", "policies", "engine")
 
 
@@ -149,3 +151,44 @@ def test_the_old_client_import_path_still_works_and_warns():
         assert daemon.Client is Client
     assert any(issubclass(w.category, DeprecationWarning) and "specsched.client" in str(w.message)
                for w in caught)  # fmt: skip
+
+
+def test_the_gateway_uses_only_the_client_and_the_protocol_and_nothing_uses_it():
+    graph = import_graph()
+    allowed = ("specsched.gateway", "specsched.client")
+    bad = sorted(
+        f"{mod} imports {dep}"
+        for mod, deps in graph.items()
+        if mod.startswith("specsched.gateway")
+        for dep in deps
+        if not dep.startswith(allowed) and dep != "specsched.daemon.protocol"
+    )
+    bad += sorted(
+        f"{mod} imports {dep}"
+        for mod, deps in graph.items()
+        if not mod.startswith("specsched.gateway")
+        for dep in deps
+        if dep.startswith("specsched.gateway")
+    )
+    assert not bad, "the gateway is a protocol client on top:\n" + "\n".join(bad)
+
+
+def test_the_gateway_imports_and_builds_its_app_with_torch_and_the_engine_blocked():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        top = name.split('.')[0]\n"
+        "        if top in ('torch', 'transformers', 'triton', 'numpy') or name.startswith(\n"
+        "                ('specsched.engine', 'specsched.models', 'specsched.daemon.server')):\n"
+        "            raise ImportError(f'blocked: {name}')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import specsched.gateway.cli\n"
+        "from specsched.gateway.app import create_app\n"
+        "from specsched.gateway.config import GatewayConfig\n"
+        "create_app(GatewayConfig())\n"
+        "print('ok', sorted(m for m in sys.modules if m.startswith('specsched')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok") and "specsched.gateway.app" in out.stdout

@@ -1,0 +1,7 @@
+"""``python -m specsched.gateway`` = ``specsched-gateway``."""
+
+from __future__ import annotations
+
+from specsched.gateway.cli import main
+
+main()
