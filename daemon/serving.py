@@ -48,7 +48,6 @@ class HeldReplies:
         self.log, self.send, self.flush = log, send, flush
         self._held: deque[tuple[int, bytes, Message]] = deque()  # ascending seq (one producer thread)
         self._lock = threading.Lock()
-        self.num_released = 0
         log.on_settled(self.release)
 
     def __len__(self) -> int:
@@ -69,7 +68,6 @@ class HeldReplies:
                 _, client, msg = self._held.popleft()
                 self.send(client, msg)
                 num += 1
-            self.num_released += num
         if num:
             self.flush()
 
