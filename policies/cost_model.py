@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specsched.engine.records import StepRecord
+from specsched.policies.cost_error import RunningError
 from specsched.policies.rls import OnlineLinearModel
 from specsched.policies.shapes import (
     EXPANSION_SCORERS,
@@ -138,6 +139,7 @@ class CostModels:
         self.expansion_scorers = tuple(expansion_scorers)
         self.models: dict[tuple[str, ...], OnlineLinearModel] = {}
         self.num_decodes: dict[str, int] = {}  # plain decode steps (every k = 0) observed per scorer
+        self.errors: dict[str, RunningError] = {}  # scorer -> prequential error of step ms
         self.seed_defaults(device)
 
     # ---- models and priors ----
@@ -148,6 +150,7 @@ class CostModels:
         self.device = device
         self.models.clear()
         self.num_decodes.clear()
+        self.errors.clear()
 
     def _prior(self, key: tuple[str, ...]) -> list[float]:
         table = PRIORS[self.device][key[0]]
@@ -232,6 +235,7 @@ class CostModels:
             raise ValueError(f"step record {record.step} has invalid timings {bad}")
         shape = StepShape([r.k for r in record.requests], [r.context_len + 1 for r in record.requests])
         s = shape.stats()
+        self._track_error(record, s)
         if s.max_k > 0:
             self.model("propose", record.proposer or "none").update(propose_features(s), record.propose_ms)
         else:
@@ -242,6 +246,26 @@ class CostModels:
             overhead = max(0.0, record.total_ms - record.propose_ms - record.score_ms - record.verify_ms)
             self.model("overhead").update(overhead_features(s), overhead)
         return True
+
+    def _track_error(self, record: StepRecord, s: ShapeStats) -> None:
+        """Prequential: the step's ms as predicted before the models learn from it, against measured."""
+        predicted = self.model("score", record.scorer).predict(self.score_features(record.scorer, s))
+        predicted += self.model("verify").predict(verify_features(s))
+        if s.max_k > 0:
+            predicted += self.model("propose", record.proposer or "none").predict(propose_features(s))
+        measured = record.total_ms
+        if measured > 0:
+            predicted += self.model("overhead").predict(overhead_features(s))
+        else:  # no total measured: the three phases
+            measured = record.propose_ms + record.score_ms + record.verify_ms
+        self.errors.setdefault(record.scorer, RunningError()).update(predicted, measured)
+
+    def prediction_error(self, scorer: str, signed: bool = False) -> float | None:
+        """Running relative error of ``scorer``'s predicted step ms over its last ~16 steps (each
+        predicted before it was learnt from), its size or (``signed``) its mean with sign: the bias;
+        None before it has seen a few (:class:`~specsched.policies.cost_error.RunningError`)."""
+        found = self.errors.get(scorer)
+        return None if found is None else (found.bias if signed else found.value)
 
     def profile(
         self,

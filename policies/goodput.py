@@ -22,6 +22,10 @@ Learning while deciding (the cost models and acceptance estimates only see what 
 - *Young scorers*: a scorer predicted better whose cost model has seen fewer than
   ``min_scorer_steps`` steps is not held off by the scorer hysteresis, so a prior cannot hide it.
 
+Probes and dither stop once the acceptance posteriors are tight and the cost models predict the
+measured steps without bias, and resume when either grows again
+(:class:`~specsched.policies.goodput_explore.ExplorationSwitch`).
+
 A step where every request gets k = 0 is a plain decode: it runs on the scorer predicted cheapest
 for one (:func:`~specsched.policies.goodput_explore.decode_scorer`; a young decode graph the seeds
 rank alike is tried), not on the one the hysteresis kept from the speculative steps.
@@ -36,7 +40,7 @@ import numpy as np
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.cost_model import CostModels
 from specsched.policies.fixed import step_proposer
-from specsched.policies.goodput_explore import decode_scorer
+from specsched.policies.goodput_explore import ExplorationSwitch, decode_scorer
 from specsched.policies.goodput_search import BatchProblem
 from specsched.policies.goodput_single import SingleProblem
 
@@ -55,16 +59,22 @@ class GoodputConfig:
     dither_interval: int = 8  # every this many decides, k ± 1 for the drafting requests (0: never)
     dither_tolerance: float = 0.03  # ... unless predicted worse than the plan by more than this
     decode_try_tolerance: float = 0.05  # k = 0 steps try a scorer priced this close to the best
+    explore_stop_std: float = 0.05  # probes/dither stop once the mean posterior sd is at most this
+    explore_stop_error: float = 0.05  # ... and the step-ms prediction's running |bias| at most this
+    explore_restart: float = 2.0  # ... and restart when either exceeds this times its threshold
+    explore_min_steps: int = 32  # decides of exploration at least, from the start or a restart
     max_iters: int = 3  # Dinkelbach iterations (batch > 1)
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
             raise ValueError(f"policy goodput: max_k must be >= 0, got {self.max_k}")
         for name in ("scorer_margin", "k_margin", "optimism", "acceptance_z", "dither_tolerance",
-                     "decode_try_tolerance"):  # fmt: skip
+                     "decode_try_tolerance", "explore_stop_std", "explore_stop_error"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"policy goodput: {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("dither_interval", "min_scorer_steps"):
+        if self.explore_restart < 1:
+            raise ValueError(f"policy goodput: explore_restart must be >= 1, got {self.explore_restart}")
+        for name in ("dither_interval", "min_scorer_steps", "explore_min_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"policy goodput: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_iters", "probe_interval"):
@@ -95,6 +105,10 @@ class GoodputPolicy(Policy):
         self._probe_interval = self.config.probe_interval
         self._dither = 1  # direction of the next dither
         self._is_fresh_k = False  # last step's k was a probe or dither: no k hysteresis against it
+        cfg = self.config
+        self.exploration = ExplorationSwitch(
+            cfg.explore_stop_std, cfg.explore_stop_error, cfg.explore_restart, cfg.explore_min_steps
+        )
 
     def problem(self, view: BatchView, costs: CostModels, scorers: list[str]):
         """The step's search: :class:`SingleProblem` (plain Python) at batch 1, else
@@ -150,8 +164,16 @@ class GoodputPolicy(Policy):
         if cfg.k_margin > 0 and prob.top > 0 and not self._is_fresh_k:
             k, g, num_k_held = prob.hold(k, g, [r.last_k for r in reqs], chosen, cfg.k_margin)
         is_probe = is_dither = False
+        spreads = [r.acceptance_std for r in reqs if r.max_k > 0]
+        spread = sum(spreads) / len(spreads) if spreads else None
+        error = costs.prediction_error(scorers[chosen], signed=True)
+        error = None if error is None else abs(error)
+        if self.exploration.update(spread, error):  # restart: probe now, then at doubling intervals again
+            self._next_probe, self._probe_interval = 0, cfg.probe_interval
+        is_exploring = self.exploration.is_on
         if (
-            prob.top > 0
+            is_exploring
+            and prob.top > 0
             and cfg.acceptance_z > 0
             and self._num_decides > self._next_probe
             and prob.can_probe(k)
@@ -159,7 +181,7 @@ class GoodputPolicy(Policy):
             k, is_probe = prob.probe(cfg.acceptance_z, chosen), True  # someone could draft but does not
             self._next_probe = self._num_decides + self._probe_interval
             self._probe_interval = min(2 * self._probe_interval, cfg.max_probe_interval)
-        elif cfg.dither_interval and self._num_decides % cfg.dither_interval == 0:
+        elif is_exploring and cfg.dither_interval and self._num_decides % cfg.dither_interval == 0:
             dithered, self._dither = prob.dither(k, g, self._dither, chosen, cfg.dither_tolerance)
             if dithered is not None:
                 k, is_dither = dithered, True
@@ -191,6 +213,9 @@ class GoodputPolicy(Policy):
             "num_kv_cuts": num_cuts,
             "is_probe": is_probe,
             "is_dither": is_dither,
+            "is_exploring": is_exploring,
+            "explore_spread": spread,
+            "explore_error": error,
             "is_decode_scorer": is_decode,
             "is_decode_try": is_decode_try,
         }

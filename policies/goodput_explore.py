@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from specsched.policies.cost_model import CostModels
 from specsched.policies.shapes import StepShape
 
-__all__ = ["decode_scorer"]
+__all__ = ["ExplorationSwitch", "decode_scorer"]
 
 
 def decode_scorer(
@@ -60,3 +60,51 @@ def decode_scorer(
     if not tries:
         return best, False
     return min(tries, key=lambda s: (num_decodes[s], not is_exp[s])), True
+
+
+class ExplorationSwitch:
+    """Whether ``goodput`` explores (probes and dither) this step.
+
+    Exploration pays now (a step planned off the predicted best) for estimates that decide later
+    steps; once they are good, it only costs. On at the start; off once, after at least ``min_steps``
+    decides on, both hold: the *posterior spread* — the mean sd of the acceptance posteriors of the
+    requests that could draft — is at most ``stop_std``, and the *error*, the size of the chosen
+    scorer's running bias of predicted vs measured step ms (:meth:`CostModels.prediction_error`,
+    signed: the step-to-step noise averages out of it, a model that no longer fits does not), is at
+    most ``stop_error``. On again when either exceeds ``restart`` times its threshold (a step change in
+    costs, a young request with a wide posterior), which the gap between the thresholds keeps from
+    flapping. ``stop_std`` or ``stop_error`` 0: never off (always explore).
+    """
+
+    def __init__(self, stop_std: float, stop_error: float, restart: float, min_steps: int) -> None:
+        self.stop_std, self.stop_error, self.restart, self.min_steps = (
+            stop_std,
+            stop_error,
+            restart,
+            min_steps,
+        )
+        self.is_on, self.steps_on = True, 0
+        self.num_stops = self.num_restarts = 0
+
+    def update(self, spread: float | None, error: float | None) -> bool:
+        """Advance one decide; ``spread`` None: no request could draft, ``error`` None: not known
+        yet. Returns True when exploration restarts at this decide."""
+        spread = 0.0 if spread is None else spread
+        if self.is_on:
+            self.steps_on += 1
+            if (
+                self.steps_on >= self.min_steps
+                and self.stop_std > 0
+                and self.stop_error > 0
+                and error is not None
+                and spread <= self.stop_std
+                and error <= self.stop_error
+            ):
+                self.is_on, self.num_stops = False, self.num_stops + 1
+            return False
+        if spread > self.restart * self.stop_std or (
+            error is not None and error > self.restart * self.stop_error
+        ):
+            self.is_on, self.steps_on, self.num_restarts = True, 1, self.num_restarts + 1
+            return True
+        return False

@@ -53,6 +53,7 @@ class Scenario:
     match_prob: float = 1.0  # chance a position has an n-gram match (else max_k = 0 there)
     noise: float = 0.03  # relative std of each measured component
     scorers: list[str] | None = None  # scorers built (None: every scorer of the machine)
+    shift: tuple[int, Machine] | None = None  # (step, machine): from that step on, steps cost its ms
 
     def __post_init__(self) -> None:
         rates = self.acceptance if isinstance(self.acceptance, list) else [self.acceptance]
@@ -68,6 +69,10 @@ class Scenario:
         unknown = [s for s in self.scorers or [] if s not in self.machine.scorers]
         if unknown:
             raise ValueError(f"scenario scorers {unknown} not on machine {self.machine.name!r}")
+        if self.shift is not None and any(s not in self.shift[1].scorers for s in self.scorer_names):
+            raise ValueError(
+                f"scenario shift machine {self.shift[1].name!r} lacks scorers {self.scorer_names}"
+            )
 
     @property
     def scorer_names(self) -> list[str]:
@@ -165,7 +170,8 @@ def simulate(
             walk = r.bits[r.num_generated : r.num_generated + ki]
             accepted.append(int(np.argmin(walk)) if not walk.all() else ki)
         is_catchup = any(ki > 0 and r.pending > 1 for r, ki in zip(slots, k.tolist(), strict=True))
-        true = m.step_times(plan.scorer, k, np.array([r.ctx for r in slots]), is_catchup)
+        on = sc.shift[1] if sc.shift is not None and step >= sc.shift[0] else m
+        true = on.step_times(plan.scorer, k, np.array([r.ctx for r in slots]), is_catchup)
         meas = true.noisy(noise_rng, sc.noise)
         rec = StepRecord(
             step, "decode", 0.0, len(slots), int(k.sum()) + len(slots), scorer=plan.scorer,

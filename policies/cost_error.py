@@ -1,0 +1,119 @@
+"""How well the cost models predict step times: online (a running error the policy reads) and held
+out (fit on the first part of a run's steps, score the rest; the regret benchmark's table).
+
+Terms: the *relative error* of one step is |predicted − measured| / measured ms; *prequential*
+(Dawid 1984, "Present position and potential developments: some personal views. Statistical theory:
+the prequential approach", JRSS A 147) means each step is predicted by the models fitted on the
+steps before it only, then learnt from — an honest online estimate of the error on unseen steps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specsched.engine.records import StepRecord
+from specsched.policies.shapes import StepShape
+
+__all__ = ["HeldOutError", "RunningError", "held_out_error"]
+
+
+class RunningError:
+    """Exponentially weighted means of the prequential relative error of step predictions: of its
+    size (``value``: |predicted − measured| / measured) and of its sign (``bias``: (predicted −
+    measured) / measured). Step-to-step noise adds to the size but averages out of the bias, which
+    is what a cost model that no longer fits the machine (a step change in costs) shows.
+
+    Each update moves a mean 1/``window`` of the way to the new step's error (a memory of about
+    ``window`` steps), after plain means over the first ``window`` steps so the start is not pulled
+    towards 0. Both are None until ``min_count`` steps were seen.
+    """
+
+    def __init__(self, window: int = 16, min_count: int = 4) -> None:
+        if window < 1 or min_count < 1:
+            raise ValueError(f"RunningError needs window >= 1 and min_count >= 1, got {window}, {min_count}")
+        self.window, self.min_count = window, min_count
+        self.mean_abs = self.mean = 0.0
+        self.count = 0
+
+    def update(self, predicted: float, measured: float) -> None:
+        if measured <= 0 or not np.isfinite(predicted):
+            return
+        self.count += 1
+        rel, rate = (predicted - measured) / measured, 1.0 / min(self.count, self.window)
+        self.mean += (rel - self.mean) * rate
+        self.mean_abs += (abs(rel) - self.mean_abs) * rate
+
+    @property
+    def value(self) -> float | None:
+        return self.mean_abs if self.count >= self.min_count else None
+
+    @property
+    def bias(self) -> float | None:
+        return self.mean if self.count >= self.min_count else None
+
+
+@dataclass
+class HeldOutError:
+    """The held-out score-ms error of one (scorer, batch size)."""
+
+    scorer: str
+    batch_size: int
+    num_fit: int  # steps of this group the models were fitted on (with every other group's)
+    num_held_out: int
+    median: float  # median |predicted − measured| / measured score ms over the held-out steps
+    p90: float
+
+
+def held_out_error(
+    records: Iterable[StepRecord],
+    fit_fraction: float = 0.5,
+    device: str = "cpu",
+    graph_buckets: dict[str, list[int]] | None = None,
+) -> list[HeldOutError]:
+    """Median relative error of the cost models' predicted score ms on held-out decode steps, per
+    scorer and batch size.
+
+    The decode records are grouped by (scorer, batch size) in their order; the first
+    ``fit_fraction`` of each group is the fit set, the rest held out (so every group is both fitted
+    and scored, whichever configurations ran when). The models (device seeds, no forgetting: the
+    run taken as stationary) learn the fit set in its original order, then predict each held-out
+    step's score ms from its shape without learning from it.
+    """
+    from specsched.policies.cost_model import CostModels  # cost_model imports this module
+
+    if not 0.0 < fit_fraction < 1.0:
+        raise ValueError(f"fit_fraction must be in (0, 1), got {fit_fraction}")
+    groups: dict[tuple[str, int], list[tuple[int, StepRecord]]] = defaultdict(list)
+    for i, rec in enumerate(records):
+        if rec.kind == "decode" and rec.requests and rec.scorer:
+            groups[(rec.scorer, rec.batch_size)].append((i, rec))
+    fit, held = [], {}
+    for key, recs in groups.items():
+        cut = min(max(int(round(len(recs) * fit_fraction)), 1), len(recs) - 1) if len(recs) > 1 else 1
+        fit += recs[:cut]
+        held[key] = (cut, [r for _, r in recs[cut:]])
+    costs = CostModels(graph_buckets, device=device, forgetting=1.0)
+    for _, rec in sorted(fit, key=lambda x: x[0]):
+        costs.observe(rec)
+    out = []
+    for (scorer, batch), (num_fit, recs) in sorted(held.items()):
+        errors = [_score_error(costs, r) for r in recs if r.score_ms > 0]
+        if errors:
+            out.append(HeldOutError(scorer, batch, num_fit, len(errors), float(np.median(errors)),
+                                    float(np.percentile(errors, 90))))  # fmt: skip
+    return out
+
+
+def _score_error(costs, rec: StepRecord) -> float:
+    shape = StepShape([r.k for r in rec.requests], [r.context_len + 1 for r in rec.requests])
+    predicted = costs.predict(rec.scorer, rec.proposer or "none", shape).score_ms
+    return abs(predicted - rec.score_ms) / rec.score_ms
+
+
+def error_table(rows: Sequence[HeldOutError]) -> list[dict]:
+    """The rows as dicts (results.json, the markdown table)."""
+    return [vars(r) for r in rows]
