@@ -4,7 +4,7 @@ events or not), ``GET /v1/models``, ``GET /v1/models/{model}`` and ``GET /health
 Every request first asks the daemon's ``health`` (a daemon that is down answers 503 at once, not after a
 timeout), then streams from the daemon whatever the HTTP client asked for: a non-stream response is
 assembled from the chunks, so a long generation never hits the per-reply timeout, and a client that
-disconnects, before or during its response, cancels its request in the daemon.
+disconnects, before or during its response, cancels its request in the daemon (streaming.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from specsched.gateway.daemon_link import DaemonLink
 from specsched.gateway.errors import APIError, from_client_error, install_handlers
 from specsched.gateway.responses import SSE_DONE, ChatShape, CompletionShape, Shape, sse
 from specsched.gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from specsched.gateway.streaming import ClientGone, EventStreamResponse, until_disconnected
+from specsched.gateway.streaming import ClientGone, DisconnectWatch, EventStreamResponse
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status nobody reads
 
@@ -106,12 +106,14 @@ async def complete(link: DaemonLink, request: Request, body: SamplingRequest, sh
                                     timeout=cfg.request_timeout_s)  # fmt: skip
     except SpecschedError as e:  # too large to send
         raise from_client_error(e) from e
+    watch = DisconnectWatch(request.receive)
     try:
-        first = await until_disconnected(request.receive, anext(stream, None))  # errors come first
+        chunk = first = await watch.race(anext(stream, None))  # the daemon's errors come first
         if not body.stream:
-            pieces = [] if first is None else [first.text]
-            if first is not None:
-                pieces += await until_disconnected(request.receive, _rest(stream))
+            pieces = []
+            while chunk is not None:
+                pieces.append(chunk.text)
+                chunk = await watch.race(anext(stream, None))
             done = stream.done
             if done.finish_reason == "error":
                 raise APIError(500, "the daemon failed while serving the request", "server_error", None,
@@ -126,11 +128,9 @@ async def complete(link: DaemonLink, request: Request, body: SamplingRequest, sh
     except BaseException:
         await stream.aclose()
         raise
+    finally:
+        await watch.close()
     return EventStreamResponse(_events(stream, shape, first), on_close=stream.aclose)
-
-
-async def _rest(stream) -> list[str]:
-    return [chunk.text async for chunk in stream]
 
 
 async def _events(stream, shape: Shape, chunk):

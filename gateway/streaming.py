@@ -1,9 +1,12 @@
 """Noticing an HTTP client that goes away, so that its request is cancelled in the daemon at once.
 
-:class:`EventStreamResponse` sends server-sent events while it listens for ``http.disconnect``; when the
-client leaves (or the events end, or sending fails) it stops the generator and then awaits ``on_close``
-(closing the daemon stream, which sends ``cancel``) outside of any cancelled task, so that the cancel
-really goes out. :func:`until_disconnected` does the same for the awaits before a response starts.
+:class:`DisconnectWatch` listens for ``http.disconnect`` for the whole life of a request, and
+:meth:`DisconnectWatch.race` awaits one step of work (the daemon's next chunk) unless the client leaves
+first. The decision is taken after every step from the watch itself, not from whether a cancelled task
+stopped: a cancellation can be swallowed (``asyncio.wait_for`` before Python 3.12 may return a result
+that arrived together with the cancel), so "the client is gone" never depends on it.
+:class:`EventStreamResponse` sends server-sent events that way and, however it ends, closes the events
+and awaits ``on_close`` (closing the daemon stream, which sends ``cancel``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ logger = logging.getLogger("specsched.gateway")
 
 
 class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
+    """The HTTP client disconnected before its answer was complete."""
 
 
 async def wait_disconnect(receive: Receive) -> None:
@@ -30,24 +33,32 @@ async def wait_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _settle(*tasks: asyncio.Task) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+class DisconnectWatch:
+    """One task waiting for the client's ``http.disconnect``; :meth:`close` it at the end."""
 
+    def __init__(self, receive: Receive) -> None:
+        self._gone = asyncio.ensure_future(wait_disconnect(receive))
 
-async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """``await work``, unless the client disconnects first: then ``work`` is cancelled and
-    :class:`ClientGone` raised."""
-    job = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(wait_disconnect(receive))
-    try:
-        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        await _settle(job, gone)
-    if job.done() and not job.cancelled():
+    @property
+    def is_gone(self) -> bool:
+        return self._gone.done() and not self._gone.cancelled()
+
+    async def race(self, work: Awaitable[T]) -> T:
+        """``await work``; raises :class:`ClientGone` (``work`` cancelled) if the client left meanwhile."""
+        if self.is_gone:
+            raise ClientGone()
+        job = asyncio.ensure_future(work)
+        await asyncio.wait({job, self._gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not job.done():
+            job.cancel()
+            await asyncio.gather(job, return_exceptions=True)
+        if self.is_gone:
+            raise ClientGone()
         return job.result()
-    raise ClientGone()
+
+    async def close(self) -> None:
+        self._gone.cancel()
+        await asyncio.gather(self._gone, return_exceptions=True)
 
 
 class EventStreamResponse(Response):
@@ -63,24 +74,20 @@ class EventStreamResponse(Response):
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sender = asyncio.ensure_future(self._send_all(send))
-        gone = asyncio.ensure_future(wait_disconnect(receive))
+        watch = DisconnectWatch(receive)
         try:
-            await asyncio.wait({sender, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if gone.done() and not sender.done():
-                logger.info("client disconnected mid-stream: cancelling its request")
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            await send(start)
+            while (event := await watch.race(anext(self.events, None))) is not None:
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except ClientGone:
+            logger.info("client disconnected mid-stream: cancelling its request")
+        except OSError:  # ASGI 2.4 servers raise it on a send to a client that is gone
+            logger.info("client gone mid-stream (send failed): cancelling its request")
         finally:
-            await _settle(sender, gone)
+            await watch.close()
             try:
                 await self.events.aclose()  # type: ignore[attr-defined]
             finally:
                 await self.on_close()
-        if sender.done() and not sender.cancelled() and (exc := sender.exception()) is not None:
-            if not isinstance(exc, OSError):  # OSError: the client is gone (ASGI 2.4)
-                raise exc
-
-    async def _send_all(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for event in self.events:
-            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})

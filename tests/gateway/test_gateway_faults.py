@@ -52,6 +52,19 @@ def test_a_client_leaving_mid_stream_cancels_its_request_and_frees_the_blocks(ga
     assert after.num_free_blocks == after.num_total_blocks
 
 
+def test_a_client_leaving_before_a_non_stream_answer_cancels_its_request(gateway, gateway_daemon):
+    body = {"model": httpx.get(gateway.base_url + "/models").json()["data"][0]["id"], "max_tokens": 5000,
+            "temperature": 1.0, "seed": 8, "prompt": "Hello there"}  # fmt: skip
+    with Client(gateway_daemon.endpoint, timeout_s=10) as observer:
+        before = idle_stats(observer)
+        with pytest.raises(httpx.ReadTimeout):  # httpx gives up and closes the connection
+            httpx.post(gateway.base_url + "/completions", json=body, timeout=httpx.Timeout(5.0, read=0.15))
+        after = idle_stats(observer)
+    assert after.num_requests_aborted == before.num_requests_aborted + 1
+    assert after.num_requests_done == before.num_requests_done
+    assert after.num_free_blocks == after.num_total_blocks
+
+
 def test_a_daemon_that_is_down_gets_503_and_the_gateway_reconnects(gateway, gateway_daemon, start_daemon,
                                                                      text_model):  # fmt: skip
     oai = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=30)
