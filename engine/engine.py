@@ -157,7 +157,7 @@ class Engine:
 
     def _decide(self, reqs: list[Request], names: list[str]) -> Plan:
         view = self._view(reqs, names)
-        plan = self._plan_decided_ahead(reqs, view) or self.policy.decide(view, self.costs)
+        plan = self._plan_decided_ahead(reqs, view) or self._timed_decide(view)
         if plan.scorer not in self.scorers:
             raise ValueError(
                 f"policy {plan.policy!r} chose scorer {plan.scorer!r}, which is not built here; "
@@ -171,8 +171,14 @@ class Engine:
         if self._unobserved:
             self.flush_observations()
         if self.is_plan_ahead and self.policy.is_plan_ahead_safe:
-            ahead = self.policy.decide(self._view(reqs, names), self.costs)
+            ahead = self._timed_decide(self._view(reqs, names))
             self._ahead = [r.request_id for r in reqs], ahead
+
+    def _timed_decide(self, view: BatchView) -> Plan:
+        """The policy's decide, its wall ms in ``plan.info["decide_ms"]`` (the log's plan_info)."""
+        t0 = time.perf_counter()
+        plan = self.policy.decide(view, self.costs)
+        return replace(plan, info={**plan.info, "decide_ms": (time.perf_counter() - t0) * 1e3})
 
     def _record(self, rec, reqs, names, plan, props, context, emitted, match_bits, outputs) -> None:
         """Fill the step's record (the decision log's ``steps`` and ``step_requests`` rows)."""
