@@ -1,0 +1,63 @@
+"""Held-out error of the cost models (issue 13): fit on the first part of a run's steps, score the
+predicted score ms of the rest, per scorer and batch size."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from specsched.policies.cost_error import RunningError, held_out_error
+from specsched.policies.fixed import FixedConfig, FixedPolicy
+from specsched.policies.sim_machine import get_machine
+from specsched.policies.simulate import Scenario, simulate
+
+SCORERS = ("batch_expansion", "mqa_graph")
+
+
+def records(machine, repeats: int = 2, later=None) -> list:
+    """Fixed (k, scorer) runs at batch 1 and 4, the grid run ``repeats`` times one after another
+    (``later``: the machine of the last repeat)."""
+    out = []
+    for r in range(repeats):
+        m = later if later is not None and r == repeats - 1 else machine
+        for batch in (1, 4):
+            for scorer in SCORERS:
+                for k in (0, 2, 4):
+                    sc = Scenario(m, 0.7, batch, "synthetic", num_steps=40, noise=0.03, scorers=list(SCORERS))
+                    policy = FixedPolicy(FixedConfig(k=k, scorer=scorer))
+                    simulate(policy, sc, seed=r, on_step=lambda step, view, plan, rec: out.append(rec))
+    return out
+
+
+def test_held_out_error_per_scorer_and_batch_is_small_on_a_modelled_machine():
+    m = get_machine("h200-llama2-7b")
+    rows = held_out_error(records(m), device="cuda", graph_buckets=m.graph_buckets)
+    assert {(r.scorer, r.batch_size) for r in rows} == {(s, b) for s in SCORERS for b in (1, 4)}
+    for r in rows:
+        assert r.num_fit == r.num_held_out == 120
+        assert r.median <= 0.05, r  # the features describe this machine: noise only (3%)
+        assert r.p90 >= r.median
+
+
+def test_held_out_error_is_measured_on_steps_not_fitted():
+    """The last repeat runs 1.3x slower: fitted on the first half only, its steps are mispredicted."""
+    m = get_machine("h200-llama2-7b")
+    slow = dataclasses.replace(
+        m, scorers={n: dataclasses.replace(c, bias_ms=c.bias_ms * 1.3) for n, c in m.scorers.items()}
+    )
+    rows = held_out_error(records(m, later=slow), device="cuda", graph_buckets=m.graph_buckets)
+    assert all(r.median > 0.15 for r in rows), rows
+    with pytest.raises(ValueError, match="fit_fraction"):
+        held_out_error([], fit_fraction=1.0)
+
+
+def test_running_error_size_and_bias():
+    e = RunningError(window=4, min_count=2)
+    e.update(11.0, 10.0)
+    assert e.value is None and e.bias is None
+    e.update(9.0, 10.0)
+    assert e.value == pytest.approx(0.1) and e.bias == pytest.approx(0.0)
+    for _ in range(40):
+        e.update(15.0, 10.0)
+    assert e.bias == pytest.approx(0.5, abs=1e-3) and e.value == pytest.approx(0.5, abs=1e-3)
