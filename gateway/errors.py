@@ -79,7 +79,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return bad_request(f"Unrecognized request argument supplied: {param}", param)
     if err.get("type") == "missing":
         return bad_request(f"Missing required parameter: {param!r}", param)
-    msg = err.get("msg", "invalid value")
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     return bad_request(f"{param}: {msg}" if param else msg, param)
 
 

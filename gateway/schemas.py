@@ -37,10 +37,9 @@ class ChatMessageIn(Strict):
     tool_call_id: str | None = None  # accepted, not used
 
     def to_daemon(self) -> dict:
-        content = self.content if isinstance(self.content, str) or self.content is None else None
-        if content is None and self.content is not None:
-            content = "\n".join(part.text for part in self.content)
-        return {"role": ROLES[self.role], "content": content or ""}
+        if isinstance(self.content, list):
+            return {"role": ROLES[self.role], "content": "\n".join(part.text for part in self.content)}
+        return {"role": ROLES[self.role], "content": self.content or ""}
 
 
 def _only(value: Any, allowed: tuple, what: str) -> Any:

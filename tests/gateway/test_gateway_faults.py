@@ -1,9 +1,11 @@
 """The gateway when things go wrong: an HTTP client that leaves mid-stream (its request is cancelled
 in the daemon, its KV blocks freed), a daemon that is down (503) and comes back on the same endpoint
-(the gateway reconnects by itself), and the API key (401)."""
+(the gateway reconnects by itself; a stream cut by the daemon's death ends with an error event), and
+the API key (401)."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import httpx
@@ -69,7 +71,14 @@ def test_a_daemon_that_is_down_gets_503_and_the_gateway_reconnects(gateway, gate
                                                                      text_model):  # fmt: skip
     oai = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=30)
     model = oai.models.list().data[0].id
-    assert gateway_daemon.stop() == 0
+    stream = oai.chat.completions.create(model=model, messages=CHAT, max_tokens=5000, temperature=1.0, seed=3,
+                                         stream=True)  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)
+    assert gateway_daemon.stop(signal.SIGKILL) == -signal.SIGKILL  # the connection drops mid-stream
+    with pytest.raises(openai.APIError, match="daemon is unavailable"):  # an error event, then [DONE]
+        for _ in chunks:
+            pass
     with pytest.raises(openai.APIStatusError) as info:
         oai.chat.completions.create(model=model, messages=CHAT, max_tokens=4)
     assert info.value.status_code == 503 and info.value.code == "daemon_unavailable"
