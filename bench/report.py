@@ -4,23 +4,12 @@ docs/benchmarks.md (date, device, exact command)."""
 from __future__ import annotations
 
 import datetime as dt
-import math
 from collections import defaultdict
 from pathlib import Path
 
+from specsched.bench.markdown import fmt, table
+
 SCORER_LABELS = {"batch_expansion": "batch expansion", "mqa": "MQA", "mqa_graph": "MQA graph"}
-
-
-def fmt(x: float | None, digits: int = 2) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
-    return f"{x:.{digits}f}"
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def scorer_table(res: dict) -> str:

@@ -49,7 +49,7 @@ def free_port() -> int:
 
 
 def safe_name(name: str) -> str:
-    return re.sub(r"[^\w.=+-]+", "_", name).strip("_") or "config"
+    return re.sub(r"[^\w.+-]+", "_", name).strip("_") or "config"
 
 
 class Daemon:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from specsched.bench.report import fmt, table
+from specsched.bench.markdown import fmt, table
 
 SPREAD_GOAL = 0.05  # the two passes of a row within 5%
 LEAD_GOAL = 0.03  # goodput >= the best fixed row - 3%

@@ -25,7 +25,7 @@ padding done on device tensors (the path for inputs that already live on the dev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -70,6 +70,28 @@ def size_ladder(max_size: int) -> list[int]:
             out.append(p * 3 // 2)
         p *= 2
     return [*out, max_size]
+
+
+def token_bucket(n: int) -> int:
+    """The token count an eager forward of ``n`` tokens is padded to: ``n`` up to 16, then the next
+    multiple of 1/8 of ``n``'s power-of-two octave (at most 12.5% padding). Eager forwards (prefill
+    chunks, eager scoring, a draft's catch-up) then meet a bounded set of GEMM shapes, which the
+    start-up warm-up runs once each: a GEMM shape cuBLAS meets first while serving costs a heuristic
+    search and a kernel load on that step."""
+    if n <= 16:
+        return max(n, 0)
+    step = 1 << (n.bit_length() - 1 - 3)  # an eighth of the octave [2^m, 2^(m+1)) holding n
+    return -(-n // step) * step
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Every :func:`token_bucket` value of 1 .. ``max_tokens`` (and the bucket of ``max_tokens``)."""
+    out, n = [], 1
+    while n <= max_tokens:
+        b = token_bucket(n)
+        out.append(b)
+        n = b + 1
+    return out
 
 
 def decode_buckets(max_rows: int) -> list[GraphBucket]:
@@ -263,11 +285,15 @@ class HostInputs:
             gather[:] = self.gather_index
 
     def to_device(
-        self, device: torch.device | str, device_ids: torch.Tensor | None = None
+        self, device: torch.device | str, device_ids: torch.Tensor | None = None, *, pad_tokens: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
-        """(input_ids, positions, metadata, logits_indices or None) on ``device``, unpadded, in one
-        host-to-device copy (plus the scatter of ``device_ids`` into the ids when given)."""
+        """(input_ids, positions, metadata, logits_indices or None) on ``device``, in one host-to-device
+        copy (plus the scatter of ``device_ids`` into the ids when given). With ``pad_tokens`` the
+        tokens are padded to :func:`token_bucket` (pad tokens belong to no row and write their K/V to
+        the pad slot; the first ``num_tokens`` outputs are the real ones); else unpadded."""
         lay = self.layout()
+        if pad_tokens:
+            lay = replace(lay, tokens=token_bucket(lay.tokens))
         host = np.empty(lay.nbytes, dtype=np.uint8)
         self.write(lay, host)
         buf = torch.from_numpy(host).to(device, non_blocking=True)

@@ -43,7 +43,7 @@ class DraftModelProposer(Proposer):
     def _run(self, x: HostInputs, device_ids: torch.Tensor | None = None) -> torch.Tensor:  # [rows, vocab]
         if self.graph_forward is not None:
             return self.graph_forward.run_host(x, device_ids)
-        ids, pos, meta, last = x.to_device(self.device, device_ids)
+        ids, pos, meta, last = x.to_device(self.device, device_ids, pad_tokens=self.device.type == "cuda")
         return self.model(ids, pos, meta, self.kv_cache, last, num_layers=self.num_layers)
 
     def _propose_greedy(self, batch: list[Request], k: list[int]) -> Proposals:

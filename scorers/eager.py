@@ -23,4 +23,5 @@ class EagerScorer(Scorer):
     def score(self, batch: list[Request], proposals: Proposals) -> torch.Tensor:  # [sum(k_i+1), vocab]
         sb = pack_scoring_batch(batch, proposals, self.block_size)
         x = build_scoring_inputs_vec(sb, proposals.draft_tokens, self.device, is_expanded=self.is_expanded)
-        return self.model(x.input_ids, x.positions, x.meta, self.kv_cache)
+        logits = self.model(x.input_ids, x.positions, x.meta, self.kv_cache)  # [padded tokens, vocab]
+        return logits[: proposals.num_tokens + len(batch)]

@@ -127,7 +127,8 @@ def build_chunk_inputs(
     device: torch.device | str,
     logits_rows: list[int] | None = None,
 ) -> tuple[ScoringInputs, torch.Tensor]:
-    """:func:`chunk_host_inputs` on ``device`` (one copy): the inputs and the logits indices [L]."""
+    """:func:`chunk_host_inputs` on ``device`` (one copy): the inputs and the logits indices [L].
+    On CUDA the tokens are padded to a :func:`~specsched.models.graph_buckets.token_bucket`."""
     x = chunk_host_inputs(tokens, starts, block_tables, block_size, logits_rows)
-    ids, pos, meta, last = x.to_device(device)
+    ids, pos, meta, last = x.to_device(device, pad_tokens=torch.device(device).type == "cuda")
     return ScoringInputs(input_ids=ids, positions=pos, meta=meta), last

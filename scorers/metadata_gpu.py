@@ -146,8 +146,10 @@ def build_scoring_inputs_vec(
     is_expanded: bool,
 ) -> ScoringInputs:
     """:func:`scoring_host_inputs` on ``device``: one host-to-device copy (plus one scatter of the
-    drafts when they are on a device)."""
+    drafts when they are on a device). On CUDA the tokens are padded to a token bucket (the first
+    ``sum(k_i + 1)`` are the real ones)."""
     x = scoring_host_inputs(sb, draft_tokens, is_expanded=is_expanded)
     on_device = draft_tokens if x.scatter_index is not None else None
-    ids, pos, meta, _ = x.to_device(torch.device(device), on_device)
+    device = torch.device(device)
+    ids, pos, meta, _ = x.to_device(device, on_device, pad_tokens=device.type == "cuda")
     return ScoringInputs(input_ids=ids, positions=pos, meta=meta)
