@@ -54,7 +54,7 @@ cat "$OUT/env.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
 step test_kernels 150 python3 -m pytest -m gpu -q -rA -s tests/kernels/ || true
 step test_scorers 110 python3 -m pytest -m gpu -x -q -rA -s tests/scorers/ || true
-step test_other_gpu 120 python3 -m pytest -m gpu -q -rA --continue-on-collection-errors \
+step test_other_gpu 240 python3 -m pytest -m gpu -q -rA --continue-on-collection-errors \
   tests/models tests/proposers tests/policies tests/engine || true
 fi
 [ "${SKIP_BENCH:-0}" = 1 ] && { cat "$OUT/summary.txt"; exit 0; }

@@ -48,10 +48,12 @@ __all__ = [
 
 @dataclass
 class _Control:
-    """A queue marker: flush (``run_row`` None), start a run, or stop. The writer sets ``done``."""
+    """A queue marker: flush, start a run (``run_row``), end it (``run_end``: the run row's closing
+    fields), or stop. The writer sets ``done``."""
 
-    kind: str  # "flush" | "run" | "stop"
+    kind: str  # "flush" | "run" | "end" | "stop"
     run_row: dict | None = None
+    run_end: dict | None = None
     ok: bool = False
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -143,6 +145,14 @@ class LogWriter:
             }
         )
 
+    def end_run(self, num_compiles_after_start: int, timeout: float = 10.0) -> bool:
+        """Close this run's row: ``ended_at`` and the Triton variants built while serving (written with
+        the next write; True when it is on disk within ``timeout``)."""
+        if self._is_closed or not self._run_started:
+            return False
+        end = {"ended_at": time.time(), "num_compiles_after_start": int(num_compiles_after_start)}
+        return self._control("end", timeout, run_end=end).ok
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Write everything enqueued so far. True when it is on disk within ``timeout``."""
         if self._is_closed:
@@ -229,8 +239,10 @@ class LogWriter:
                 self.path,
             )
 
-    def _control(self, kind: str, timeout: float, run_row: dict | None = None) -> _Control:
-        ctl = _Control(kind, run_row)
+    def _control(
+        self, kind: str, timeout: float, run_row: dict | None = None, run_end: dict | None = None
+    ) -> _Control:
+        ctl = _Control(kind, run_row, run_end)
         try:
             self._queue.put(ctl, timeout=timeout)
         except queue.Full:
@@ -267,6 +279,8 @@ class LogWriter:
             for ctl in controls:
                 if ctl.run_row is not None:
                     store.run_row = ctl.run_row
+                if ctl.run_end is not None:
+                    store.run_end = ctl.run_end
             ok = True
             if num_new or controls or store.has_pending:
                 last_write = time.monotonic()

@@ -19,6 +19,7 @@ from specsched.engine.log_schema import (
     SCHEMA_VERSION,
     LogFormatError,
     check_schema,
+    migrate,
     step_rows,
 )
 from specsched.engine.records import StepRecord
@@ -51,6 +52,7 @@ class LogStore:
         self.path, self.cfg, self._drop = path, cfg, drop
         self.run_id: int | None = None
         self.run_row: dict | None = None  # until written
+        self.run_end: dict | None = None  # the run row's closing fields, until written
         self.fatal: LogFormatError | None = None
         self.num_failures = 0
         self.num_written_steps = 0
@@ -65,7 +67,7 @@ class LogStore:
 
     @property
     def has_pending(self) -> bool:
-        return bool(self.run_row or self._steps or self._requests)
+        return bool(self.run_row or self.run_end or self._steps or self._requests)
 
     @property
     def num_pending(self) -> int:
@@ -107,10 +109,13 @@ class LogStore:
                 ):
                     if rows:
                         _insert(db, table, run_id, rows)
+                if self.run_end:
+                    sets = ", ".join(f"{k} = ?" for k in self.run_end)
+                    db.execute(f"UPDATE runs SET {sets} WHERE id = ?", [*self.run_end.values(), run_id])
         except Exception as e:  # noqa: BLE001 -- any write failure must leave serving alone
             self._fail(e)
             return False
-        self.run_id, self.run_row = run_id, None
+        self.run_id, self.run_row, self.run_end = run_id, None, None
         self.num_written_steps += len(self._steps)
         self._steps, self._step_requests, self._requests = [], [], []
         if self._is_failing:
@@ -166,6 +171,7 @@ class LogStore:
             db.enable_wal()
             db.execute("PRAGMA synchronous=NORMAL")
             with db.atomic():
+                migrate(db)  # a file an older specsched wrote: add what this version's rows have
                 for statement in SCHEMA_SQL.split(";"):
                     if statement.strip():
                         db.execute(statement)

@@ -143,6 +143,7 @@ class Server:
         """Close the log and the sockets (after :meth:`join`; idempotent)."""
         if self.log is not None:
             try:
+                self.log.end_run(compile_watch().num_after_ready)
                 self.log.close()
             except Exception:  # noqa: BLE001
                 logger.exception("closing the decision log failed")

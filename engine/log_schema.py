@@ -15,11 +15,18 @@ import sqlite_utils
 
 from specsched.engine.records import StepRecord
 
-SCHEMA_VERSION = 1  # bump on any change to the tables below; readers refuse other versions
+SCHEMA_VERSION = 2  # bump on any change to the tables below (with a MIGRATIONS entry)
+READABLE_VERSIONS = (1, 2)  # readers take these; the writer migrates an older file when it appends
+MIGRATIONS = {  # version -> the statements that take a file from it to the next version
+    1: [
+        "ALTER TABLE runs ADD COLUMN ended_at REAL",
+        "ALTER TABLE runs ADD COLUMN num_compiles_after_start INTEGER",
+    ],
+}
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY, started_at REAL, config TEXT, model TEXT,
-    device TEXT, version TEXT, schema_version INTEGER);
+    device TEXT, version TEXT, schema_version INTEGER, ended_at REAL, num_compiles_after_start INTEGER);
 CREATE TABLE IF NOT EXISTS requests (run_id INTEGER, request_id TEXT, client TEXT, arrival REAL,
     first_token_time REAL, finish_time REAL, prompt_tokens INTEGER, output_tokens INTEGER,
     finish_reason TEXT, proposed INTEGER, accepted INTEGER);
@@ -46,8 +53,8 @@ class LogFormatError(Exception):
 
 
 def check_schema(db: sqlite_utils.Database, path: str, allow_new: bool) -> None:
-    """Raise :class:`LogFormatError` unless ``db`` is a specsched log of :data:`SCHEMA_VERSION`
-    (or, with ``allow_new``, an empty database)."""
+    """Raise :class:`LogFormatError` unless ``db`` is a specsched log of a version in
+    :data:`READABLE_VERSIONS` (or, with ``allow_new``, an empty database)."""
     try:
         version = db.execute("PRAGMA user_version").fetchone()[0]
         tables = set(db.table_names())
@@ -55,7 +62,7 @@ def check_schema(db: sqlite_utils.Database, path: str, allow_new: bool) -> None:
         raise
     except sqlite3.DatabaseError as e:  # "file is not a database", "malformed"
         raise LogFormatError(f"{path}: not a readable SQLite file ({e})") from e
-    if version == SCHEMA_VERSION:
+    if version in READABLE_VERSIONS:
         if "runs" in tables:
             return
         raise LogFormatError(f"{path}: damaged specsched log (schema version {version} but no runs table)")
@@ -65,8 +72,20 @@ def check_schema(db: sqlite_utils.Database, path: str, allow_new: bool) -> None:
         raise LogFormatError(f"{path}: not a specsched log (no schema version; tables: {sorted(tables)})")
     raise LogFormatError(
         f"{path}: log schema version {version} (another specsched version wrote it); "
-        f"this specsched reads version {SCHEMA_VERSION}"
+        f"this specsched reads versions {', '.join(map(str, READABLE_VERSIONS))}"
     )
+
+
+def migrate(db: sqlite_utils.Database) -> None:
+    """Bring a log of an older readable version up to :data:`SCHEMA_VERSION` (in the caller's
+    transaction); a new or current file is left as it is."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version == 0 or "runs" not in set(db.table_names()):
+        return
+    while version < SCHEMA_VERSION:
+        for statement in MIGRATIONS[version]:
+            db.execute(statement)
+        version += 1
 
 
 def open_log(path: str | os.PathLike) -> sqlite_utils.Database:

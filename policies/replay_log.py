@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specsched.engine.config import SchedulerConfig, SpecConfig
-from specsched.engine.log_schema import SCHEMA_VERSION, LogFormatError, open_log
+from specsched.engine.log_schema import READABLE_VERSIONS, LogFormatError, open_log
 from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.policies.registry import POLICIES
 
@@ -160,10 +160,10 @@ def _load(db, path: str, run_id: int | None) -> RecordedRun:
     if run_id not in ids:
         raise ReplayError(f"{path}: no run {run_id}; runs in this log: {', '.join(map(str, ids))}")
     run = next(db.query("select * from runs where id = ?", [run_id]))
-    if run["schema_version"] != SCHEMA_VERSION:
+    if run["schema_version"] not in READABLE_VERSIONS:
         raise LogFormatError(
             f"{path}: run {run_id} was written with log schema version {run['schema_version']}; "
-            f"this specsched reads version {SCHEMA_VERSION}"
+            f"this specsched reads versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
     try:
         config = json.loads(run["config"] or "{}")

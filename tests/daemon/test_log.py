@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import sqlite_utils
 
 from specsched.daemon.log import SCHEMA_VERSION, LogConfig, LogFormatError, LogWriter, open_log
 from specsched.engine.records import StepRecord, StepRequestRecord
@@ -410,3 +411,38 @@ def test_log_config_validation(kw, name):
 def test_writer_needs_a_path():
     with pytest.raises(ValueError, match="log.path"):
         LogWriter(LogConfig(path=None))
+
+
+def test_end_run_closes_the_run_row_with_the_compiles_after_start(tmp_path):
+    path = str(tmp_path / "end.sqlite")
+    w = LogWriter(fast_cfg(path))
+    w.start_run({}, model="tiny", device="cpu", version="t")
+    t0 = time.time()
+    assert w.end_run(num_compiles_after_start=3)
+    w.close()
+    assert not w.end_run(num_compiles_after_start=9)  # closed: refused at once, nothing written
+    (run,) = list(open_log(path)["runs"].rows)
+    assert run["num_compiles_after_start"] == 3 and t0 <= run["ended_at"] <= time.time()
+
+
+def test_a_version_1_log_is_read_and_migrated_when_appended_to(tmp_path):
+    path = str(tmp_path / "v1.sqlite")
+    db = sqlite_utils.Database(path)  # the version 1 schema, as an older specsched wrote it
+    db.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY, started_at REAL, config TEXT, model TEXT, "
+               "device TEXT, version TEXT, schema_version INTEGER)")  # fmt: skip
+    db.execute("INSERT INTO runs (started_at, config, schema_version) VALUES (1.0, '{}', 1)")
+    db.execute("PRAGMA user_version = 1")
+    db.conn.commit()
+    db.close()
+    assert open_log(path)["runs"].count == 1  # readable as it is
+    w = LogWriter(fast_cfg(path))
+    assert w.start_run({}, model="tiny", device="cpu", version="t") == 2
+    w.end_run(num_compiles_after_start=0)
+    w.close()
+    db = open_log(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    rows = list(db.query("select id, schema_version, num_compiles_after_start from runs order by id"))
+    assert rows == [
+        {"id": 1, "schema_version": 1, "num_compiles_after_start": None},
+        {"id": 2, "schema_version": SCHEMA_VERSION, "num_compiles_after_start": 0},
+    ]
