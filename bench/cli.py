@@ -78,6 +78,10 @@ def run_bench(cfg: DictConfig, command: str) -> dict:
         from specsched.bench.serve import run_serve_bench
 
         part("serve", lambda: run_serve_bench(cfg.serve, cfg.out_dir or "."))
+    if cfg.regret.enabled:
+        from specsched.bench.regret import run_regret
+
+        part("regret", lambda: run_regret(cfg.regret, cfg.graphs, device, dtype, cfg.block_size, cfg.seed))
     write_outputs(results, cfg, final=True)
     return results
 
@@ -86,6 +90,8 @@ def write_outputs(results: dict, cfg: DictConfig, final: bool) -> str:
     """``results.json`` + ``tables.md`` in ``out_dir`` (after every part); when ``final``, print the
     tables and append them to ``append_to``."""
     text = render(results)
+    if results.get("regret"):  # bench/regret.py renders its own tables
+        text += "\n" + results["regret"]["markdown"]
     out = Path(cfg.out_dir or ".")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))

@@ -1,0 +1,365 @@
+"""``bench=regret`` (issue 13): does the per-step choice beat every static setting, by more than the
+spread between runs?
+
+A *cell* is one workload: a batch size with synthetic acceptance a on the 7B pair, or a real model
+with one proposer on real prompts. In each cell every *config* runs — non-speculative, the fixed
+(k, scorer) grid and each built-in policy (:func:`specsched.bench.e2e.policy_configs`) — ``repeats``
+times, *interleaved*: repeat r runs every config once, in an order shuffled per repeat with a seed,
+before repeat r + 1, so that drift of the machine (clocks, temperature, other tenants) hits all
+configs alike and ratios within one repeat are paired.
+
+*Warm-up*, outside every timed window and the same for every config: a profile run over the cell's
+prompts cycles k in {0, fixed k, max k} x every scorer step by step (compiles, graph warm-up, and
+cost models and acceptance estimates fitted on every scorer); then every config runs one short
+untimed generate. Each timed window starts from a copy of the profiled cost models and acceptance
+estimator, with a fresh engine and policy, and runs whole passes over the cell's prompts (so every
+config sees the same mix of prompts) until it took at least ``min_steps`` decode steps.
+
+Per cell: the *oracle* is the config other than goodput with the best median tok/s; goodput's ratio
+to it and to non-speculative per repeat (median and min-max over repeats); goodput's ``decide`` ms
+(p50/p99, from ``plan_info.decide_ms``); and the cost models' held-out score-ms error per scorer
+(:func:`specsched.policies.cost_error.held_out_error` over the cell's timed steps).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import statistics
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from specsched.bench.common import (
+    EngineSpec,
+    blocks_for,
+    graph_config,
+    make_engine,
+    random_model,
+    random_prompts,
+    sync,
+)
+from specsched.bench.e2e import RunConfig, policy_configs
+from specsched.bench.report import fmt, table
+from specsched.engine.records import StepRecord
+from specsched.engine.request import SamplingParams
+from specsched.policies.base import BatchView, Plan, Policy
+from specsched.policies.cost_error import held_out_error
+from specsched.policies.fixed import FixedConfig, FixedPolicy, capped_k
+from specsched.scorers.graph import graph_buckets_of
+
+logger = logging.getLogger(__name__)
+NON_SPEC = "non-speculative"
+
+
+class ProfilePolicy(Policy):
+    """Warm-up only: step i takes the i-th (k, scorer) of the grid, round robin."""
+
+    name = "profile"
+
+    def __init__(self, ks: list[int], scorers: list[str]) -> None:
+        self.grid, self.num = [(k, s) for k in ks for s in scorers], 0
+
+    def decide(self, view: BatchView, costs) -> Plan:
+        k, s = self.grid[self.num % len(self.grid)]
+        self.num += 1
+        return Plan(capped_k(view, k), s if s in view.scorers else view.scorers[0], self.name)
+
+
+@dataclass
+class Cell:
+    suite: str  # synthetic | real
+    spec: EngineSpec
+    batch: int
+    proposer: str  # label: "synthetic a=0.6", "ngram", "draft (self, 8 layers)"
+    acceptance: float | None
+    runs: list[RunConfig]  # non-speculative first
+    prompts: list[list[int]]  # one pass
+    max_new_tokens: int
+
+
+@dataclass
+class Sample:
+    config: str
+    repeat: int
+    tokens_per_s: float
+    num_steps: int  # decode steps in the window
+    num_passes: int
+    mean_k: float
+    decide_ms_p50: float | None
+    decide_ms_p99: float | None
+    scorer_steps: dict = field(default_factory=dict)
+
+
+def run_window(run: RunConfig, state, cell: Cell, min_steps: int, tokens: int | None = None):
+    """A fresh engine and policy from a copy of the profiled ``state`` (cost models, acceptance),
+    whole passes over the cell's prompts until ``min_steps`` decode steps (one pass when
+    ``tokens`` cuts each request short): (the :class:`Sample` fields, the decode records)."""
+    engine = make_engine(cell.spec, run.proposers, run.proposer, run.make_policy())
+    engine.costs, engine.acceptance = copy.deepcopy(state[0]), copy.deepcopy(state[1])
+    return _passes(engine, cell, min_steps, tokens)
+
+
+def _passes(engine, cell: Cell, min_steps: int, tokens: int | None = None):
+    records: list[StepRecord] = []
+    engine.on_step = lambda rec: records.append(rec) if rec.kind == "decode" else None
+    groups = [cell.prompts[i : i + cell.batch] for i in range(0, len(cell.prompts), cell.batch)]
+    params = SamplingParams(max_tokens=tokens or cell.max_new_tokens, ignore_eos=True)
+    device = cell.spec.model.lm_head.weight.device
+    num_tokens = passes = 0
+    sync(device)
+    t0 = time.perf_counter()
+    while not passes or (len(records) < min_steps and tokens is None):
+        for group in groups:
+            num_tokens += sum(map(len, engine.generate(group, params)))
+        passes += 1
+    sync(device)
+    wall = time.perf_counter() - t0
+    engine.flush_observations()
+    decide = [r.plan_info["decide_ms"] for r in records if "decide_ms" in r.plan_info]
+    request_steps = sum(r.batch_size for r in records)
+    fields = dict(
+        tokens_per_s=num_tokens / wall, num_steps=len(records), num_passes=passes,
+        mean_k=sum(r.num_proposed for r in records) / max(request_steps, 1),
+        decide_ms_p50=float(np.percentile(decide, 50)) if decide else None,
+        decide_ms_p99=float(np.percentile(decide, 99)) if decide else None,
+        scorer_steps=dict(Counter(r.scorer for r in records)),
+    )  # fmt: skip
+    return fields, records
+
+
+def profile_state(cell: Cell, cfg):
+    """The shared warm-up: (cost models, acceptance estimator) after >= ``cfg.warmup_steps`` decode
+    steps over the cell's prompts that cycle k in {0, fixed k, max k} x every scorer, run twice: the
+    first run compiles and warms caches (its cold steps, up to 100x slow, would skew the fit), the
+    second fits fresh cost models."""
+    ks = sorted({0, *cfg.fixed_k, cell.spec.max_k})
+    run = cell.runs[-1]  # a config of the cell's proposer: its proposer set and default
+    make = lambda: make_engine(
+        cell.spec, run.proposers, run.proposer, ProfilePolicy(ks, list(cell.spec.scorers))
+    )
+    engine = make()
+    _passes(engine, cell, cfg.warmup_steps)
+    fresh = make()
+    fresh.acceptance = engine.acceptance
+    _passes(fresh, cell, cfg.warmup_steps)
+    return fresh.costs, fresh.acceptance
+
+
+def run_cell(cell: Cell, cfg, seed: int) -> dict:
+    """Every config of ``cell`` ``cfg.repeats`` times, interleaved (see module); the cell's summary."""
+    state = profile_state(cell, cfg)
+    for run in cell.runs if cfg.compile_tokens else []:  # each config's own shapes compile, untimed
+        run_window(run, state, cell, 0, cfg.compile_tokens)
+    samples: list[Sample] = []
+    records: list[StepRecord] = []
+    for r in range(cfg.repeats):
+        order = list(cell.runs)
+        random.Random(seed * 1000 + r).shuffle(order)
+        for run in order:
+            fields, recs = run_window(run, state, cell, cfg.min_steps)
+            samples.append(Sample(run.label, r, **fields))
+            records += recs
+            logger.info("regret %s batch %d repeat %d %s: %.1f tok/s (%d steps)", cell.proposer,
+                        cell.batch, r, run.label, fields["tokens_per_s"], fields["num_steps"])  # fmt: skip
+    device = "cuda" if cell.spec.model.lm_head.weight.device.type == "cuda" else "cpu"
+    errors = held_out_error(records, device=device, graph_buckets=graph_buckets_of(cell.spec.scorers))
+    out = summarize(samples, [r.label for r in cell.runs])
+    out.update(suite=cell.suite, model=cell.spec.name, proposer=cell.proposer, batch=cell.batch,
+               acceptance=cell.acceptance, samples=[asdict(s) for s in samples],
+               cost_error=[asdict(e) for e in errors])  # fmt: skip
+    return out
+
+
+def is_goodput(label: str) -> bool:
+    return label == "policy goodput" or label.startswith("policy goodput (")
+
+
+def summarize(samples: list[Sample], labels: list[str]) -> dict:
+    """Per config: median and min-max tok/s over repeats; the oracle (best median but goodput);
+    goodput's per-repeat ratios to the oracle and to non-speculative (median, min, max)."""
+    by = {
+        label: sorted((s for s in samples if s.config == label), key=lambda s: s.repeat) for label in labels
+    }
+    configs = {
+        label: dict(
+            tokens_per_s=statistics.median(s.tokens_per_s for s in ss),
+            min=min(s.tokens_per_s for s in ss),
+            max=max(s.tokens_per_s for s in ss),
+            min_steps=min(s.num_steps for s in ss),
+            mean_k=statistics.median(s.mean_k for s in ss),
+        )  # fmt: skip
+        for label, ss in by.items()
+    }
+    out: dict = {"configs": configs, "oracle": None, "goodput": None}
+    others = [label for label in labels if not is_goodput(label)]
+    out["oracle"] = max(others, key=lambda x: configs[x]["tokens_per_s"]) if others else None
+    good = next((label for label in labels if is_goodput(label)), None)
+    if good is None or out["oracle"] is None:
+        return out
+    out["goodput"] = good
+
+    def ratio(other: str) -> dict | None:
+        if other not in by:
+            return None
+        rs = [g.tokens_per_s / o.tokens_per_s for g, o in zip(by[good], by[other], strict=True)]
+        return {"median": statistics.median(rs), "min": min(rs), "max": max(rs), "per_repeat": rs}
+
+    out["vs_oracle"], out["vs_non_spec"] = ratio(out["oracle"]), ratio(NON_SPEC)
+    ps = [s.decide_ms_p99 for s in by[good] if s.decide_ms_p99 is not None]
+    out["decide_ms_p99"] = max(ps) if ps else None
+    return out
+
+
+def _runs(cfg, scorers: list[str], proposers: dict, proposer: str, none) -> list[RunConfig]:
+    base = "batch_expansion" if "batch_expansion" in scorers else scorers[0]
+    non_spec = RunConfig(NON_SPEC, lambda: FixedPolicy(FixedConfig(k=0, scorer=base)), {"none": none}, "none")
+    return [non_spec] + [
+        RunConfig(label, make, proposers, proposer) for label, make in policy_configs(cfg, scorers)
+    ]
+
+
+def synthetic_cells(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_size: int, seed: int):
+    """The 7B pair (random weights) at each batch x synthetic acceptance, one cell at a time."""
+    from specsched.proposers.draft import DraftModelProposer
+    from specsched.proposers.none import NoProposer
+    from specsched.proposers.synthetic import SyntheticProposer, attach_oracle
+    from specsched.scorers.graph import attach_draft_graphs
+    from specsched.scorers.registry import build_scorers
+
+    target = random_model(cfg.target, device, dtype, seed)
+    draft = random_model(cfg.draft, device, dtype, seed + 1)
+    max_b, max_len = max(cfg.batch), cfg.prompt_len + cfg.max_new_tokens + cfg.max_k + 2
+    num_blocks = blocks_for(max_b * cfg.groups, max_len, block_size)
+    kv = target.allocate_kv_cache(num_blocks, block_size)
+    gcfg = graph_config(graphs_cfg, max_b, cfg.max_k, max_len)
+    scorers = build_scorers(list(cfg.scorers), target, kv, block_size, gcfg)
+    draft_prop = DraftModelProposer(draft, draft.allocate_kv_cache(num_blocks, block_size), block_size)
+    attach_draft_graphs(draft_prop, gcfg, block_size)
+    spec = EngineSpec(target, kv, num_blocks, block_size, scorers, max_b, cfg.max_k, max_len,
+                      list(target.cfg.eos_token_ids), None, f"{cfg.target}+{cfg.draft}")  # fmt: skip
+    none = NoProposer(device)
+    for b in cfg.batch:
+        prompts = random_prompts(target.cfg.vocab_size, b * cfg.groups, cfg.prompt_len, seed + b)
+        ref = make_engine(
+            spec, {"none": none}, "none", FixedPolicy(FixedConfig(k=0, scorer=list(scorers)[0]))
+        )
+        outputs = ref.generate(prompts, SamplingParams(max_tokens=cfg.max_new_tokens, ignore_eos=True))
+        for a in cfg.acceptance:
+            synth = SyntheticProposer(target, a, block_size, seed, draft=draft_prop)
+            attach_oracle(synth, prompts, outputs)
+            runs = _runs(cfg, list(scorers), {"none": none, "synthetic": synth}, "synthetic", none)
+            yield Cell("synthetic", spec, b, f"synthetic a={a}", a, runs, prompts, cfg.max_new_tokens)
+
+
+def real_cells(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_size: int, seed: int):
+    """A real model with each proposer on real prompts, one cell per (proposer, batch)."""
+    from specsched.bench.suites import real_prompt_ids
+    from specsched.engine.config import ModelConfig, NgramConfig
+    from specsched.models.loader import load_model
+    from specsched.proposers.draft import DraftModelProposer
+    from specsched.proposers.ngram import NgramProposer
+    from specsched.proposers.none import NoProposer
+    from specsched.scorers.graph import attach_draft_graphs
+    from specsched.scorers.registry import build_scorers
+
+    dtype_name = str(dtype).replace("torch.", "")
+    loaded = load_model(ModelConfig(source=cfg.source, device=str(device), dtype=dtype_name, seed=seed))
+    model = loaded.model
+    prompts, _ = real_prompt_ids(loaded.tokenizer, model.cfg.vocab_size, cfg.num_prompts, seed)
+    max_b = max(cfg.batch)
+    max_len = min(max(map(len, prompts)) + cfg.max_new_tokens + cfg.max_k + 2, loaded.max_model_len)
+    num_blocks = blocks_for(max(max_b, len(prompts)), max_len, block_size)
+    kv = model.allocate_kv_cache(num_blocks, block_size)
+    gcfg = graph_config(graphs_cfg, max_b, cfg.max_k, max_len)
+    scorers = build_scorers(list(cfg.scorers), model, kv, block_size, gcfg)
+    spec = EngineSpec(model, kv, num_blocks, block_size, scorers, max_b, cfg.max_k, max_len,
+                      list(loaded.llama_config.eos_token_ids), loaded.tokenizer, loaded.name)  # fmt: skip
+    none = NoProposer(device)
+    for name in cfg.proposers:
+        if name == "draft":
+            layers = min(cfg.draft_layers, model.cfg.num_layers)
+            prop = DraftModelProposer(
+                model, model.allocate_kv_cache(num_blocks, block_size, layers), block_size, layers
+            )
+            attach_draft_graphs(prop, gcfg, block_size)
+            label = f"draft (self, {layers} layers)"
+        elif name == "ngram":
+            prop, label = NgramProposer(NgramConfig(), device), "ngram"
+        else:
+            raise ValueError(f"bench.regret.real.proposers: unknown proposer {name!r}; known: draft, ngram")
+        for b in cfg.batch:
+            runs = _runs(cfg, list(scorers), {"none": none, name: prop}, name, none)
+            yield Cell("real", spec, b, label, None, runs, prompts, cfg.max_new_tokens)
+
+
+def run_regret(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_size: int, seed: int) -> dict:
+    """``bench.regret``: every cell of the enabled suites; the tables in ``markdown``."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    common = {k: v for k, v in plain.items() if k not in ("synthetic", "real")}
+    cells = []
+    for suite, make in (("synthetic", synthetic_cells), ("real", real_cells)):
+        sub = OmegaConf.merge(OmegaConf.create(common), OmegaConf.create(plain[suite]))  # shared keys too
+        if sub.enabled:
+            cells += [
+                run_cell(cell, sub, seed) for cell in make(sub, graphs_cfg, device, dtype, block_size, seed)
+            ]
+    out = {"cells": cells, "repeats": cfg.repeats, "min_steps": cfg.min_steps}
+    out["markdown"] = regret_markdown(out)
+    return out
+
+
+def _ratio(r: dict | None) -> str:
+    return "–" if r is None else f"{r['median']:.3f} [{r['min']:.3f}–{r['max']:.3f}]"
+
+
+def regret_markdown(res: dict) -> str:
+    """The cell table, every config's table and the held-out cost-model error table."""
+    cells = res["cells"]
+    head = ["suite", "model", "proposer", "batch", "oracle (best config but goodput)", "oracle tok/s",
+            "goodput tok/s", "goodput / oracle", "non-spec tok/s", "goodput / non-spec",
+            "goodput decide ms p99", "min steps"]  # fmt: skip
+    rows, detail, errors = [], [], []
+    for c in cells:
+        cf, good = c["configs"], c.get("goodput")
+        oracle = c.get("oracle")
+        rows.append([c["suite"], c["model"], c["proposer"], c["batch"], oracle or "–",
+                     fmt(cf[oracle]["tokens_per_s"], 1) if oracle else "–",
+                     fmt(cf[good]["tokens_per_s"], 1) if good else "–", _ratio(c.get("vs_oracle")),
+                     fmt(cf.get(NON_SPEC, {}).get("tokens_per_s"), 1), _ratio(c.get("vs_non_spec")),
+                     fmt(c.get("decide_ms_p99"), 3), min(v["min_steps"] for v in cf.values())])  # fmt: skip
+        for label, v in cf.items():
+            spread = f"{fmt(v['min'], 1)}–{fmt(v['max'], 1)}"
+            detail.append([c["proposer"], c["batch"], label, fmt(v["tokens_per_s"], 1), spread,
+                           fmt(v["mean_k"]), v["min_steps"]])  # fmt: skip
+        for e in c["cost_error"]:
+            errors.append([c["proposer"], e["scorer"], e["batch_size"], e["num_fit"], e["num_held_out"],
+                           fmt(100 * e["median"], 1), fmt(100 * e["p90"], 1),
+                           "yes" if e["median"] <= 0.05 else "**no**"])  # fmt: skip
+    big = [c["decide_ms_p99"] for c in cells if c["batch"] == 64 and c.get("decide_ms_p99") is not None]
+    error_head = [
+        "proposer",
+        "scorer",
+        "batch",
+        "fitted",
+        "held out",
+        "median abs. error %",
+        "p90 %",
+        "<= 5%",
+    ]
+    parts = [
+        f"### Regret (issue 13): {res['repeats']} interleaved repeats of >= {res['min_steps']} decode "
+        "steps per config; ratios per repeat: median [min–max]", "", table(head, rows), "",
+        f"goodput decide p99 at batch 64: {fmt(max(big), 3) + ' ms' if big else '– (no batch-64 cell)'}", "",
+        "### Regret: every config (tok/s median over repeats, min–max)", "",
+        table(["proposer", "batch", "config", "tok/s", "min–max", "mean k", "min steps"], detail), "",
+        "### Cost-model held-out error (score ms; fitted on the first half of each scorer × batch's "
+        "timed steps, scored on the rest)", "", table(error_head, errors),
+    ]  # fmt: skip
+    return "\n".join(parts) + "\n"

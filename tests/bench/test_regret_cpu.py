@@ -1,0 +1,73 @@
+"""``bench=regret`` on CPU (issue 13): the tiny preset's two cells run every config in interleaved
+repeats, and the table's ratios are the ones its rows imply."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import specsched.bench.cli as cli
+from specsched.bench.regret import NON_SPEC, summarize
+
+CONF_DIR = str(Path(cli.__file__).parent / "conf")
+CONFIGS = [NON_SPEC, "fixed k=2 batch_expansion", "fixed k=2 mqa", "policy goodput"]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("regret")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("bench", overrides=["bench=regret_cpu", f"bench.out_dir={out}"]).bench
+    res = cli.run_bench(cfg, "specsched-bench bench=regret_cpu")
+    return res, cfg.regret, (out / "tables.md").read_text()
+
+
+def test_every_config_of_every_cell_runs_interleaved_repeats(result):
+    res, cfg, _ = result
+    assert res["errors"] == {}
+    cells = res["regret"]["cells"]
+    assert [(c["suite"], c["proposer"], c["batch"]) for c in cells] == [
+        ("synthetic", "synthetic a=0.8", 2), ("real", "ngram", 1)
+    ]  # fmt: skip
+    for c in cells:
+        samples = c["samples"]
+        assert list(c["configs"]) == CONFIGS
+        assert [s["repeat"] for s in samples] == [r for r in range(cfg.repeats) for _ in CONFIGS]
+        for r in range(cfg.repeats):  # each repeat runs every config once
+            assert sorted(s["config"] for s in samples if s["repeat"] == r) == sorted(CONFIGS)
+        assert all(s["num_steps"] >= cfg.min_steps and s["tokens_per_s"] > 0 for s in samples)
+        good = [s for s in samples if s["config"] == "policy goodput"]
+        assert all(s["decide_ms_p99"] >= s["decide_ms_p50"] > 0 for s in good)
+        assert {e["scorer"] for e in c["cost_error"]} <= {"batch_expansion", "mqa"} and c["cost_error"]
+        assert all(e["median"] >= 0 and e["num_held_out"] > 0 for e in c["cost_error"])
+
+
+def test_ratios_follow_from_the_rows(result):
+    res, cfg, text = result
+    for c in res["regret"]["cells"]:
+        tps = {label: [s["tokens_per_s"] for s in c["samples"] if s["config"] == label] for label in CONFIGS}
+        for label, v in c["configs"].items():
+            assert v["tokens_per_s"] == pytest.approx(statistics.median(tps[label]))
+            assert v["min"] == min(tps[label]) and v["max"] == max(tps[label])
+        others = [label for label in CONFIGS if label != "policy goodput"]
+        assert c["oracle"] == max(others, key=lambda x: statistics.median(tps[x]))
+        for key, other in (("vs_oracle", c["oracle"]), ("vs_non_spec", NON_SPEC)):
+            per = [g / o for g, o in zip(tps["policy goodput"], tps[other], strict=True)]
+            assert c[key]["per_repeat"] == pytest.approx(per)
+            assert c[key]["median"] == pytest.approx(statistics.median(per))
+            assert (c[key]["min"], c[key]["max"]) == (pytest.approx(min(per)), pytest.approx(max(per)))
+            assert f"{c[key]['median']:.3f} [{c[key]['min']:.3f}–{c[key]['max']:.3f}]" in text
+    for title in ("### Regret (issue 13)", "### Regret: every config", "### Cost-model held-out error"):
+        assert title in text
+
+
+def test_summary_without_goodput_names_the_oracle_only():
+    from specsched.bench.regret import Sample
+
+    samples = [Sample(label, r, tps, 10, 1, 0.0, None, None) for r in range(2)
+               for label, tps in ((NON_SPEC, 100.0 + r), ("fixed k=1 mqa", 120.0 - r))]  # fmt: skip
+    out = summarize(samples, [NON_SPEC, "fixed k=1 mqa"])
+    assert out["oracle"] == "fixed k=1 mqa" and out["goodput"] is None
