@@ -303,14 +303,16 @@ def run_regret(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_
 
     plain = OmegaConf.to_container(cfg, resolve=True)
     common = {k: v for k, v in plain.items() if k not in ("synthetic", "real")}
-    cells = []
+    cells, errors = [], {}
     for suite, make in (("synthetic", synthetic_cells), ("real", real_cells)):
         sub = OmegaConf.merge(OmegaConf.create(common), OmegaConf.create(plain[suite]))  # shared keys too
-        if sub.enabled:
-            cells += [
-                run_cell(cell, sub, seed) for cell in make(sub, graphs_cfg, device, dtype, block_size, seed)
-            ]
-    out = {"cells": cells, "repeats": cfg.repeats, "min_steps": cfg.min_steps}
+        try:  # a failing suite (a model missing) keeps the other's cells
+            for cell in make(sub, graphs_cfg, device, dtype, block_size, seed) if sub.enabled else []:
+                cells.append(run_cell(cell, sub, seed))
+        except Exception as e:
+            logger.exception("regret suite %s failed", suite)
+            errors[suite] = f"{type(e).__name__}: {e}"[:300]
+    out = {"cells": cells, "repeats": cfg.repeats, "min_steps": cfg.min_steps, "errors": errors}
     out["markdown"] = regret_markdown(out)
     return out
 
@@ -362,4 +364,5 @@ def regret_markdown(res: dict) -> str:
         "### Cost-model held-out error (score ms; fitted on the first half of each scorer × batch's "
         "timed steps, scored on the rest)", "", table(error_head, errors),
     ]  # fmt: skip
+    parts += [f"- **regret {name} failed**: `{err}`" for name, err in res.get("errors", {}).items()]
     return "\n".join(parts) + "\n"
