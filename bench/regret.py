@@ -44,7 +44,7 @@ from specsched.bench.common import (
     sync,
 )
 from specsched.bench.e2e import RunConfig, policy_configs
-from specsched.bench.report import fmt, table
+from specsched.bench.markdown import fmt, table
 from specsched.engine.records import StepRecord
 from specsched.engine.request import SamplingParams
 from specsched.policies.base import BatchView, Plan, Policy
