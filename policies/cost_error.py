@@ -16,44 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from specsched.engine.records import StepRecord
+from specsched.policies.cost_model import CostModels
+from specsched.policies.running_error import RunningError
 from specsched.policies.shapes import StepShape
 
 __all__ = ["HeldOutError", "RunningError", "held_out_error"]
-
-
-class RunningError:
-    """Exponentially weighted means of the prequential relative error of step predictions: of its
-    size (``value``: |predicted − measured| / measured) and of its sign (``bias``: (predicted −
-    measured) / measured). Step-to-step noise adds to the size but averages out of the bias, which
-    is what a cost model that no longer fits the machine (a step change in costs) shows.
-
-    Each update moves a mean 1/``window`` of the way to the new step's error (a memory of about
-    ``window`` steps), after plain means over the first ``window`` steps so the start is not pulled
-    towards 0. Both are None until ``min_count`` steps were seen.
-    """
-
-    def __init__(self, window: int = 16, min_count: int = 4) -> None:
-        if window < 1 or min_count < 1:
-            raise ValueError(f"RunningError needs window >= 1 and min_count >= 1, got {window}, {min_count}")
-        self.window, self.min_count = window, min_count
-        self.mean_abs = self.mean = 0.0
-        self.count = 0
-
-    def update(self, predicted: float, measured: float) -> None:
-        if measured <= 0 or not np.isfinite(predicted):
-            return
-        self.count += 1
-        rel, rate = (predicted - measured) / measured, 1.0 / min(self.count, self.window)
-        self.mean += (rel - self.mean) * rate
-        self.mean_abs += (abs(rel) - self.mean_abs) * rate
-
-    @property
-    def value(self) -> float | None:
-        return self.mean_abs if self.count >= self.min_count else None
-
-    @property
-    def bias(self) -> float | None:
-        return self.mean if self.count >= self.min_count else None
 
 
 @dataclass
@@ -83,8 +50,6 @@ def held_out_error(
     run taken as stationary) learn the fit set in its original order, then predict each held-out
     step's score ms from its shape without learning from it.
     """
-    from specsched.policies.cost_model import CostModels  # cost_model imports this module
-
     if not 0.0 < fit_fraction < 1.0:
         raise ValueError(f"fit_fraction must be in (0, 1), got {fit_fraction}")
     groups: dict[tuple[str, int], list[tuple[int, StepRecord]]] = defaultdict(list)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from specsched.engine.records import StepRecord
-from specsched.policies.cost_error import RunningError
 from specsched.policies.rls import OnlineLinearModel
+from specsched.policies.running_error import RunningError
 from specsched.policies.shapes import (
     EXPANSION_SCORERS,
     FEATURES,
@@ -263,7 +263,7 @@ class CostModels:
     def prediction_error(self, scorer: str, signed: bool = False) -> float | None:
         """Running relative error of ``scorer``'s predicted step ms over its last ~16 steps (each
         predicted before it was learnt from), its size or (``signed``) its mean with sign: the bias;
-        None before it has seen a few (:class:`~specsched.policies.cost_error.RunningError`)."""
+        None before it has seen a few (:class:`~specsched.policies.running_error.RunningError`)."""
         found = self.errors.get(scorer)
         return None if found is None else (found.bias if signed else found.value)
 
