@@ -15,30 +15,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+from specsched.bench.loopback import free_port, pct
 from specsched.client.sync_client import AsyncClient, Client
 from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from specsched.engine.engine import Engine
 from specsched.engine.request import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def engine_ms(n: int) -> list[float]:

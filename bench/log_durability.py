@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 
+from specsched.bench.loopback import free_port, pct
 from specsched.client.sync_client import AsyncClient, Client
 
 
@@ -34,17 +34,6 @@ class Result:
     round_trip_ms: list[float] = field(default_factory=list)
     num_tokens: int = 0
     seconds: float = 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def start(tmp: str, durable: bool, extra: list[str]) -> tuple[subprocess.Popen, str]:

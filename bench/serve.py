@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from specsched.bench.common import random_prompts
+from specsched.bench.loopback import free_port
 from specsched.bench.prompts import PROMPTS
 from specsched.bench.serve_config import DaemonRun, ServeConfig
 from specsched.bench.serve_load import PassResult, run_pass, summarize
@@ -40,12 +40,6 @@ def make_prompts(cfg: ServeConfig) -> list[dict]:
         return [{"prompt_ids": p} for p in ids]
     indices = cfg.prompt_indices if cfg.prompt_indices is not None else range(cfg.num_prompts)
     return [{"messages": PROMPTS[i % len(PROMPTS)]} for i in indices]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def safe_name(name: str) -> str:
