@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specsched.engine.request import Request, SamplingParams
-from specsched.models.graph_buckets import PAD_SLOT, pad_inputs
+from specsched.models.graph_buckets import PAD_SLOT, pad_inputs, token_bucket
 from specsched.proposers.base import Proposals
 from specsched.scorers.inputs import build_scoring_inputs
 from specsched.scorers.metadata_gpu import build_scoring_inputs_vec, pack_scoring_batch
@@ -37,12 +37,19 @@ def ragged_batch(rng: random.Random, num: int, spare_blocks: int = 0) -> tuple[l
     return reqs, Proposals.from_lists(drafts)
 
 
-def assert_same_inputs(got, want) -> None:
+def assert_same_inputs(got, want, padded: bool = False) -> None:
+    """``got`` equals ``want``; with ``padded`` (CUDA) its tokens are padded to the token bucket:
+    the real ones first, the pad ones id 0 at position 0 writing to the pad slot."""
+    t = want.num_tokens
+    assert got.num_tokens == (token_bucket(t) if padded else t)
     for name in ("input_ids", "positions"):
         a, b = getattr(got, name), getattr(want, name)
-        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), name
+        assert a.dtype == b.dtype and torch.equal(a[:t].cpu(), b.cpu()), name
+        assert not a[t:].any(), name
+    assert (got.meta.slot_mapping[t:] == PAD_SLOT).all()
     for name in ("cu_seqlens_q", "seq_lens_k", "block_tables", "slot_mapping"):
         a, b = getattr(got.meta, name), getattr(want.meta, name)
+        a = a[:t] if name == "slot_mapping" else a
         assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
         assert torch.equal(a.cpu(), b.cpu()), f"{name}: {a} vs {b}"
     assert (got.meta.max_q, got.meta.max_k) == (want.meta.max_q, want.meta.max_k)
@@ -139,7 +146,7 @@ def test_vectorised_inputs_on_cuda_equal_reference(is_expanded):
         pack_scoring_batch(reqs, props, BLOCK), props.draft_tokens.cuda(), "cuda", is_expanded=is_expanded
     )
     assert got.input_ids.is_cuda and got.meta.block_tables.is_cuda
-    assert_same_inputs(got, want)
+    assert_same_inputs(got, want, padded=True)
 
 
 def test_decode_host_inputs_equal_chunk_inputs_of_one_token_rows():
