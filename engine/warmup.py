@@ -27,6 +27,7 @@ from tqdm import tqdm
 from specsched.engine.config import EngineConfig
 from specsched.kernels.compile_watch import compile_watch
 from specsched.kernels.metadata import build_metadata
+from specsched.models.graph_buckets import token_buckets
 from specsched.models.llama import KVCache, LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -76,13 +77,13 @@ def serving_domain(cfg: EngineConfig, model: LlamaForCausalLM, max_model_len: in
 
 
 def forward_shapes(domain: AttentionDomain) -> list[tuple[int, int]]:
-    """(rows, query length per row) of the warm-up forwards: one-row chunks over a ladder of token
-    counts (odd and aligned sizes) up to the chunk budget, and single-query batches up to the rows."""
-    ladder = sorted({1, 2, 3, 5, 8, 13, 16, 17, 32, 33, 64, 100, 128, 256, 512, 1024, domain.max_q})
-    chunks = [(1, t) for t in ladder if t <= domain.max_q]
-    rows = [
-        r for r in (2, 3, 8, 17, 64, 128, 256, 512, domain.max_rows_single) if r <= domain.max_rows_single
-    ]
+    """(rows, query length per row) of the warm-up forwards: one row per token bucket up to the
+    largest eager forward (a prefill chunk, or eager scoring of every row). On CUDA eager forwards
+    are padded to these token counts (``models.graph_buckets.token_bucket``), so these are all the
+    GEMM shapes serving meets outside the graphs; plus a few many-row single-query batches."""
+    chunks = [(1, t) for t in token_buckets(max(domain.max_q, domain.max_rows_single))]
+    top = domain.max_rows_single
+    rows = [r for r in (2, 3, 8, 17, 64, top) if r <= top]
     return chunks + [(r, 1) for r in sorted(set(rows))]
 
 

@@ -20,6 +20,7 @@ from specsched.engine.engine import Engine
 from specsched.engine.request import SamplingParams
 from specsched.engine.warmup import forward_shapes, is_warmup_on, serving_domain
 from specsched.kernels.attention_variants import AttentionDomain
+from specsched.models.graph_buckets import token_buckets
 
 
 def config(warmup: str, device: str = "cpu", dtype: str = "float32", **spec) -> EngineConfig:
@@ -49,6 +50,8 @@ def test_serving_domain_and_forward_shapes_cover_the_engines_launches():
     shapes = forward_shapes(AttentionDomain(9, 3, 64, 320, 64, 2048, 8192))
     assert (1, 1) in shapes and (1, 2048) in shapes and (320, 1) in shapes  # both ends of both ladders
     assert all(q <= 2048 for _, q in shapes) and all(r <= 320 for r, _ in shapes)
+    # every token count an eager forward is padded to on CUDA is warmed up (its GEMM shapes)
+    assert {q for r, q in shapes if r == 1} == set(token_buckets(2048))
 
 
 def test_warm_up_on_cpu_runs_the_forwards_and_changes_no_output():
