@@ -107,7 +107,7 @@ async def _one(client: AsyncClient, index: int, prompt: dict, max_tokens: int) -
 
 
 async def _compiles(client: AsyncClient) -> int | None:
-    """The daemon's compile counter (a field being added to StatsReply; None where it is absent)."""
+    """The daemon's ``stats`` field ``num_compiles_after_start`` (None from a daemon too old to have it)."""
     return getattr(await client.stats(), "num_compiles_after_start", None)
 
 
