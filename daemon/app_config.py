@@ -37,6 +37,7 @@ class ProposerOptions:
     max_k: int = 8
     ngram: NgramConfig = field(default_factory=NgramConfig)
     synthetic_acceptance: float = 0.7  # proposer=synthetic only (benchmarks)
+    synthetic_oracle: str | None = None  # proposer=synthetic: oracle JSON path (bench/serve.py writes it)
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
@@ -44,6 +45,10 @@ class ProposerOptions:
         if not 0.0 <= self.synthetic_acceptance <= 1.0:
             raise ValueError(
                 f"proposer.synthetic_acceptance must be in [0, 1], got {self.synthetic_acceptance}"
+            )
+        if self.synthetic_oracle is not None and not self.synthetic_oracle.strip():
+            raise ValueError(
+                f"proposer.synthetic_oracle must be a file path or null, got {self.synthetic_oracle!r}"
             )
 
 
@@ -125,6 +130,7 @@ def to_engine_config(app: AppConfig) -> EngineConfig:
         ngram=app.proposer.ngram,
         draft=app.draft,
         synthetic_acceptance=app.proposer.synthetic_acceptance,
+        synthetic_oracle=app.proposer.synthetic_oracle,
     )
     return EngineConfig(
         model=app.model, cache=app.cache, scheduler=app.scheduler, spec=spec, policy=dict(app.policy)

@@ -95,12 +95,19 @@ class SpecConfig:
     ngram: NgramConfig = field(default_factory=NgramConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     synthetic_acceptance: float = 0.7  # for proposer=synthetic (benchmarks only)
+    # proposer=synthetic: the oracle JSON ({"prompts": [[ids]], "outputs": [[ids]]}, bench/serve.py's
+    # write_oracle); None = empty until set_oracle (in process). Ignored by the other proposers.
+    synthetic_oracle: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
             raise ValueError(f"spec.max_k must be >= 0, got {self.max_k}")
         if self.scorers is not None and not self.scorers:
             raise ValueError("spec.scorers must name at least one scorer (or be null: by device)")
+        if self.synthetic_oracle is not None and not str(self.synthetic_oracle).strip():
+            raise ValueError(
+                f"spec.synthetic_oracle must be a file path or null, got {self.synthetic_oracle!r}"
+            )
 
 
 @dataclass

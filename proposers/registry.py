@@ -46,7 +46,8 @@ def build_proposers(
                 draft_model, draft_model.allocate_kv_cache(num_blocks, block_size), block_size
             )
     elif spec.proposer == "synthetic":
-        from specsched.proposers.synthetic import SyntheticProposer
+        from specsched.proposers.synthetic import SyntheticProposer, load_oracle
 
-        out["synthetic"] = SyntheticProposer(target, spec.synthetic_acceptance, block_size)
+        oracle = load_oracle(spec.synthetic_oracle) if spec.synthetic_oracle else None
+        out["synthetic"] = SyntheticProposer(target, spec.synthetic_acceptance, block_size, oracle=oracle)
     return out

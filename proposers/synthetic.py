@@ -4,14 +4,18 @@ Random-weight models (the ``llama2-7b`` timing preset) have no meaningful draft,
 engine at a chosen acceptance rate ``a`` this proposer proposes the *target's own greedy
 continuation* with per-token probability ``a`` and a wrong token otherwise. The continuation comes
 from an oracle: the benchmark first runs the prompts without speculation and registers each
-output with :meth:`SyntheticProposer.set_oracle`. Greedy verification is still the real one, so
-the output stays exactly the target's; only the acceptance is synthetic. When ``draft`` is given,
-the real draft model also runs (its tokens discarded) so the step pays the real proposal cost.
+output with :meth:`SyntheticProposer.set_oracle` (in process), or writes them to a JSON file that
+:func:`load_oracle` reads (``proposer.synthetic_oracle=<path>``, the daemon). Greedy verification
+is still the real one, so the output stays exactly the target's; only the acceptance is synthetic.
+When ``draft`` is given, the real draft model also runs (its tokens discarded) so the step pays the
+real proposal cost.
 """
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 from specsched.engine.request import Request
 from specsched.models.llama import LlamaForCausalLM
@@ -29,6 +33,7 @@ class SyntheticProposer(Proposer):
         block_size: int,
         seed: int = 0,
         draft: Proposer | None = None,
+        oracle: list[tuple[list[int], list[int]]] | None = None,
     ) -> None:
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"synthetic acceptance must be in [0, 1], got {acceptance}")
@@ -37,6 +42,8 @@ class SyntheticProposer(Proposer):
         self.draft = draft
         self.rng = random.Random(seed)
         self._oracle: dict[tuple[int, ...], list[int]] = {}
+        for prompt_ids, continuation in oracle or ():
+            self.set_oracle(prompt_ids, continuation)
 
     def set_oracle(self, prompt_ids: list[int], continuation: list[int]) -> None:
         """Register the target's greedy continuation of ``prompt_ids``."""
@@ -79,3 +86,43 @@ def attach_oracle(proposer: Proposer, prompts: list[list[int]], outputs: list[li
         raise TypeError(f"expected the synthetic proposer, got {type(proposer).__name__}")
     for p, o in zip(prompts, outputs):
         proposer.set_oracle(p, o)
+
+
+def _id_list(value: object, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
+        raise ValueError(f"{where} must be a list of non-negative int token ids, got {value!r:.80}")
+    return value
+
+
+def load_oracle(path: str | Path) -> list[tuple[list[int], list[int]]]:
+    """The ``(prompt_ids, continuation)`` pairs of an oracle file, as bench/serve.py's
+    ``write_oracle`` writes it: ``{"prompts": [[ids]], "outputs": [[ids]]}`` (same lengths).
+    Raises ``ValueError`` naming the file and the bad entry."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"synthetic oracle file not found: {str(p)!r}")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"synthetic oracle {str(p)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or not {"prompts", "outputs"} <= data.keys():
+        raise ValueError(
+            f'synthetic oracle {str(p)!r} must be {{"prompts": [[ids]], "outputs": [[ids]]}}, '
+            f"got {type(data).__name__} {list(data) if isinstance(data, dict) else ''}"
+        )
+    prompts, outputs = data["prompts"], data["outputs"]
+    if not isinstance(prompts, list) or not isinstance(outputs, list):
+        raise ValueError(f"synthetic oracle {str(p)!r}: 'prompts' and 'outputs' must be lists")
+    if len(prompts) != len(outputs):
+        raise ValueError(f"synthetic oracle {str(p)!r}: {len(prompts)} prompts but {len(outputs)} outputs")
+    out: list[tuple[list[int], list[int]]] = []
+    seen: dict[tuple[int, ...], list[int]] = {}
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        prompt = _id_list(prompt, f"synthetic oracle {str(p)!r}: prompts[{i}]")
+        output = _id_list(output, f"synthetic oracle {str(p)!r}: outputs[{i}]")
+        if not prompt:
+            raise ValueError(f"synthetic oracle {str(p)!r}: prompts[{i}] is empty")
+        if seen.setdefault(tuple(prompt), output) != output:
+            raise ValueError(f"synthetic oracle {str(p)!r}: prompts[{i}] repeats with another output")
+        out.append((prompt, output))
+    return out
