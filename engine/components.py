@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from specsched.policies.base import Policy
 from specsched.policies.cost_model import CostModels
 from specsched.proposers.base import Proposals, Proposer
 from specsched.scorers.base import Scorer
+
+if TYPE_CHECKING:
+    from specsched.engine.warmup import WarmupReport
 
 
 @dataclass
@@ -30,7 +34,7 @@ class EngineParts:
     device: torch.device
     max_model_len: int
     eos_token_ids: list[int]
-    warmup: object | None = None  # engine.warmup.WarmupReport: what the start-up warm-up built
+    warmup: WarmupReport | None = None  # what the start-up kernel warm-up built (None: it did not run)
 
 
 def size_kv_cache(cfg: EngineConfig, model: LlamaForCausalLM, draft_layers: int) -> int:
