@@ -54,7 +54,8 @@ def size_kv_cache(cfg: EngineConfig, model: LlamaForCausalLM, draft_layers: int)
 
 
 def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
-    from specsched.engine.warmup import warm_up_engine
+    from specsched.engine.settings import load_settings
+    from specsched.engine.warmup import prebuild_attention, warm_up_engine
     from specsched.models.loader import load_model
     from specsched.policies.registry import build_policy
     from specsched.proposers.registry import build_proposers
@@ -80,9 +81,12 @@ def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
     draft_layers = 0
     if cfg.spec.proposer == "draft":
         draft_layers = draft.cfg.num_layers if draft is not None else cfg.spec.draft.num_layers
+    max_len = min(cfg.model.max_model_len or model.cfg.max_position, model.cfg.max_position)
+    # before the KV cache takes its share of free memory (each worker holds a CUDA context)
+    prebuilt = prebuild_attention(cfg, [m for m in (model, draft) if m is not None], max_len,
+                                  load_settings().num_compile_workers)  # fmt: skip
     num_blocks = size_kv_cache(cfg, model, draft_layers)
     kv = model.allocate_kv_cache(num_blocks, cfg.cache.block_size)
-    max_len = min(cfg.model.max_model_len or model.cfg.max_position, model.cfg.max_position)
     graphs = GraphConfig.for_engine(cfg, max_len, enabled=cfg.model.cuda_graphs)
     names = cfg.spec.scorers or default_scorer_names(model.lm_head.weight.device.type)
     scorers = build_scorers(names, model, kv, cfg.cache.block_size, graphs)
@@ -104,7 +108,7 @@ def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
         max_model_len=max_len,
         eos_token_ids=list(model.cfg.eos_token_ids),
     )
-    parts.warmup = warm_up_engine(cfg, parts)
+    parts.warmup = warm_up_engine(cfg, parts, prebuilt)
     return parts
 
 

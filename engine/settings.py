@@ -28,6 +28,9 @@ class Settings:
     cache_dir: str = ""  # converted weights etc.; "" = ~/.cache/specsched
     log_level: str = "INFO"  # python logging level of the CLI entry points
     triton_cache_dir: str = ""  # Triton's on-disk kernel cache; "" = <cache_dir>/triton
+    # processes compiling the start-up warm-up's attention variants (kernels/parallel_build.py);
+    # 0 = auto (half the CPU cores, at most 8), 1 = compile them in the serving process only
+    compile_workers: int = 0
 
     def apply_triton_cache(self) -> str:
         """Point Triton's on-disk kernel cache (``TRITON_CACHE_DIR``) at ours unless the user set it,
@@ -44,6 +47,22 @@ class Settings:
         object.__setattr__(self, "cache_dir", os.path.expanduser(self.cache_dir or _default_cache_dir()))
         triton_dir = os.path.expanduser(self.triton_cache_dir or os.path.join(self.cache_dir, "triton"))
         object.__setattr__(self, "triton_cache_dir", triton_dir)
+        try:
+            workers = int(self.compile_workers)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{ENV_PREFIX}COMPILE_WORKERS must be an integer >= 0, got {self.compile_workers!r}"
+            ) from None
+        if workers < 0:
+            raise ValueError(f"{ENV_PREFIX}COMPILE_WORKERS must be >= 0, got {workers}")
+        object.__setattr__(self, "compile_workers", workers)
+
+    @property
+    def num_compile_workers(self) -> int:
+        """``compile_workers`` with auto (0) resolved for this machine."""
+        if self.compile_workers:
+            return self.compile_workers
+        return max(1, min(8, (os.cpu_count() or 2) // 2))
 
     @classmethod
     def variables(cls) -> dict[str, str]:

@@ -8,7 +8,10 @@ Two passes per model (the target, and a separate draft model when there is one):
    and many-row decode batches) on the pad block, which builds the RMSNorm, rotary + KV store and
    SiLU-mul variants, and loads the GEMM kernels cuBLAS would otherwise load on first use.
 
-Graph capture (at scorer build) replays the same kernels, so it builds nothing new. Afterwards the
+On a cold start the attention configs are first compiled in parallel worker processes
+(:func:`prebuild_attention`, before graph capture; :mod:`specsched.kernels.parallel_build`), which
+fill Triton's on-disk cache, so the warm-up, and graph capture, load them instead of compiling them
+one after the other. Graph capture (at scorer build) replays the same kernels. Afterwards the
 daemon marks the compile watch ready (:mod:`specsched.kernels.compile_watch`); a variant built later
 is counted and named in a warning. Nothing is compiled off CUDA (torch kernels there; the
 interpreter compiles nothing), so the warm-up does nothing on CPU.
@@ -32,6 +35,7 @@ from specsched.models.llama import KVCache, LlamaForCausalLM
 
 if TYPE_CHECKING:
     from specsched.kernels.attention_variants import AttentionDomain
+    from specsched.kernels.parallel_build import ParallelBuildReport
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +50,19 @@ class WarmupReport:
     num_attention_configs: int = 0  # attention launch configs launched
     num_forwards: int = 0
     seconds: float = 0.0
+    num_prebuilt: int = 0  # attention configs compiled beforehand by worker processes
+    num_prebuild_workers: int = 0
+    prebuild_seconds: float = 0.0
 
     def describe(self) -> str:
-        return (
+        text = (
             f"kernel warm-up: {self.num_variants} Triton variants built ({self.num_attention_configs} "
             f"attention launch configs, {self.num_forwards} forwards) in {self.seconds:.1f} s"
         )
+        if self.num_prebuild_workers:
+            text += (f", after {self.num_prebuilt} attention variants compiled in {self.num_prebuild_workers}"
+                     f" processes in {self.prebuild_seconds:.1f} s")  # fmt: skip
+        return text
 
 
 def is_warmup_on(cfg: EngineConfig, device: torch.device) -> bool:
@@ -87,6 +98,52 @@ def forward_shapes(domain: AttentionDomain) -> list[tuple[int, int]]:
     return chunks + [(r, 1) for r in sorted(set(rows))]
 
 
+def _attention_configs(model: LlamaForCausalLM, domain: AttentionDomain) -> list:
+    dev = model.lm_head.weight.device
+    if model.attn_backend != "triton":
+        return []
+    from specsched.kernels.attention_variants import launch_configs
+
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+    return list(launch_configs(domain, num_sms))
+
+
+def prebuild_attention(
+    cfg: EngineConfig, models: list[LlamaForCausalLM], max_model_len: int, num_workers: int
+) -> ParallelBuildReport | None:
+    """Compile the attention variants of each model's serving domain in ``num_workers`` processes
+    (CUDA, Triton backend, warm-up on, ``num_workers`` > 1; else None), before graph capture."""
+    from specsched.kernels.parallel_build import CacheShape, ParallelBuildReport, build_in_workers
+
+    jobs = []
+    for model in models:
+        dev = model.lm_head.weight.device
+        if not is_warmup_on(cfg, dev) or dev.type != "cuda" or num_workers <= 1:
+            continue
+        configs = _attention_configs(model, serving_domain(cfg, model, max_model_len))
+        mc = model.cfg
+        shape = CacheShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, cfg.cache.block_size,
+                           str(model.lm_head.weight.dtype).removeprefix("torch."), str(dev))  # fmt: skip
+        if configs:
+            jobs.append((shape, configs))
+    if not jobs:
+        return None
+    total = ParallelBuildReport(num_workers=num_workers)
+    desc = f"compiling attention kernels ({num_workers} processes)"
+    with tqdm(total=sum(len(c) for _, c in jobs), desc=desc, unit="variant", leave=False) as bar:
+        for shape, configs in jobs:
+            r = build_in_workers(configs, shape, num_workers, bar.update)
+            total.num_configs += r.num_configs
+            total.num_launched += r.num_launched
+            total.seconds += r.seconds
+            total.failures += r.failures
+    logger.info(
+        "parallel kernel build: %d of %d attention variants in %d processes in %.1f s",
+        total.num_launched, total.num_configs, num_workers, total.seconds,
+    )  # fmt: skip
+    return total
+
+
 @torch.inference_mode()
 def _warm_up_forwards(
     model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, shapes: list[tuple[int, int]], bar
@@ -109,12 +166,7 @@ def warm_up_model(
     watch = compile_watch()
     dev = model.lm_head.weight.device
     t0, built0 = time.perf_counter(), watch.num_built
-    configs = []
-    if model.attn_backend == "triton":
-        from specsched.kernels.attention_variants import launch_configs
-
-        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
-        configs = list(launch_configs(domain, num_sms))
+    configs = _attention_configs(model, domain)
     shapes = forward_shapes(domain)
     with tqdm(total=len(configs) + len(shapes), desc=f"kernel warm-up ({name})", unit="variant",
               leave=False) as bar:  # fmt: skip
@@ -131,9 +183,12 @@ def warm_up_model(
     return report
 
 
-def warm_up_engine(cfg: EngineConfig, parts) -> WarmupReport | None:
-    """The target's warm-up, then a separate draft model's (``parts``: the engine's EngineParts).
-    None when the warm-up is off (``model.kernel_warmup``; auto = on CUDA)."""
+def warm_up_engine(
+    cfg: EngineConfig, parts, prebuilt: ParallelBuildReport | None = None
+) -> WarmupReport | None:
+    """The target's warm-up, then a separate draft model's (``parts``: the engine's EngineParts;
+    ``prebuilt``: what :func:`prebuild_attention` did before). None when the warm-up is off
+    (``model.kernel_warmup``; auto = on CUDA)."""
     if not is_warmup_on(cfg, parts.device):
         return None
     bs = cfg.cache.block_size
@@ -146,5 +201,8 @@ def warm_up_engine(cfg: EngineConfig, parts) -> WarmupReport | None:
         total = WarmupReport(total.num_variants + d.num_variants, total.num_attention_configs +
                              d.num_attention_configs, total.num_forwards + d.num_forwards,
                              total.seconds + d.seconds)  # fmt: skip
+    if prebuilt is not None:
+        total.num_prebuilt, total.num_prebuild_workers = prebuilt.num_launched, prebuilt.num_workers
+        total.prebuild_seconds = prebuilt.seconds
     logger.info("%s", total.describe())
     return total

@@ -97,3 +97,54 @@ def test_gpu_serving_after_the_warm_up_builds_no_variant(proposer):
         watch.num_after_ready - before,
     )
     assert watch.num_after_ready == before, [e.signature for e in watch.after_ready()]
+
+
+_COLD_START = """
+import glob, json, os
+from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specsched.engine.engine import Engine
+from specsched.engine.warmup import prebuild_attention
+from specsched.models.loader import load_model
+
+cfg = EngineConfig(
+    model=ModelConfig(source="tiny", device="cuda", dtype="bfloat16"),
+    cache=CacheConfig(block_size=4, num_blocks=256),
+    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48),
+    spec=SpecConfig(max_k=4, proposer="ngram", scorers=["batch_expansion", "mqa", "mqa_graph"]),
+    policy={"name": "goodput"},
+)
+
+def attention_entries():
+    root = os.environ["TRITON_CACHE_DIR"]
+    return sorted(p[len(root):] for p in glob.glob(root + "/*/_paged_attn_kernel.cubin")
+                  + glob.glob(root + "/*/_combine_splits_kernel.cubin"))
+
+model = load_model(cfg.model).model
+max_len = min(cfg.model.max_model_len or model.cfg.max_position, model.cfg.max_position)
+pre = prebuild_attention(cfg, [model], max_len, 3)
+by_workers = attention_entries()
+engine = Engine(cfg)  # SPECSCHED_COMPILE_WORKERS=1: its own warm-up and capture, in this process
+print(json.dumps({"complete": pre.is_complete, "launched": pre.num_launched,
+                  "configs": engine.warmup.num_attention_configs, "by_workers": by_workers,
+                  "after_engine": attention_entries()}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_parallel_build_leaves_no_attention_variant_to_compile(tmp_path):
+    """A cold start (empty Triton cache): the worker processes compile every attention variant, so
+    the engine's own warm-up and graph capture compile none (they load the workers' from disk)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "SPECSCHED_COMPILE_WORKERS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _COLD_START], env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["complete"] and out["launched"] == out["configs"] > 0
+    assert out["by_workers"], "the workers wrote no attention kernel to the cache"
+    assert out["after_engine"] == out["by_workers"]

@@ -1,0 +1,54 @@
+"""Parallel compile workers (kernels/parallel_build.py): real worker processes, run here under the
+Triton interpreter on CPU (nothing is compiled, but each worker launches its share of the configs and
+reports them); a failing worker is reported and does not raise."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from specsched.kernels.attention_variants import AttentionDomain, launch_configs
+from specsched.kernels.parallel_build import CacheShape, build_in_workers, shard
+
+
+def test_shard_round_robin_covers_every_item_once() -> None:
+    items = list(range(11))
+    parts = shard(items, 4)
+    assert len(parts) == 4 and sorted(x for p in parts for x in p) == items
+    assert parts[0] == [0, 4, 8]
+    assert shard(items[:2], 8) == [[0], [1]]  # never an empty worker
+    assert shard([], 8) == []
+
+
+def test_cache_shape_rejects_a_bad_dtype() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        CacheShape(4, 2, 16, 16, "int8")
+
+
+def _configs(n: int) -> list:
+    d = AttentionDomain(4, 2, 16, max_rows_single=8, max_rows_multi=4, max_q=40, max_keys=200)
+    configs = list(launch_configs(d, num_sms=4))
+    assert len(configs) >= n
+    return configs[:n]
+
+
+def test_workers_launch_every_config_and_report_progress() -> None:
+    configs = _configs(3)
+    seen = []
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    report = build_in_workers(configs, CacheShape(4, 2, 16, 16, "float32", "cpu"), 2, seen.append, env=env)
+    assert report.failures == []
+    assert report.num_workers == 2
+    assert report.num_launched == report.num_configs == 3 == len(seen)
+    assert report.is_complete
+
+
+def test_a_failing_worker_is_reported_not_raised() -> None:
+    configs = _configs(2)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    report = build_in_workers(configs, CacheShape(4, 2, 16, 16, "float32", "cuda"), 2, env=env)
+    assert not report.is_complete
+    assert report.num_launched == 0
+    assert len(report.failures) == 2
+    assert all("exit 1" in f for f in report.failures)
