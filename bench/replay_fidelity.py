@@ -1,0 +1,294 @@
+"""Replay fidelity (issue 13): does ``specsched-replay`` on one decision log predict the tokens/s that
+other policies measured live?
+
+``python -m specsched.bench.replay_fidelity --replayed goodput.sqlite --live a.sqlite [--live b.sqlite
+...] [--out table.md] [--cost-error]``
+
+For each live log: its recorded policy config (the ``policy`` node of its ``runs.config``, read by
+:func:`specsched.policies.replay_log.load_run`) is replayed on the ``--replayed`` log with the replay
+machinery of :mod:`specsched.policies.replay` (its match bits, completed once; its cost model, refitted
+on all its decode steps), and the predicted tokens/s is set against the live log's measured tokens/s.
+
+**tokens/s, one definition on both sides** (:class:`~specsched.policies.replay.PolicyResult`):
+output tokens (each request's prefill token included) / (decode ms + prefill ms). Live, the decode ms
+are the recorded steps' measured ``total_ms`` (``measured_tokens_per_s``); predicted, the refitted
+cost model's ms for each simulated step (``tokens_per_s``). The prefill ms are each log's own
+measured prefill steps on both sides. Idle time between steps (IO, clients) counts on neither side,
+so these rates are above a pass's wall-clock tok/s. ``decode tok/s`` leaves the prefills out:
+decode-emitted tokens / decode ms.
+
+**Passes.** A serving log mixes concurrencies: ``bench=serve`` drives a daemon with N closed-loop
+clients per pass. Replaying the whole log with ``scheduler.max_num_seqs`` (64) would batch requests
+of an N = 1 pass 64 at a time, so the log is cut into passes (:func:`split_passes`: busy periods of
+the daemon, from the ``requests`` rows' arrival and finish times, merged while they share a client),
+and each pass is replayed on its own with ``max_num_seqs`` = its number of clients (requests join as
+soon as a slot is free: a closed loop without think time). One policy object runs through the passes
+in order, as live; each pass starts a fresh acceptance estimator (the replay's). The table pools the
+passes of each N (sums of tokens and of ms); ``all`` pools every pass. A log without clients
+(engine runs) is one pass at the run's ``max_num_seqs``.
+
+The ``self-replay`` columns replay each live log under its own policy on its own bits and cost
+model: the replay's own error, without the move to another log's text and machine state.
+``--attribute-overhead`` adds a column for attribution, not prediction: the replay on the replayed
+log with the host-overhead component (``("overhead",)``: step total minus propose, score and verify)
+taken from the live log's refit, i.e. how much of the error is host time that differs between the
+two daemons (the policy's own ``decide`` among it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import sqlite3
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specsched.bench.markdown import fmt, table
+from specsched.policies.cost_model import CostModels
+from specsched.policies.registry import build_policy
+from specsched.policies.replay import PolicyResult, policy_label, recorded_result, refit_costs, simulate
+from specsched.policies.replay_log import MatchBits, RecordedRun, complete_bits, load_run
+
+
+@dataclass
+class RequestTimes:
+    key: str  # as RecordedRequest.key: the request id, "#n" appended for its n-th reuse
+    client: str | None
+    arrival: float
+    finish: float
+
+
+@dataclass
+class Pass:
+    """Requests served by one set of closed-loop clients, with no idle gap to another set."""
+
+    concurrency: int
+    keys: list[str]
+    clients: set
+    start: float
+    end: float
+
+
+def request_times(path: str, run_id: int) -> list[RequestTimes]:
+    """The run's ``requests`` rows in arrival order, keyed as :func:`load_run` keys them."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        rows = db.execute(
+            "select request_id, client, arrival, finish_time from requests where run_id = ? order by arrival",
+            [run_id],
+        ).fetchall()
+    finally:
+        db.close()
+    seen: dict[str, int] = {}
+    out = []
+    for rid, client, arrival, finish in rows:
+        n = seen[rid] = seen.get(rid, 0) + 1
+        out.append(RequestTimes(rid if n == 1 else f"{rid}#{n}", client, arrival or 0.0, finish or 0.0))
+    return out
+
+
+def split_passes(requests: Sequence[RequestTimes], max_num_seqs: int) -> list[Pass]:
+    """Busy periods (a request arriving after every earlier one finished starts one), merged with the
+    previous pass while they share a client; concurrency = its distinct clients (capped at
+    ``max_num_seqs``), or ``max_num_seqs`` when the log names no client."""
+    periods: list[list[RequestTimes]] = []
+    busy_until = float("-inf")
+    for r in sorted(requests, key=lambda r: r.arrival):
+        if not periods or r.arrival > busy_until:
+            periods.append([])
+        periods[-1].append(r)
+        busy_until = max(busy_until, r.finish)
+    passes: list[Pass] = []
+    for period in periods:
+        clients = {r.client for r in period}
+        if passes and clients & passes[-1].clients:
+            last = passes[-1]
+            last.keys += [r.key for r in period]
+            last.clients |= clients
+            last.end = max(last.end, *(r.finish for r in period))
+        else:
+            passes.append(Pass(0, [r.key for r in period], clients, period[0].arrival,
+                               max(r.finish for r in period)))  # fmt: skip
+    for p in passes:
+        p.concurrency = max_num_seqs if None in p.clients else min(len(p.clients), max_num_seqs)
+    return passes
+
+
+def sub_run(run: RecordedRun, bits: MatchBits, p: Pass) -> tuple[RecordedRun, MatchBits]:
+    """The part of ``run`` that served pass ``p`` (its requests, their decode steps, the prefill steps
+    inside its time window), with ``max_num_seqs`` = its concurrency, and those requests' bits."""
+    keys = set(p.keys)
+    index = [i for i, r in enumerate(run.requests) if r.key in keys]
+    ids = {k for i in index for k in (run.requests[i].key, run.requests[i].key.rsplit("#", 1)[0])}
+    inside = [s for s in run.steps if p.start <= s.start_time <= p.end]
+    steps = [s for s in inside if s.kind == "prefill" or (s.requests and s.requests[0].request_id in ids)]
+    settings = dataclasses.replace(run.settings, max_num_seqs=p.concurrency)
+    part = dataclasses.replace(run, settings=settings, steps=steps, requests=[run.requests[i] for i in index])
+    pick = [bits.bits[i] for i in index], [bits.imputed[i] for i in index]
+    num_imputed = sum(sum(m[1 : run.requests[i].output_len - 1]) for i, m in zip(index, pick[1], strict=True))
+    draftable = sum(run.requests[i].num_draftable for i in index)
+    return part, MatchBits(pick[0], pick[1], bits.run_mean, draftable, num_imputed, bits.seed)
+
+
+@dataclass
+class LoadedLog:
+    run: RecordedRun
+    bits: MatchBits
+    costs: CostModels
+    passes: list[tuple[Pass, RecordedRun, MatchBits]]
+
+
+def load_log(path: str, run_id: int | None = None, seed: int = 0) -> LoadedLog:
+    """A log with its bits, refitted cost model and passes (see the module docstring)."""
+    run = load_run(path, run_id)
+    bits, costs = complete_bits(run, seed), refit_costs(run)
+    passes = split_passes(request_times(path, run.run_id), run.settings.max_num_seqs)
+    return LoadedLog(run, bits, costs, [(p, *sub_run(run, bits, p)) for p in passes])
+
+
+@dataclass
+class Rate:
+    """Tokens and ms summed over passes (``ms`` includes the prefills, ``prefill_ms`` alone)."""
+
+    tokens: int = 0
+    decode_tokens: int = 0
+    steps: int = 0  # decode steps
+    ms: float = 0.0
+    prefill_ms: float = 0.0
+
+    def add(self, res: PolicyResult, run: RecordedRun, measured: bool) -> None:
+        self.tokens += res.num_tokens
+        self.decode_tokens += res.num_decode_tokens
+        self.steps += res.num_steps
+        self.ms += res.measured_ms if measured else res.predicted_ms
+        self.prefill_ms += sum(s.total_ms for s in run.prefill_steps)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.ms * 1e3 if self.ms > 0 else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        ms = self.ms - self.prefill_ms
+        return self.decode_tokens / ms * 1e3 if ms > 0 else None
+
+
+def live_rates(log: LoadedLog) -> dict[int, Rate]:
+    """Measured rates per concurrency (0: every pass)."""
+    out: dict[int, Rate] = {}
+    for p, part, _ in log.passes:
+        res = recorded_result(part, log.costs)
+        for n in (p.concurrency, 0):
+            out.setdefault(n, Rate()).add(res, part, measured=True)
+    return out
+
+
+def predicted_rates(log: LoadedLog, policy: dict) -> dict[int, Rate]:
+    """Rates per concurrency (0: every pass) of ``policy`` replayed on ``log``, pass by pass."""
+    label, instance = policy_label(policy), build_policy(policy)
+    out: dict[int, Rate] = {}
+    for p, part, bits in log.passes:
+        res = simulate(part, bits, instance, log.costs, label)
+        for n in (p.concurrency, 0):
+            out.setdefault(n, Rate()).add(res, part, measured=False)
+    return out
+
+
+def with_overhead(log: LoadedLog, other: LoadedLog) -> LoadedLog:
+    """``log`` with its cost model's host-overhead component replaced by ``other``'s (a copy)."""
+    costs = copy.deepcopy(log.costs)
+    costs.models[("overhead",)] = copy.deepcopy(other.costs.model("overhead"))
+    return dataclasses.replace(log, costs=costs)
+
+
+def error(predicted: float | None, live: float | None) -> float | None:
+    return (predicted / live - 1.0) * 100.0 if predicted and live else None
+
+
+def fidelity_rows(
+    replayed: LoadedLog, lives: Sequence[tuple[str, LoadedLog]], attribute_overhead: bool = False
+) -> list[list[str]]:
+    """One row per live log and concurrency: live / predicted / self-replay tok/s and errors (and the
+    decode tok/s predicted with the live log's overhead model, when ``attribute_overhead``)."""
+    rows = []
+    for name, live in lives:
+        policy = live.run.settings.policy
+        if policy is None:
+            rows.append([name, "–", "no policy recorded", *["–"] * (10 if attribute_overhead else 8)])
+            continue
+        measured, predicted, own = (
+            live_rates(live),
+            predicted_rates(replayed, policy),
+            predicted_rates(live, policy),
+        )
+        swapped = predicted_rates(with_overhead(replayed, live), policy) if attribute_overhead else {}
+        for n in sorted(measured, key=lambda n: (n == 0, n)):
+            m, p, s = measured[n], predicted.get(n, Rate()), own.get(n, Rate())
+            rows.append([
+                f"{name} (`{policy_label(policy)}`)", "all" if n == 0 else str(n),
+                fmt(m.tokens_per_s, 1), fmt(p.tokens_per_s, 1), fmt(error(p.tokens_per_s, m.tokens_per_s), 1),
+                fmt(s.tokens_per_s, 1), fmt(error(s.tokens_per_s, m.tokens_per_s), 1),
+                fmt(m.decode_tokens_per_s, 1), fmt(p.decode_tokens_per_s, 1),
+                fmt(error(p.decode_tokens_per_s, m.decode_tokens_per_s), 1),
+            ])  # fmt: skip
+            if attribute_overhead:
+                o = swapped.get(n, Rate())
+                rows[-1] += [
+                    fmt(o.decode_tokens_per_s, 1),
+                    fmt(error(o.decode_tokens_per_s, m.decode_tokens_per_s), 1),
+                ]
+    return rows
+
+
+HEADER = ["live config (policy)", "N", "live tok/s", "predicted tok/s", "error %", "self-replay tok/s",
+          "self error %", "live decode tok/s", "predicted decode tok/s", "decode error %"]  # fmt: skip
+ATTRIBUTION = ["decode tok/s, live log's overhead model", "its error %"]
+
+
+def passes_note(log: LoadedLog, name: str) -> str:
+    shown = ", ".join(f"N={p.concurrency}: {len(p.keys)}" for p, _, _ in log.passes)
+    return f"- passes of `{name}` (N: requests): {shown}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], prog="python -m specsched.bench.replay_fidelity"
+    )
+    ap.add_argument("--replayed", required=True, help="the log whose bits and cost model predict")
+    ap.add_argument("--live", action="append", default=[], help="a live log to compare with (repeat)")
+    ap.add_argument("--out", help="also write the markdown here")
+    ap.add_argument("--seed", type=int, default=0, help="of the imputed match bits")
+    ap.add_argument("--cost-error", action="store_true", help="also the held-out cost-model error table")
+    ap.add_argument("--attribute-overhead", action="store_true",
+                    help="add decode tok/s predicted with the live log's overhead model")  # fmt: skip
+    args = ap.parse_args(argv)
+    names = [_name(p) for p in args.live]
+    replayed = load_log(args.replayed, seed=args.seed)
+    lives = [
+        (n, replayed if p == args.replayed else load_log(p, seed=args.seed)) for n, p in zip(names, args.live)
+    ]
+    header = HEADER + ATTRIBUTION * args.attribute_overhead
+    rows = fidelity_rows(replayed, lives, args.attribute_overhead)
+    parts = [f"Replayed log: `{_name(args.replayed)}`.", "", table(header, rows), "",
+             passes_note(replayed, _name(args.replayed))]  # fmt: skip
+    if args.cost_error:
+        from specsched.bench.cost_error_table import cost_error_markdown
+
+        paths = list(dict.fromkeys([args.replayed, *args.live]))
+        parts += ["", cost_error_markdown([(_name(p), load_run(p)) for p in paths])]
+    text = "\n".join(parts) + "\n"
+    sys.stdout.write(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+def _name(path: str) -> str:
+    return path.rsplit("/", 1)[-1].removesuffix(".sqlite")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""Replay fidelity (bench/replay_fidelity.py) and the cost-error table (bench/cost_error_table.py) on
+real decision logs of a tiny CPU engine: one log per policy, each holding two "passes" (one client
+sending its requests one after another, then two clients sending theirs at once), as bench=serve
+writes them."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import pytest
+import torch
+
+from specsched.bench.cost_error_table import cost_error_rows, group_of, grouped
+from specsched.bench.replay_fidelity import (
+    RequestTimes,
+    live_rates,
+    load_log,
+    main,
+    predicted_rates,
+    split_passes,
+)
+from specsched.daemon.log import LogConfig, LogWriter
+from specsched.engine.config import (
+    CacheConfig,
+    DraftConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
+from specsched.engine.engine import Engine
+from specsched.engine.request import Request, SamplingParams
+from specsched.policies.replay_log import load_run
+
+K8 = {"name": "fixed", "k": 8, "scorer": "mqa"}
+K0 = {"name": "fixed", "k": 0, "scorer": "mqa"}
+MAX_TOKENS = 24
+
+
+def make_engine(policy: dict) -> Engine:
+    """Tiny random target with a 2-layer self-draft that rarely agrees with it: k = 8 runs 8 draft
+    forwards a step for about one token, so its tok/s is a fraction of k = 0's, whatever the CPU's
+    timing noise (runs on a shared CPU differ by ~25%)."""
+    cfg = EngineConfig(
+        model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=1024),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
+        spec=SpecConfig(
+            proposer="draft", scorers=["mqa"], max_k=8, draft=DraftConfig(source="self", num_layers=2)
+        ),
+        policy=policy,
+    )
+    return Engine(cfg)
+
+
+def closed_loop(engine: Engine, log: LogWriter, clients: dict[str, list[tuple[str, list[int]]]]) -> None:
+    """Each client keeps one request in flight (as bench=serve's clients do) and sends its next one
+    (request id, prompt) when it finishes; every finished request gets its ``requests`` row."""
+    queues = {c: list(q) for c, q in clients.items()}
+    live: dict[str, Request] = {}
+
+    def send(client: str) -> None:
+        if queues[client]:
+            rid, prompt = queues[client].pop(0)
+            live[client] = Request(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+            engine.add_request(live[client])
+
+    for c in queues:
+        send(c)
+    while live:
+        engine.step()
+        for client, r in list(live.items()):
+            if r.finish_reason is None:
+                continue
+            log.write_request(
+                r.request_id, client=client, arrival=r.arrival_time, first_token_time=r.first_token_time,
+                finish_time=time.time(), prompt_tokens=r.num_prompt_tokens, output_tokens=r.num_output_tokens,
+                finish_reason=r.finish_reason, proposed=r.num_proposed, accepted=r.num_accepted,
+            )  # fmt: skip
+            del live[client]
+            send(client)
+
+
+def record(policy: dict, path) -> None:
+    """Pass 1: client c0 sends 3 requests; pass 2: clients c1 and c2 send 2 each (the engine could
+    run 4 at once: only the clients keep the batch at 2)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(4, 16))] for _ in range(7)]
+    engine = make_engine(policy)
+    log = LogWriter(LogConfig(path=str(path), flush_interval_s=0.05))
+    log.start_run(dataclasses.asdict(engine.cfg), model="tiny", device="cpu", version="test")
+    engine.on_step = log.write_step
+    closed_loop(engine, log, {"c0": [(f"a{i}", prompts[i]) for i in range(3)]})
+    time.sleep(0.01)  # an idle gap between the passes
+    closed_loop(engine, log, {c: [(f"b{i}", prompts[3 + i]) for i in range(4) if i % 2 == j]
+                              for j, c in enumerate(["c1", "c2"])})  # fmt: skip
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model is quickest on one thread, and the CI box is shared
+    root = tmp_path_factory.mktemp("fidelity")
+    for name, policy in (("k8", K8), ("k0", K0)):
+        record(policy, root / f"{name}.sqlite")
+    torch.set_num_threads(threads)
+    return root
+
+
+def test_split_passes_by_idle_gaps_and_clients():
+    rt = [RequestTimes("w", "cw", 0.0, 1.0)]  # a warm-up request
+    rt += [RequestTimes(f"a{i}", "c0", 2.0 + i, 2.9 + i) for i in range(3)]  # one client, one by one
+    rt += [
+        RequestTimes(f"b{i}", f"c{1 + i % 2}", 6.0 + i // 2, 6.8 + i // 2) for i in range(4)
+    ]  # two at once
+    rt += [RequestTimes("d0", "c9", 9.0, 9.5)]  # another single client
+    passes = split_passes(rt, max_num_seqs=64)
+    assert [(p.concurrency, p.keys) for p in passes] == [
+        (1, ["w"]), (1, ["a0", "a1", "a2"]), (2, ["b0", "b1", "b2", "b3"]), (1, ["d0"])
+    ]  # fmt: skip
+    assert split_passes([RequestTimes("x", None, 0.0, 1.0)], max_num_seqs=8)[0].concurrency == 8  # no client
+
+
+def test_passes_of_a_real_log_replay_at_their_own_concurrency(logs):
+    log = load_log(str(logs / "k8.sqlite"))
+    assert [(p.concurrency, len(p.keys)) for p, _, _ in log.passes] == [(1, 3), (2, 4)]
+    for p, part, bits in log.passes:
+        assert {r.key for r in part.requests} == set(p.keys) and len(bits.bits) == len(p.keys)
+        assert part.decode_steps and max(s.batch_size for s in part.decode_steps) == p.concurrency
+        assert len(part.prefill_steps) >= 1
+    assert sum(len(part.steps) for _, part, _ in log.passes) == len(log.run.steps)  # every step in a pass
+    # replayed pass by pass, the recorded policy takes the recorded number of steps (with the run's
+    # max_num_seqs = 4 the replay would batch pass 1's three requests together: far fewer steps)
+    predicted, live = predicted_rates(log, K8), live_rates(log)
+    assert [(predicted[n].steps, predicted[n].tokens) for n in (1, 2)] == [
+        (live[n].steps, live[n].tokens) for n in (1, 2)
+    ]
+    assert predicted[0].steps == len(log.run.decode_steps)
+    assert predicted[0].tokens == sum(r.output_len for r in log.run.requests)
+
+
+def test_own_policy_predicts_its_own_tokens_per_s_and_a_wrong_one_does_not(logs):
+    k8, k0 = load_log(str(logs / "k8.sqlite")), load_log(str(logs / "k0.sqlite"))
+    live8, live0 = live_rates(k8), live_rates(k0)
+    own, wrong = predicted_rates(k8, K8), predicted_rates(k8, K0)
+    for n in (1, 2, 0):  # the same steps, the same definition of tok/s: only the cost model's residual
+        assert own[n].tokens_per_s == pytest.approx(live8[n].tokens_per_s, rel=0.02)
+    assert live0[0].tokens_per_s > 2 * live8[0].tokens_per_s  # the test means something
+    # k=0 replayed on k=8's log: far from k=8's own rate, and nearer k=0's live rate than k=8's rate is
+    assert wrong[0].tokens_per_s > 1.5 * live8[0].tokens_per_s
+    assert abs(wrong[0].tokens_per_s / live0[0].tokens_per_s - 1) < abs(
+        live8[0].tokens_per_s / live0[0].tokens_per_s - 1
+    )
+    assert wrong[0].steps == live0[0].steps  # greedy, one token a step: the same steps as live
+
+
+def test_cli_writes_the_table(logs, tmp_path, capsys):
+    out = tmp_path / "t.md"
+    k8, k0 = str(logs / "k8.sqlite"), str(logs / "k0.sqlite")
+    assert main(["--replayed", k8, "--live", k8, "--live", k0, "--out", str(out), "--cost-error"]) == 0
+    text = out.read_text()
+    assert text == capsys.readouterr().out
+    rows = [line for line in text.splitlines() if line.startswith("| k")]
+    assert [r.split(" | ")[1] for r in rows[:6]] == ["1", "2", "all", "1", "2", "all"]
+    assert "| k8 | mqa | 1 |" in text and "| k8 | mqa | 2-4 |" in text  # the cost-error table's rows
+
+
+def test_cost_error_groups_by_batch_range(logs):
+    run = load_run(logs / "k8.sqlite")
+    assert group_of(1) == (1, 1) and group_of(3) == (2, 4) and group_of(64) == (17, 64)
+    assert {r.batch_size for r in grouped(run.decode_steps)} == {1, 4}  # batch 2 goes to the 2-4 group
+    rows = cost_error_rows([("k8", run)])
+    assert [(r[1], r[2]) for r in rows] == [("mqa", "1"), ("mqa", "2-4")]
+    fit, held = int(rows[0][3]), int(rows[0][4])
+    assert abs(fit - held) <= 1 and fit + held == sum(s.batch_size == 1 for s in run.decode_steps)
