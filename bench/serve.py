@@ -49,7 +49,9 @@ def safe_name(name: str) -> str:
 class Daemon:
     """``python -m specsched.daemon <overrides>`` on a free loopback port, output to ``log_file``."""
 
-    def __init__(self, overrides: list[str], log_file: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, overrides: list[str], log_file: Path, env: dict[str, str], cpus: set[int] | None = None
+    ) -> None:
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.argv = [sys.executable, "-m", "specsched.daemon", *overrides, f"daemon.endpoint={self.endpoint}"]
         log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -58,8 +60,9 @@ class Daemon:
         self._out.write(" ".join(self.argv) + "\n")
         self._out.flush()
         self.t0 = time.perf_counter()
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.proc = subprocess.Popen(self.argv, stdout=self._out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **env})  # fmt: skip
+                                     env={**os.environ, **env}, preexec_fn=pin)  # fmt: skip
         self.pid = self.proc.pid
 
     def is_alive(self) -> bool:
@@ -101,6 +104,18 @@ class Daemon:
         return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
 
 
+def split_cpus(enabled: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(daemon cores, client cores): the first and second half of this process's cores, so the load
+    generator does not take the daemon's (Linux, >= 4 cores, ``enabled``); else (None, None)."""
+    if not enabled or not hasattr(os, "sched_getaffinity"):
+        return None, None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 4:
+        return None, None
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
 def daemon_overrides(
     cfg: ServeConfig, run: DaemonRun, log_dir: Path | None, extra: list[str] = ()
 ) -> list[str]:
@@ -137,9 +152,8 @@ def run_config(
     info: dict = {"name": run.name, "kind": run.kind, "overrides": run.overrides, "startup_s": None,
                   "exit_status": None, "error": None, "pid": None, "compiles_total": None}  # fmt: skip
     rows: list[dict] = []
-    daemon = Daemon(
-        daemon_overrides(cfg, run, log_dir, extra), out_dir / f"{safe_name(run.name)}.log", cfg.env
-    )
+    daemon = Daemon(daemon_overrides(cfg, run, log_dir, extra), out_dir / f"{safe_name(run.name)}.log",
+                    cfg.env, split_cpus(cfg.pin_cpus)[0])  # fmt: skip
     info.update(pid=daemon.pid, daemon_log=str(daemon.log_file), argv=daemon.argv[3:])
     fill = reference is not None and not reference
     try:
@@ -154,7 +168,7 @@ def run_config(
             progress.set_postfix_str(f"{run.name} pass {p}")
             for n in cfg.concurrency:
                 res = run_pass(daemon.endpoint, prompts, max(cfg.num_requests, n), n, cfg.max_tokens,
-                               cfg.request_timeout_s, daemon.is_alive)  # fmt: skip
+                               cfg.request_timeout_s, daemon.is_alive, cfg.duration_s)  # fmt: skip
                 if fill and p == 1:
                     ref_n = reference.setdefault(n, {})
                     for r in res.requests:
@@ -190,8 +204,6 @@ def add_spread(rows: list[dict]) -> None:
 
 def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
     """``bench.serve``: every config, both passes; returns ``{"configs", "rows", ...}``."""
-    from tqdm import tqdm
-
     cfg = ServeConfig.from_dictconfig(section)
     out = Path(out_dir) / "serve_logs"
     out.mkdir(parents=True, exist_ok=True)
@@ -202,6 +214,31 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
     has_baseline = any(c.kind == "baseline" for c in cfg.configs)
     reference: dict | None = {} if has_baseline else None
     configs, rows, extra = [], [], []
+    daemon_cpus, client_cpus = split_cpus(cfg.pin_cpus)
+    own_cpus = os.sched_getaffinity(0) if client_cpus else None
+    if client_cpus:
+        logger.info("serve: daemons on cores %s, clients on %s", sorted(daemon_cpus), sorted(client_cpus))
+        os.sched_setaffinity(0, client_cpus)
+    try:
+        _run_all(cfg, prompts, out, log_dir, reference, configs, rows, extra)
+    finally:
+        if own_cpus:
+            os.sched_setaffinity(0, own_cpus)
+    add_spread(rows)
+    result = {"configs": configs, "rows": rows, "warm_start": None,
+              "cpus": {"daemon": sorted(daemon_cpus or []), "clients": sorted(client_cpus or [])},
+              "settings": {k: v for k, v in OmegaConf.to_container(section, resolve=True).items()
+                           if k != "configs"}}  # fmt: skip
+    first = next((c for c in configs if c["startup_s"] is not None), None)
+    if cfg.warm_start and first is not None:
+        result["warm_start"] = warm_start(cfg, first["name"], out, log_dir)
+    return result
+
+
+def _run_all(cfg: ServeConfig, prompts, out: Path, log_dir, reference, configs: list, rows: list,
+             extra: list) -> None:  # fmt: skip
+    from tqdm import tqdm
+
     with tqdm(total=len(cfg.configs) * cfg.passes, desc="serve configs x passes", unit="pass") as bar:
         for run in cfg.ordered:
             info, r = run_config(cfg, run, prompts, out, log_dir, reference, bar, extra)
@@ -213,20 +250,13 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
             rows += r
             bar.n = (len(configs)) * cfg.passes  # a failed config skips its passes
             bar.refresh()
-    add_spread(rows)
-    result = {"configs": configs, "rows": rows, "warm_start": None,
-              "settings": {k: v for k, v in OmegaConf.to_container(section, resolve=True).items()
-                           if k != "configs"}}  # fmt: skip
-    first = next((c for c in configs if c["startup_s"] is not None), None)
-    if cfg.warm_start and first is not None:
-        result["warm_start"] = warm_start(cfg, first["name"], out, log_dir)
-    return result
 
 
 def warm_start(cfg: ServeConfig, name: str, out: Path, log_dir: Path | None) -> dict:
     """Start ``name`` once more (the model files and compile caches warm now) and time it."""
     run = next(c for c in cfg.configs if c.name == name)
-    daemon = Daemon(daemon_overrides(cfg, run, None), out / f"{safe_name(name)}.warm.log", cfg.env)
+    daemon = Daemon(daemon_overrides(cfg, run, None), out / f"{safe_name(name)}.warm.log", cfg.env,
+                    split_cpus(cfg.pin_cpus)[0])  # fmt: skip
     res = {"config": name, "startup_s": None, "error": None, "pid": daemon.pid}
     try:
         res["startup_s"] = daemon.wait_ready(cfg.startup_timeout_s)

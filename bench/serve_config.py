@@ -45,7 +45,14 @@ class ServeConfig:
     prompt_indices: list[int] | None = None  # chat: which of bench/prompts.py (None: the first num_prompts)
     prompt_len: int = 64  # ids only
     prompt_vocab: int = 256  # ids: token ids in [3, prompt_vocab)
-    num_requests: int = 32  # per pass and concurrency (at least the concurrency)
+    num_requests: int = 32  # per pass and concurrency (at least the concurrency); with duration_s: unused
+    # > 0: each (N, pass) is a closed loop of duration_s seconds (every client sends its next request
+    # as soon as one is done) and tok/s counts the tokens that arrived in that window (requests still
+    # running at its end are drained, outside it); 0: a pass is num_requests requests, wall-clocked
+    duration_s: float = 0.0
+    pin_cpus: bool = (
+        True  # Linux, >= 4 cores: daemons on the first half of the cores, the clients on the rest
+    )
     max_tokens: int = 128
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
     passes: int = 2
@@ -83,6 +90,10 @@ class ServeConfig:
         if self.oracle_override is not None and self.prompts != "ids":
             raise ValueError(
                 "bench.serve.oracle_override needs prompts=ids (the oracle is keyed by prompt ids)"
+            )
+        if self.duration_s < 0:
+            raise ValueError(
+                f"bench.serve.duration_s must be >= 0 (0: count requests), got {self.duration_s}"
             )
         if self.prompt_vocab < 4:
             raise ValueError(f"bench.serve.prompt_vocab must be >= 4, got {self.prompt_vocab}")

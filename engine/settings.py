@@ -17,6 +17,13 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 logger = logging.getLogger(__name__)
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "specsched")
 
@@ -62,7 +69,7 @@ class Settings:
         """``compile_workers`` with auto (0) resolved for this machine."""
         if self.compile_workers:
             return self.compile_workers
-        return max(1, min(8, (os.cpu_count() or 2) // 2))
+        return max(1, min(8, available_cores() // 2))
 
     @classmethod
     def variables(cls) -> dict[str, str]:

@@ -112,3 +112,39 @@ def test_summarize_itl_is_per_token():
 def test_serve_config_rejects(change, message):
     with pytest.raises(ValueError, match=message):
         ServeConfig(**{"configs": CONFIGS, **change})
+
+
+def test_timed_pass_counts_only_the_tokens_inside_its_window(tmp_path):
+    """duration_s: a closed loop against a real daemon; tok/s is the window's tokens / window."""
+    from specsched.bench.serve import Daemon
+    from specsched.bench.serve_load import run_pass
+
+    overrides = ["model.source=tiny", "model.device=cpu", "model.dtype=float32", "cache.num_blocks=256",
+                 "proposer=none", "policy=fixed", "policy.k=0", "policy.scorer=batch_expansion",
+                 "scorer=batch_expansion", "log=none"]  # fmt: skip
+    daemon = Daemon(overrides, tmp_path / "d.log", {"OMP_NUM_THREADS": "1"})
+    try:
+        daemon.wait_ready(120)
+        prompts = [{"prompt_ids": [5 + i, 7, 9, 11]} for i in range(3)]
+        res = run_pass(daemon.endpoint, prompts, 1, 2, 16, 60, daemon.is_alive, duration_s=1.5)
+    finally:
+        daemon.stop(20)
+    assert res.error is None and res.window_s == 1.5 and res.wall_s >= 1.5
+    assert all(r.error is None for r in res.requests)
+    assert len(res.requests) > 2  # both clients kept sending for the whole window (num_requests=1 unused)
+    inside = sum(r.num_tokens_in_window for r in res.requests)
+    total = sum(len(r.token_ids) for r in res.requests)
+    assert 0 < inside < total  # the requests running at the window's end finished outside it
+    assert summarize(res)["tokens_per_s"] == pytest.approx(inside / 1.5)
+    assert [r.prompt_index for r in res.requests[:4]] == [0, 1, 2, 0]
+
+
+def test_split_cpus_gives_daemons_and_clients_disjoint_halves(monkeypatch):
+    from specsched.bench.serve import split_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    daemon, clients = split_cpus(True)
+    assert daemon == set(range(8)) and clients == set(range(8, 16))
+    assert split_cpus(False) == (None, None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert split_cpus(True) == (None, None)  # too few cores to split

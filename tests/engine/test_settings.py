@@ -49,9 +49,11 @@ def test_frozen():
 
 def test_compile_workers_parsed_and_auto_resolved(monkeypatch):
     assert Settings.from_env({"SPECSCHED_COMPILE_WORKERS": "3"}).num_compile_workers == 3
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    import specsched.engine.settings as settings_module
+
+    monkeypatch.setattr(settings_module, "available_cores", lambda: 16)
     assert Settings.from_env({}).num_compile_workers == 8  # half the cores, at most 8
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(settings_module, "available_cores", lambda: 2)
     assert Settings.from_env({}).num_compile_workers == 1  # serial: no worker processes
     for bad in ("-1", "many"):
         with pytest.raises(ValueError, match="SPECSCHED_COMPILE_WORKERS"):
