@@ -128,15 +128,21 @@ def prebuild_attention(
             jobs.append((shape, configs))
     if not jobs:
         return None
-    total = ParallelBuildReport(num_workers=num_workers)
+    total, cached = ParallelBuildReport(num_workers=num_workers), []
     desc = f"compiling attention kernels ({num_workers} processes)"
     with tqdm(total=sum(len(c) for _, c in jobs), desc=desc, unit="variant", leave=False) as bar:
         for shape, configs in jobs:
             r = build_in_workers(configs, shape, num_workers, bar.update)
+            cached.append(r.is_cached)
             total.num_configs += r.num_configs
             total.num_launched += r.num_launched
             total.seconds += r.seconds
             total.failures += r.failures
+    if all(r_cached for r_cached in cached):
+        total.num_workers = 0
+        logger.info("parallel kernel build: skipped (%d attention variants built by an earlier start)",
+                    total.num_configs)  # fmt: skip
+        return total
     logger.info(
         "parallel kernel build: %d of %d attention variants in %d processes in %.1f s",
         total.num_launched, total.num_configs, num_workers, total.seconds,

@@ -9,13 +9,17 @@ on the config, the dtype and the cache's strides, not on the batch), which write
 to Triton's on-disk cache (``TRITON_CACHE_DIR``, inherited). The parent's own warm-up that follows
 launches the same configs and loads each from disk instead of compiling it.
 
-Nothing here is required for correctness: a worker that fails or times out is logged and the
+A complete build leaves a marker file in the cache dir (``specsched-prebuilt/<key>.json``, the key
+hashing the configs, the cache shape, the GPU, the torch and Triton versions and the attention
+kernel's source), so a warm start skips the workers (their start-up alone is seconds). Nothing here
+is required for correctness: a worker that fails or times out is logged and the
 parent's serial warm-up compiles what it left. Worker protocol (stdout, one line each):
 ``ok <index>`` per config launched, then ``done <seconds>``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -25,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +60,7 @@ class ParallelBuildReport:
     num_workers: int = 0
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)  # one line per worker that failed
+    is_cached: bool = False  # a marker says an earlier start built these already: no workers ran
 
     @property
     def is_complete(self) -> bool:
@@ -68,6 +74,27 @@ def shard(items: list, num_workers: int) -> list[list]:
     return [items[i::n] for i in range(n)] if items else []
 
 
+def _cache_dir(env: dict[str, str]) -> Path:
+    return Path(env.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def marker_path(configs: list, shape: CacheShape, env: dict[str, str]) -> Path:
+    """Where a complete build of ``configs`` for ``shape`` is recorded (see module)."""
+    import torch
+    import triton
+
+    from specsched.kernels import triton_attention
+
+    try:
+        gpu = torch.cuda.get_device_name(shape.device) if shape.device.startswith("cuda") else "cpu"
+    except (AssertionError, RuntimeError):  # no CUDA here: the workers will say so
+        gpu = shape.device
+    source = Path(triton_attention.__file__).read_bytes()
+    key = json.dumps([sorted(repr(c) for c in configs), asdict(shape), gpu, torch.__version__,
+                      triton.__version__, hashlib.sha256(source).hexdigest()])  # fmt: skip
+    return _cache_dir(env) / "specsched-prebuilt" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
 def build_in_workers(
     configs: list,  # [LaunchConfig]
     shape: CacheShape,
@@ -78,6 +105,11 @@ def build_in_workers(
 ) -> ParallelBuildReport:
     """Launch ``configs`` in ``num_workers`` worker processes; returns when all have exited."""
     report = ParallelBuildReport(num_configs=len(configs))
+    env = env if env is not None else dict(os.environ)
+    marker = marker_path(list(configs), shape, env)
+    if marker.exists():
+        report.is_cached, report.num_launched = True, len(configs)
+        return report
     shards = shard(list(configs), num_workers)
     report.num_workers = len(shards)
     if not shards:
@@ -89,7 +121,7 @@ def build_in_workers(
         proc = subprocess.Popen(
             [sys.executable, "-m", "specsched.kernels.parallel_build"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=env if env is not None else dict(os.environ),
+            env=env,
         )  # fmt: skip
         assert proc.stdin is not None
         proc.stdin.write(json.dumps({"shape": asdict(shape), "configs": [asdict(c) for c in part]}))
@@ -116,6 +148,9 @@ def build_in_workers(
             tail = "".join(stderr).strip().splitlines()[-3:]
             report.failures.append(f"worker {i}: exit {proc.returncode}: {' | '.join(tail) or 'no stderr'}")
     report.seconds = time.perf_counter() - t0
+    if report.is_complete:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"configs": len(configs), "shape": asdict(shape), "at": time.time()}))
     for line in report.failures:
         logger.warning("parallel kernel build: %s (the serial warm-up builds what it left)", line)
     return report

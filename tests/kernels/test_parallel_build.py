@@ -9,7 +9,7 @@ import os
 import pytest
 
 from specsched.kernels.attention_variants import AttentionDomain, launch_configs
-from specsched.kernels.parallel_build import CacheShape, build_in_workers, shard
+from specsched.kernels.parallel_build import CacheShape, build_in_workers, marker_path, shard
 
 
 def test_shard_round_robin_covers_every_item_once() -> None:
@@ -33,22 +33,35 @@ def _configs(n: int) -> list:
     return configs[:n]
 
 
-def test_workers_launch_every_config_and_report_progress() -> None:
+def test_workers_launch_every_config_and_report_progress(tmp_path) -> None:
     configs = _configs(3)
     seen = []
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    report = build_in_workers(configs, CacheShape(4, 2, 16, 16, "float32", "cpu"), 2, seen.append, env=env)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path)}
+    shape = CacheShape(4, 2, 16, 16, "float32", "cpu")
+    report = build_in_workers(configs, shape, 2, seen.append, env=env)
     assert report.failures == []
-    assert report.num_workers == 2
+    assert report.num_workers == 2 and not report.is_cached
     assert report.num_launched == report.num_configs == 3 == len(seen)
     assert report.is_complete
+    assert marker_path(configs, shape, env).exists()
+    again = build_in_workers(configs, shape, 2, env=env)  # a warm start: the marker, no workers
+    assert again.is_cached and again.num_workers == 0 and again.is_complete
+    other = build_in_workers(configs[:2], shape, 2, env=env)  # other configs: built, not skipped
+    assert not other.is_cached and other.num_workers == 2
 
 
-def test_a_failing_worker_is_reported_not_raised() -> None:
+def test_a_failing_worker_is_reported_not_raised(tmp_path) -> None:
     configs = _configs(2)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    report = build_in_workers(configs, CacheShape(4, 2, 16, 16, "float32", "cuda"), 2, env=env)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "TRITON_CACHE_DIR": str(tmp_path),
+    }
+    shape = CacheShape(4, 2, 16, 16, "float32", "cuda")  # no CUDA visible: the workers fail
+    report = build_in_workers(configs, shape, 2, env=env)
     assert not report.is_complete
     assert report.num_launched == 0
     assert len(report.failures) == 2
     assert all("exit 1" in f for f in report.failures)
+    assert not marker_path(configs, shape, env).exists()  # an incomplete build leaves no marker
