@@ -22,12 +22,23 @@ class ModelConfig:
     # Build every Triton kernel variant serving can launch at start-up (engine/warmup.py), so none
     # compiles while serving: auto = on CUDA, on, off.
     kernel_warmup: str = "auto"
+    # A token's target logits independent of the batch, the scorer, k and the other requests, bit for
+    # bit (batch-invariant GEMMs, attention split at fixed key positions): speculation then is exactly
+    # lossless in bf16 too. Needs attn_backend auto or triton on CUDA (torch: CPU only). Costs speed.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.kernel_warmup not in ("auto", "on", "off"):
             raise ValueError(f"model.kernel_warmup must be auto, on or off, got {self.kernel_warmup!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"model.deterministic must be true or false, got {self.deterministic!r}")
+        if self.deterministic and self.attn_backend not in ("auto", "triton", "torch"):
+            raise ValueError(
+                f"model.deterministic needs attn_backend auto, triton or torch (CPU); "
+                f"{self.attn_backend!r} has no deterministic mode"
+            )
 
 
 @dataclass

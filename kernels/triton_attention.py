@@ -21,6 +21,18 @@ grid above would leave SMs idle (few rows, long keys), each program takes one of
 key chunks and writes its partial (m, l, acc) to an fp32 workspace; ``_combine_splits_kernel``
 merges them per (token, head) as ``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``. The split
 count is fixed from host bounds, so the split path is graph-capturable too.
+
+Deterministic mode (``model.deterministic``; ``launch_config(..., deterministic=True)``): a query's
+output must not depend on the launch it is in (decode row, batch-expansion row, one of the k+1
+queries of an MQA row, a prefill chunk; the batch; ``max_k``; the SM count). Its value is fixed by
+the key tiles it is reduced over and by the tile shapes, so the config fixes them all from
+(group, head_dim) alone: one query tile (``BLOCK_M = max(16, GROUP_PAD)``), one key tile, and key
+splits at fixed positions, ``DETERMINISTIC_SPLIT_KEYS`` keys each (split s takes keys
+[s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS)); the split count, ``cdiv(max_k, SPLIT_KEYS)``, is a runtime
+argument, so it adds no compiled variants. ``_combine_fixed_splits_kernel`` merges the splits one by
+one in split order; splits past a query's keys hold l = 0 and add exact zeros, and a query whose keys
+fit one split gets ``acc / l`` bitwise as from an unsplit launch. Tiles past a query's causal limit
+add exact zeros too (p = 0, alpha = 1), so which other queries share its tile does not matter.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from specsched.kernels.metadata import AttentionMetadata, check_attention_args
 from specsched.kernels.triton_utils import runtime_args
 
 _LOG2E = 1.4426950408889634
+DETERMINISTIC_SPLIT_KEYS = 256  # keys per split in deterministic mode: fixed positions, every launch
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -77,19 +90,26 @@ def _attn_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(**runtime_args(ints=("stride_bt",), pointers=("cu_q_ptr", "seq_k_ptr", "bt_ptr")))
+@triton.jit(**runtime_args(ints=("stride_bt", "num_splits"), pointers=("cu_q_ptr", "seq_k_ptr", "bt_ptr")))
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, seq_k_ptr, bt_ptr, ws_ml_ptr, ws_acc_ptr, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    NUM_HEADS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_HEADS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_KEYS: tl.constexpr,
 ):  # fmt: skip
+    # SPLIT_KEYS > 0: deterministic mode, keys split at multiples of SPLIT_KEYS; NUM_SPLITS is then
+    # 1 (unsplit) or 2 (split; the count is the runtime num_splits). SPLIT_KEYS == 0: NUM_SPLITS
+    # chunks sized from the tile's keys (num_splits unused).
     row = tl.program_id(0)
     q_start = tl.program_id(1) * BLOCK_Q  # first query index (within the row) of this tile
-    kvh = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    if SPLIT_KEYS == 0:
+        n_splits = NUM_SPLITS
+    else:
+        n_splits = num_splits
+    kvh = tl.program_id(2) // n_splits
+    split = tl.program_id(2) % n_splits
     q_begin = tl.load(cu_q_ptr + row)
     q_len = tl.load(cu_q_ptr + row + 1) - q_begin
     if q_start >= q_len:  # padding row, or a tile past this row's queries
@@ -116,6 +136,10 @@ def _paged_attn_kernel(
     unmasked_end = (full_end // BLOCK_N) * BLOCK_N
     if NUM_SPLITS == 1:
         lo, hi = 0, kv_end
+    elif SPLIT_KEYS > 0:  # deterministic: the split-th fixed chunk of SPLIT_KEYS keys
+        lo = split * SPLIT_KEYS
+        hi = tl.minimum(lo + SPLIT_KEYS, kv_end)
+        hi = tl.where(split == n_splits - 1, kv_end, hi)  # a max_k below the keys stays correct
     else:  # this program takes one BLOCK_N-aligned chunk of [0, kv_end)
         chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
@@ -145,10 +169,14 @@ def _paged_attn_kernel(
         o_ptrs = o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=qo_mask)
     else:  # partial (m, l, acc) of this split; _combine_splits_kernel merges them
-        ws = (q_rows * NUM_HEADS + head) * NUM_SPLITS + split  # [T, NUM_HEADS, NUM_SPLITS] index
+        ws = (q_rows * NUM_HEADS + head) * n_splits + split  # [T, NUM_HEADS, NUM_SPLITS] index
         tl.store(ws_ml_ptr + 2 * ws, m_i, mask=m_valid)
         tl.store(ws_ml_ptr + 2 * ws + 1, l_i, mask=m_valid)
-        tl.store(ws_acc_ptr + ws[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_valid[:, None])
+        if SPLIT_KEYS > 0:  # a split with no keys for a query (l = 0) leaves its acc unwritten
+            acc_mask = (m_valid & (l_i > 0.0))[:, None]
+        else:
+            acc_mask = m_valid[:, None]
+        tl.store(ws_acc_ptr + ws[:, None] * BLOCK_D + offs_d[None, :], acc, mask=acc_mask)
 
 
 @triton.jit(**runtime_args(ints=("num_rows",), pointers=("cu_q_ptr",)))
@@ -171,6 +199,37 @@ def _combine_splits_kernel(
     acc = tl.load(ws_acc_ptr + ws[:, None] * BLOCK_D + offs_d[None, :], mask=s_valid[:, None], other=0.0)
     w = tl.exp2(m_s - tl.max(m_s, 0))
     out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(l_s * w, 0), 1e-30)
+    o_ptrs = o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit(**runtime_args(ints=("num_rows", "num_splits"), pointers=("cu_q_ptr",)))
+def _combine_fixed_splits_kernel(
+    o_ptr, cu_q_ptr, ws_ml_ptr, ws_acc_ptr, num_rows, num_splits, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Deterministic mode's merge: the same formula, summed split by split in split order; splits
+    with l = 0 (no keys for this query) add exact zeros, so ``num_splits`` does not change the sum."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if t >= tl.load(cu_q_ptr + num_rows):  # padding token past the last row
+        return
+    offs_d = tl.arange(0, BLOCK_D)
+    base = (t.to(tl.int64) * NUM_HEADS + h) * num_splits
+    m_max = tl.load(ws_ml_ptr + 2 * base)
+    for s in range(1, num_splits):
+        m_max = tl.maximum(m_max, tl.load(ws_ml_ptr + 2 * (base + s)))
+    num = tl.zeros([BLOCK_D], tl.float32)
+    den = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, num_splits):
+        m_s = tl.load(ws_ml_ptr + 2 * (base + s))
+        l_s = tl.load(ws_ml_ptr + 2 * (base + s) + 1)
+        w = tl.exp2(m_s - m_max)
+        has_keys = offs_d < tl.where(l_s > 0.0, BLOCK_D, 0)  # [BLOCK_D]: all or none
+        acc = tl.load(ws_acc_ptr + (base + s) * BLOCK_D + offs_d, mask=has_keys, other=0.0)
+        num = num + acc * w
+        den = den + l_s * w
+    out = num / tl.maximum(den, 1e-30)
     o_ptrs = o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
@@ -199,10 +258,15 @@ class LaunchConfig:
     num_splits: int  # key chunks per (row, q-tile, kv-head), merged by a second kernel when > 1
     num_warps: int
     num_stages: int
+    split_keys: int = 0  # > 0: deterministic mode, splits at fixed multiples of split_keys keys
 
     @property
     def block_m(self) -> int:
         return self.block_q * self.group_pad
+
+    @property
+    def is_deterministic(self) -> bool:
+        return self.split_keys > 0
 
 
 def launch_config(
@@ -218,8 +282,11 @@ def launch_config(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    deterministic: bool = False,
 ) -> LaunchConfig:
     """Tile sizes for one launch, from host upper bounds only. ``tl.dot`` needs dimensions >= 16.
+
+    ``deterministic``: :func:`deterministic_launch_config` (the overrides above are then ignored).
 
     Keys are split (flash-decoding) when the (row, q-tile, kv-head) grid has fewer programs than
     SMs, at most one split per ``block_n`` keys. Defaults picked from a sweep on an H200 (bf16,
@@ -227,6 +294,8 @@ def launch_config(
     7.3 us (13.8 unsplit), 64 rows x 4 queries x 2048 keys 0.49 ms and 256 decode rows x 2048
     keys 1.92 ms, i.e. about 4.4 TB/s of KV reads.
     """
+    if deterministic:
+        return deterministic_launch_config(max_k, group, head_dim)
     group_pad = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))
     target_m = 64 if block_d <= 128 else 32
@@ -247,6 +316,36 @@ def launch_config(
     if num_stages is None:
         num_stages = 1 if num_splits > 1 and not half_full else 2
     return LaunchConfig(block_q, group_pad, block_n, block_d, num_splits, num_warps, num_stages)
+
+
+def deterministic_launch_config(
+    max_k: int, group: int, head_dim: int, split_keys: int = DETERMINISTIC_SPLIT_KEYS
+) -> LaunchConfig:
+    """Deterministic mode's config: every tile size from (group, head_dim) alone, keys split at fixed
+    multiples of ``split_keys`` (one split when ``max_k`` fits one). Only ``num_splits`` follows the
+    launch, and it is a runtime argument of the kernel: two compiled variants (unsplit, split) and
+    one merge kernel per (group, head_dim, dtype), whatever the batch. One query tile of 16 matrix
+    rows (decode rows waste least; a prefill chunk takes more tiles), one key tile of 64 (32 for
+    head_dim > 128)."""
+    group_pad = triton.next_power_of_2(group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 64 if block_d <= 128 else 32
+    if split_keys < block_n or split_keys % block_n:
+        raise ValueError(
+            f"split_keys must be a positive multiple of the key tile {block_n}, got {split_keys}"
+        )
+    num_splits = triton.cdiv(max(max_k, 1), split_keys)
+    block_q = max(1, 16 // group_pad)
+    return LaunchConfig(block_q, group_pad, block_n, block_d, num_splits, 4, 2, split_keys)
+
+
+def deterministic_launch_configs(group: int, head_dim: int) -> list[LaunchConfig]:
+    """The deterministic-mode configs that compile distinct kernels (the split count is a runtime
+    value): unsplit and split; for a start-up warm-up."""
+    return [
+        deterministic_launch_config(1, group, head_dim),
+        deterministic_launch_config(DETERMINISTIC_SPLIT_KEYS + 1, group, head_dim),
+    ]
 
 
 def is_interpreted() -> bool:
@@ -294,12 +393,14 @@ def paged_attention_triton(
     *,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim], written in place when given
     config: LaunchConfig | None = None,  # tile sizes and splits; from ``launch_config`` by default
+    deterministic: bool = False,  # a query's output independent of the launch (module docstring)
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Paged varlen attention with the signature of ``paged_attention_torch``; no host sync.
 
     One launch (two with split-KV). Tokens of ``q`` past ``cu_seqlens_q[-1]`` and rows with
     q_len 0 are left untouched in ``out``. ``meta.max_q`` must be an upper bound of every row's
-    q_len (queries past it are not computed); ``meta.max_k`` only steers the split count.
+    q_len (queries past it are not computed); ``meta.max_k`` only steers the split count (in
+    deterministic mode it must also bound every row's keys: it sets how many fixed splits run).
     """
     check_attention_args(q, k_cache, v_cache, meta)
     _check_metadata(meta)
@@ -317,12 +418,17 @@ def paged_attention_triton(
     kv_heads = k_cache.shape[2]
     if meta.num_rows == 0 or meta.max_q <= 0 or num_tokens == 0:
         return out
-    if config is None:
+    if config is None and deterministic:
+        config = deterministic_launch_config(meta.max_k, num_heads // kv_heads, head_dim)
+    elif config is None:
         config = launch_config(
             meta.max_q, meta.max_k, meta.num_rows, num_heads // kv_heads, kv_heads, head_dim,
             num_sms=_num_sms(q.device),
         )  # fmt: skip
+    elif deterministic and not config.is_deterministic:
+        raise ValueError("deterministic=True needs a deterministic config (deterministic_launch_config)")
     cfg, splits = config, config.num_splits
+    fixed = cfg.is_deterministic
     # Split partials: (m, l) pairs [T, H, S, 2] and acc [T, H, S, BLOCK_D], fp32, written per launch.
     ws = (num_tokens, num_heads, splits) if splits > 1 else (1,)
     ws_ml = q.new_empty((*ws, 2), dtype=torch.float32)
@@ -335,13 +441,19 @@ def paged_attention_triton(
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), splits,
         GROUP=num_heads // kv_heads, GROUP_PAD=cfg.group_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, NUM_SPLITS=splits,
+        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=cfg.block_d,
+        NUM_SPLITS=min(splits, 2) if fixed else splits,
         NUM_HEADS=num_heads, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-        UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=upcast, SPLIT_KEYS=cfg.split_keys, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and fixed:
+        _combine_fixed_splits_kernel[(num_tokens, num_heads)](
+            out, meta.cu_seqlens_q, ws_ml, ws_acc, meta.num_rows, splits, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d,
+        )  # fmt: skip
+    elif splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, meta.cu_seqlens_q, ws_ml, ws_acc, meta.num_rows, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),

@@ -5,6 +5,15 @@ Module and parameter names follow HF ``LlamaForCausalLM`` (``model.layers.N.self
 (no padding) with positions and attention metadata, and returns logits only at the requested
 positions. ``num_layers`` runs only the first layers (self-speculative draft: the target's first L
 layers + its final norm and head).
+
+Deterministic mode (``deterministic=True``, ``model.deterministic``): a token's logits are a function
+of its own context alone, bit for bit, not of the batch, the scorer, k or the other requests. Every
+linear layer (and the LM head) runs the batch-invariant matmul
+(:mod:`specsched.kernels.batch_invariant_matmul`) and attention its deterministic variant
+(:mod:`specsched.kernels.batch_invariant_attention`). The other ops already are row-wise: the
+embedding gather, RoPE's cos/sin (elementwise) and the rotary + KV-store kernel (one program per
+token), RMSNorm (one program, or one torch row reduction, per token), SiLU-mul (elementwise), the
+row gather of ``logits_indices``. The default path is untouched.
 """
 
 from __future__ import annotations
@@ -12,16 +21,33 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specsched.kernels.activation import silu_and_mul
 from specsched.kernels.attention import AttentionFn, get_attention_backend
+from specsched.kernels.batch_invariant_attention import deterministic_attention_backend
+from specsched.kernels.batch_invariant_matmul import batch_invariant_linear
 from specsched.kernels.metadata import AttentionMetadata
 from specsched.kernels.norm import add_rms_norm, rms_norm
 from specsched.kernels.rotary import rotary_store_kv
 from specsched.models.config import LlamaConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([NB, BS, Hkv, D], [NB, BS, Hkv, D])
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, names and default forward); with ``deterministic`` set it runs
+    the batch-invariant matmul (row i of the output independent of the other rows)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, deterministic: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.deterministic = deterministic
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.deterministic:
+            return batch_invariant_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -109,8 +135,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         h = cfg.hidden_size
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, h, bias=False)
         self.scale = self.head_dim**-0.5
         self._register_load_state_dict_pre_hook(
             lambda state, prefix, *_: _fuse_on_load(
@@ -138,8 +164,8 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self._register_load_state_dict_pre_hook(
             lambda state, prefix, *_: _fuse_on_load(
                 state, prefix, "gate_up_proj", ("gate_proj", "up_proj"), ("weight",)
@@ -189,19 +215,41 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, attn_backend: str = "torch") -> None:
+    def __init__(self, cfg: LlamaConfig, attn_backend: str = "torch", deterministic: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.attn: AttentionFn = get_attention_backend(attn_backend)
         self.attn_backend = attn_backend
+        self.deterministic = False
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        if deterministic:
+            self.set_deterministic(True)
 
     def set_attn_backend(self, name: str) -> None:
+        if self.deterministic and name != self.attn_backend:
+            # eager forwards and captured graphs must run one attention: the paths differ bitwise
+            raise ValueError(
+                f"deterministic mode keeps attention backend {self.attn_backend!r}; cannot switch to "
+                f"{name!r} (on CUDA use triton for the model and its graphs)"
+            )
         self.attn, self.attn_backend = get_attention_backend(name), name
+        if self.deterministic:
+            self.attn = deterministic_attention_backend(name)
+
+    def set_deterministic(self, on: bool) -> None:
+        """Deterministic mode on or off (module docstring): every linear layer and the attention."""
+        if on:
+            self.attn = deterministic_attention_backend(self.attn_backend)  # raises for flash_attn
+        else:
+            self.attn = get_attention_backend(self.attn_backend)
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.deterministic = on
+        self.deterministic = on
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_layers: int | None = None) -> KVCache:
         """Zeroed paged KV cache for ``num_layers`` layers (default all)."""

@@ -91,6 +91,11 @@ def load_model(cfg: ModelConfig, progress: bool | None = None) -> LoadedModel:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     backend = resolve_attn_backend(cfg.attn_backend, device)
+    if cfg.deterministic and device.type == "cuda" and backend != "triton":
+        raise ValueError(
+            f"model.deterministic on CUDA needs attn_backend triton (or auto), got {cfg.attn_backend!r}: "
+            f"the CUDA graphs run triton, and eager and graph forwards must run one attention"
+        )
     src = cfg.source
     tokenizer: Tokenizer | None = None
     entry: Path | None = None
@@ -116,6 +121,8 @@ def load_model(cfg: ModelConfig, progress: bool | None = None) -> LoadedModel:
         raise ValueError(
             f"model.max_model_len {cfg.max_model_len} must be in [1, {lcfg.max_position}] for {name}"
         )
+    if cfg.deterministic:
+        model.set_deterministic(True)
     return LoadedModel(model, tokenizer, lcfg, name, desc, cfg.max_model_len or lcfg.max_position, entry)
 
 
