@@ -404,6 +404,8 @@ def paged_attention_triton(
     """
     check_attention_args(q, k_cache, v_cache, meta)
     _check_metadata(meta)
+    if deterministic and config is not None and not config.is_deterministic:
+        raise ValueError("deterministic=True needs a deterministic config (deterministic_launch_config)")
     if q.dtype not in _DTYPES:
         raise ValueError(f"dtype {q.dtype} not supported; use one of {_DTYPES}")
     if out is None:
@@ -425,8 +427,6 @@ def paged_attention_triton(
             meta.max_q, meta.max_k, meta.num_rows, num_heads // kv_heads, kv_heads, head_dim,
             num_sms=_num_sms(q.device),
         )  # fmt: skip
-    elif deterministic and not config.is_deterministic:
-        raise ValueError("deterministic=True needs a deterministic config (deterministic_launch_config)")
     cfg, splits = config, config.num_splits
     fixed = cfg.is_deterministic
     # Split partials: (m, l) pairs [T, H, S, 2] and acc [T, H, S, BLOCK_D], fp32, written per launch.
