@@ -10,6 +10,7 @@ up to 4k; and 64 concurrent real prompts on SmolLM2 through the engine.
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, Sche
 from specsched.engine.engine import Engine
 from specsched.engine.request import Request, SamplingParams
 from specsched.kernels.metadata import build_metadata
+from specsched.kernels.testing import interpreted_results, run_jobs
 from specsched.models.config import get_preset
 from specsched.models.llama import LlamaForCausalLM, init_random
 from specsched.policies.base import BatchView, Plan, Policy
@@ -76,7 +78,7 @@ def make_batch(model, kv, rng: random.Random, num: int, max_ctx: int, block: int
         k = [0, 8, rng.randint(0, 8)][i % 3]
         prompt = [rng.randrange(vocab) for _ in range(n)]
         table = [free.pop() for _ in range(-(-(n + k) // block))]
-        chunk = rng.randint(1, max_chunk)
+        chunk = rng.randint(max(1, max_chunk // 16), max_chunk)
         prefill(model, kv, prompt[:-1], table, block, [chunk] * (n // chunk + 1))
         r = Request(f"r{i}", prompt, SamplingParams(), block_table=table)
         r.num_computed = n - 1
@@ -124,6 +126,28 @@ def test_logits_alone_equal_logits_in_mixed_batch(tiny, seed: int) -> None:
     want = alone_logits(tiny, kv, reqs, drafts, BLOCK)
     for name, logits in got.items():
         assert unequal_requests(logits, want, drafts) == [], name
+
+
+def triton_path_job() -> dict:
+    """Subprocess side (TRITON_INTERPRET=1): the same check through the Triton kernels (attention
+    backend triton, the Triton matmul), a smaller batch (the interpreter is slow)."""
+    model = LlamaForCausalLM(get_preset("tiny"), "triton", deterministic=True).eval()
+    init_random(model, seed=3, std=0.02)
+    kv = model.allocate_kv_cache(100, BLOCK)
+    reqs, drafts = make_batch(model, kv, random.Random(0), num=3, max_ctx=20, block=BLOCK, max_chunk=8)
+    props = Proposals.from_lists(drafts)
+    got = {n: s.score(reqs, props).clone() for n, s in
+           build_scorers(["batch_expansion", "mqa"], model, kv, BLOCK).items()}  # fmt: skip
+    want = alone_logits(model, kv, reqs, drafts, BLOCK)
+    return {"unequal": {n: unequal_requests(g, want, drafts) for n, g in got.items()},
+            "ks": [len(d) for d in drafts]}  # fmt: skip
+
+
+def test_interpreted_triton_path_logits_alone_equal_in_mixed_batch() -> None:
+    r = interpreted_results(__file__, timeout_s=600)["triton_path"]
+    assert "error" not in r, r.get("error")
+    assert r["unequal"] == {"batch_expansion": [], "mqa": []}, r
+    assert max(r["ks"]) == 8, r
 
 
 def test_deterministic_mode_switches_every_linear_and_attention(tiny) -> None:
@@ -184,12 +208,13 @@ def test_engine_greedy_spec_equals_non_spec(monkeypatch) -> None:
 
 @pytest.fixture(scope="module")
 def gpu_model() -> LlamaForCausalLM:
-    """SmolLM2-135M's shape (GQA group 3, head_dim 64), random bf16 weights (std 0.02: near ties)."""
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(get_preset("smollm2-135m"), "triton").to(torch.bfloat16).eval()
-    model.requires_grad_(False)
-    init_random(model, seed=0, std=0.02)
-    model.set_deterministic(True)
+    """SmolLM2-135M's shape (GQA group 3, head_dim 64), random bf16 weights (std 0.02: near ties),
+    loaded as the engine loads it with ``model.deterministic=true``."""
+    from specsched.models.loader import load_model
+
+    cfg = ModelConfig(source="smollm2-135m", dtype="bfloat16", device="cuda", deterministic=True)
+    model = load_model(cfg, progress=False).model
+    assert model.deterministic and model.attn_backend == "triton"
     return model
 
 
@@ -298,3 +323,7 @@ def test_gpu_smollm2_64_prompts_spec_equals_non_spec(smollm2_path, smollm2_cache
     print(f"\nSmolLM2 bf16, deterministic={deterministic}: {same}/64 spec outputs == non-spec")
     if deterministic:
         assert same == 64
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpreted"]:
+    run_jobs({"triton_path": triton_path_job})
