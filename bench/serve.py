@@ -146,6 +146,7 @@ def same_output_share(res: PassResult, reference: dict[int, list[int]] | None) -
 def run_config(
     cfg: ServeConfig, run: DaemonRun, prompts: list[dict], out_dir: Path, log_dir: Path | None,
     reference: dict[int, dict[int, list[int]]] | None, progress, extra: list[str],
+    daemon_cpus: set[int] | None = None,
 ) -> tuple[dict, list[dict]]:  # fmt: skip
     """One daemon: start-up, warm-up, the passes. Returns its config row and its table rows; fills
     ``reference`` (N -> prompt -> ids) from pass 1 when it is an empty dict (the baseline)."""
@@ -153,7 +154,7 @@ def run_config(
                   "exit_status": None, "error": None, "pid": None, "compiles_total": None}  # fmt: skip
     rows: list[dict] = []
     daemon = Daemon(daemon_overrides(cfg, run, log_dir, extra), out_dir / f"{safe_name(run.name)}.log",
-                    cfg.env, split_cpus(cfg.pin_cpus)[0])  # fmt: skip
+                    cfg.env, daemon_cpus)  # fmt: skip
     info.update(pid=daemon.pid, daemon_log=str(daemon.log_file), argv=daemon.argv[3:])
     fill = reference is not None and not reference
     try:
@@ -220,7 +221,7 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
         logger.info("serve: daemons on cores %s, clients on %s", sorted(daemon_cpus), sorted(client_cpus))
         os.sched_setaffinity(0, client_cpus)
     try:
-        _run_all(cfg, prompts, out, log_dir, reference, configs, rows, extra)
+        _run_all(cfg, prompts, out, log_dir, reference, configs, rows, extra, daemon_cpus)
     finally:
         if own_cpus:
             os.sched_setaffinity(0, own_cpus)
@@ -231,17 +232,17 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
                            if k != "configs"}}  # fmt: skip
     first = next((c for c in configs if c["startup_s"] is not None), None)
     if cfg.warm_start and first is not None:
-        result["warm_start"] = warm_start(cfg, first["name"], out, log_dir)
+        result["warm_start"] = warm_start(cfg, first["name"], out, daemon_cpus)
     return result
 
 
 def _run_all(cfg: ServeConfig, prompts, out: Path, log_dir, reference, configs: list, rows: list,
-             extra: list) -> None:  # fmt: skip
+             extra: list, daemon_cpus: set[int] | None) -> None:  # fmt: skip
     from tqdm import tqdm
 
     with tqdm(total=len(cfg.configs) * cfg.passes, desc="serve configs x passes", unit="pass") as bar:
         for run in cfg.ordered:
-            info, r = run_config(cfg, run, prompts, out, log_dir, reference, bar, extra)
+            info, r = run_config(cfg, run, prompts, out, log_dir, reference, bar, extra, daemon_cpus)
             if run.kind == "baseline" and info["error"]:
                 reference = None  # no reference: same_output is "–" for the rest
             elif run.kind == "baseline" and cfg.oracle_override:
@@ -252,11 +253,11 @@ def _run_all(cfg: ServeConfig, prompts, out: Path, log_dir, reference, configs: 
             bar.refresh()
 
 
-def warm_start(cfg: ServeConfig, name: str, out: Path, log_dir: Path | None) -> dict:
+def warm_start(cfg: ServeConfig, name: str, out: Path, daemon_cpus: set[int] | None = None) -> dict:
     """Start ``name`` once more (the model files and compile caches warm now) and time it."""
     run = next(c for c in cfg.configs if c.name == name)
     daemon = Daemon(daemon_overrides(cfg, run, None), out / f"{safe_name(name)}.warm.log", cfg.env,
-                    split_cpus(cfg.pin_cpus)[0])  # fmt: skip
+                    daemon_cpus)  # fmt: skip
     res = {"config": name, "startup_s": None, "error": None, "pid": daemon.pid}
     try:
         res["startup_s"] = daemon.wait_ready(cfg.startup_timeout_s)
