@@ -102,6 +102,10 @@ def _attention_configs(model: LlamaForCausalLM, domain: AttentionDomain) -> list
     dev = model.lm_head.weight.device
     if model.attn_backend != "triton":
         return []
+    if model.deterministic:  # fixed tiles and split points: the same two configs at every shape
+        from specsched.kernels.triton_attention import deterministic_launch_configs
+
+        return deterministic_launch_configs(domain.group, domain.head_dim)
     from specsched.kernels.attention_variants import launch_configs
 
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132

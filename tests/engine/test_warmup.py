@@ -148,3 +148,17 @@ def test_gpu_parallel_build_leaves_no_attention_variant_to_compile(tmp_path):
     assert out["complete"] and out["launched"] == out["configs"] > 0
     assert out["by_workers"], "the workers wrote no attention kernel to the cache"
     assert out["after_engine"] == out["by_workers"]
+
+
+def test_deterministic_mode_warms_up_its_two_attention_configs_only():
+    from types import SimpleNamespace
+
+    from specsched.engine.warmup import _attention_configs
+    from specsched.kernels.triton_attention import deterministic_launch_configs
+
+    d = AttentionDomain(9, 3, 64, max_rows_single=64, max_rows_multi=64, max_q=512, max_keys=2048)
+    head = SimpleNamespace(weight=torch.zeros(1))
+    model = SimpleNamespace(lm_head=head, attn_backend="triton", deterministic=True)
+    assert _attention_configs(model, d) == deterministic_launch_configs(3, 64)
+    model.deterministic = False  # the default mode: every config of the serving domain
+    assert len(_attention_configs(model, d)) > 2
