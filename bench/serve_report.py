@@ -97,14 +97,22 @@ def targets_table(res: dict) -> str:
     return table(header, out) + "\n\n" + "\n".join(lines)
 
 
+def _pass_note(s: dict) -> str:
+    if s.get("duration_s"):
+        return (f"each pass a {s['duration_s']:g} s closed loop (each client sends its next streamed "
+                "request when one is done). tok/s = tokens that arrived in the window / its "
+                "length")  # fmt: skip
+    return (f"max(N, {s.get('num_requests')}) streamed requests per pass. tok/s = output tokens / wall "
+            "time of the pass")  # fmt: skip
+
+
 def serve_section(res: dict) -> str:
     s = res.get("settings", {})
     note = (
         f"Daemon subprocess per config (`model.source={s.get('source')}` "
         f"{' '.join(s.get('model_overrides') or [])}), N concurrent protocol clients, "
-        f"{s.get('prompts')} prompts, greedy, `max_tokens` {s.get('max_tokens')}, max(N, "
-        f"{s.get('num_requests')}) streamed requests per pass. tok/s = output tokens / wall time of the "
-        "pass; TTFT = send → first chunk with tokens; ITL = gap between chunks / tokens in the chunk "
+        f"{s.get('prompts')} prompts, greedy, `max_tokens` {s.get('max_tokens')}, {_pass_note(s)}; "
+        "TTFT = send → first chunk with tokens; ITL = gap between chunks / tokens in the chunk "
         "(one sample per token); compiles = delta of the daemon's `num_compiles_after_start` over the "
         "pass (n/a: not reported by this daemon); same output = share of requests whose token ids equal "
         "the baseline's pass-1 output for the prompt at the same N; accept. = accepted / proposed."
