@@ -106,18 +106,22 @@ class Engine:
             self.flush_observations()
         if batch is None:
             return []
-        self.timer.start_step()
+        timer = self.timer
+        timer.start_step(t0)
+        timer.mark("schedule")
         if batch.is_prefill:
             outputs, rec = self._prefill(batch)
         else:
             outputs, rec = self._decode(batch.requests)
-        self.timer.finish(rec)  # CUDA: read the phase events (the step's host read waited for them)
-        rec.total_ms = (time.perf_counter() - t0) * 1e3
+        timer.finish(rec)  # CUDA: read the phase events (the step's host read waited for them)
         if not batch.is_prefill and rec.batch_size:
             self._unobserved.append(rec)
             if not self.is_overlapped_observe:
                 self.flush_observations()
         self.stats.observe(rec)
+        timer.mark("stats")
+        rec.host_ms = dict(timer.host_ms)
+        rec.total_ms = (time.perf_counter() - t0) * 1e3
         self.num_steps += 1
         if self.on_step is not None:
             self.on_step(rec)
@@ -135,28 +139,35 @@ class Engine:
 
     def _decode(self, reqs: list[Request]) -> tuple[list[RequestOutput], StepRecord]:
         """One decode step: decide -> propose -> score -> verify -> commit -> record."""
-        rec = StepRecord(self.num_steps, "decode", time.time(), 0, 0)
+        rec, timer = StepRecord(self.num_steps, "decode", time.time(), 0, 0), self.timer
         names = self._proposer_names(reqs)
-        plan = self._decide(reqs, names)
+        view = self._view(reqs, names)
+        timer.mark("view")
+        plan = self._decide(reqs, view)
+        timer.mark("decide")  # the critical path's decide: ~0 when the plan was decided ahead
         kept, ks = self.scheduler.reserve_lookahead(reqs, plan.k)  # may lower k or preempt
         if len(kept) != len(reqs):  # kept is in batch order
             reqs, names = kept, self._proposer_names(kept)
+        timer.mark("reserve")
         with self._timed(rec, "propose_ms"):
             props = self._propose(reqs, ks, names)
         with self._timed(rec, "score_ms"):
             logits = self.scorers[plan.scorer].score(reqs, props)  # [sum(k_i+1), vocab]
         self._while_scoring(reqs, names)
+        timer.mark("overlap")  # on CUDA while the GPU scores: off the critical path up to its time
         with self._timed(rec, "verify_ms"):
             result = verify(logits, props, [r.sampling for r in reqs], [r.generator for r in reqs])
             emitted = result.to_lists()
         context = [r.num_tokens - 1 for r in reqs]  # before this step's tokens are committed
         outputs = self._commit(reqs, emitted, props.num_draft, names)
-        self._record(rec, reqs, names, plan, props, context, emitted, result.match_bits(), outputs)
+        timer.mark("commit")
+        caps = {v.request_id: v.max_k for v in view.requests}
+        self._record(rec, reqs, names, plan, props, context, emitted, result.match_bits(), outputs, caps)
         self.policy.observe(plan, [len(e) - 1 for e in emitted])
+        timer.mark("record")
         return outputs, rec
 
-    def _decide(self, reqs: list[Request], names: list[str]) -> Plan:
-        view = self._view(reqs, names)
+    def _decide(self, reqs: list[Request], view: BatchView) -> Plan:
         plan = self._plan_decided_ahead(reqs, view) or self._timed_decide(view)
         if plan.scorer not in self.scorers:
             raise ValueError(
@@ -180,10 +191,11 @@ class Engine:
         plan = self.policy.decide(view, self.costs)
         return replace(plan, info={**plan.info, "decide_ms": (time.perf_counter() - t0) * 1e3})
 
-    def _record(self, rec, reqs, names, plan, props, context, emitted, match_bits, outputs) -> None:
-        """Fill the step's record (the decision log's ``steps`` and ``step_requests`` rows)."""
+    def _record(self, rec, reqs, names, plan, props, context, emitted, match_bits, outputs, caps) -> None:
+        """Fill the step's record (the decision log's ``steps`` and ``step_requests`` rows);
+        ``caps``: each request's max k of the policy's view, by request id."""
         rec.requests = [
-            StepRequestRecord(r.request_id, c, k, len(e) - 1, b, len(o.new_token_ids))
+            StepRequestRecord(r.request_id, c, k, len(e) - 1, b, len(o.new_token_ids), caps.get(r.request_id))
             for r, c, e, k, b, o in zip(reqs, context, emitted, props.num_draft, match_bits, outputs)
         ]
         rec.batch_size, rec.num_tokens = len(reqs), props.num_tokens + len(reqs)

@@ -15,14 +15,18 @@ import sqlite_utils
 
 from specsched.engine.records import StepRecord
 
-SCHEMA_VERSION = 2  # bump on any change to the tables below (with a MIGRATIONS entry)
-READABLE_VERSIONS = (1, 2)  # readers take these; the writer migrates an older file when it appends
+SCHEMA_VERSION = 3  # bump on any change to the tables below (with a MIGRATIONS entry)
+READABLE_VERSIONS = (1, 2, 3)  # readers take these; the writer migrates an older file when it appends
 MIGRATIONS = {  # version -> the statements that take a file from it to the next version
     1: [
         "ALTER TABLE runs ADD COLUMN ended_at REAL",
         "ALTER TABLE runs ADD COLUMN num_compiles_after_start INTEGER",
     ],
-}
+    2: [
+        "ALTER TABLE steps ADD COLUMN host_ms TEXT",
+        "ALTER TABLE step_requests ADD COLUMN max_k INTEGER",
+    ],
+}  # an ALTER of a table the file lacks is skipped: the CREATE below makes it with every column
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY, started_at REAL, config TEXT, model TEXT,
@@ -33,19 +37,21 @@ CREATE TABLE IF NOT EXISTS requests (run_id INTEGER, request_id TEXT, client TEX
 CREATE TABLE IF NOT EXISTS steps (run_id INTEGER, step INTEGER, kind TEXT, start_time REAL,
     batch_size INTEGER, num_tokens INTEGER, scorer TEXT, policy TEXT, proposer TEXT, is_synthetic INTEGER,
     predicted_propose_ms REAL, predicted_score_ms REAL, predicted_verify_ms REAL, predicted_ms REAL,
-    propose_ms REAL, score_ms REAL, verify_ms REAL, total_ms REAL, num_emitted INTEGER, plan_info TEXT);
+    propose_ms REAL, score_ms REAL, verify_ms REAL, total_ms REAL, num_emitted INTEGER, plan_info TEXT,
+    host_ms TEXT);
 CREATE TABLE IF NOT EXISTS step_requests (run_id INTEGER, step INTEGER, request_id TEXT,
-    context_len INTEGER, k INTEGER, num_accepted INTEGER, match_bits TEXT, num_emitted INTEGER);
+    context_len INTEGER, k INTEGER, num_accepted INTEGER, match_bits TEXT, num_emitted INTEGER,
+    max_k INTEGER);
 CREATE INDEX IF NOT EXISTS requests_run_request ON requests (run_id, request_id);
 CREATE INDEX IF NOT EXISTS steps_run_step ON steps (run_id, step);
 CREATE INDEX IF NOT EXISTS step_requests_run_step ON step_requests (run_id, step);
 """
-# StepRecord / StepRequestRecord fields copied as they are (plan_info is converted to JSON)
+# StepRecord / StepRequestRecord fields copied as they are (plan_info and host_ms are converted to JSON)
 STEP_FIELDS = (
     "step kind start_time batch_size num_tokens scorer policy proposer is_synthetic predicted_propose_ms "
     "predicted_score_ms predicted_verify_ms predicted_ms propose_ms score_ms verify_ms total_ms num_emitted"
 ).split()
-STEP_REQUEST_FIELDS = ("request_id", "context_len", "k", "num_accepted", "match_bits", "num_emitted")
+STEP_REQUEST_FIELDS = ("request_id", "context_len", "k", "num_accepted", "match_bits", "num_emitted", "max_k")
 
 
 class LogFormatError(Exception):
@@ -82,8 +88,11 @@ def migrate(db: sqlite_utils.Database) -> None:
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if version == 0 or "runs" not in set(db.table_names()):
         return
+    tables = set(db.table_names())
     while version < SCHEMA_VERSION:
         for statement in MIGRATIONS[version]:
+            if statement.startswith("ALTER TABLE ") and statement.split()[2] not in tables:
+                continue
             db.execute(statement)
         version += 1
 
@@ -114,5 +123,6 @@ def to_json(obj) -> str:
 def step_rows(r: StepRecord) -> tuple[dict, list[dict]]:
     step = {f: getattr(r, f) for f in STEP_FIELDS}
     step["plan_info"] = to_json(r.plan_info) if r.plan_info else None
+    step["host_ms"] = to_json({k: round(v, 4) for k, v in r.host_ms.items()}) if r.host_ms else None
     reqs = [{"step": r.step, **{f: getattr(q, f) for f in STEP_REQUEST_FIELDS}} for q in r.requests]
     return step, reqs

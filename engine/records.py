@@ -13,6 +13,7 @@ class StepRequestRecord:
     num_accepted: int  # drafts accepted (0..k); emitted = num_accepted + 1
     match_bits: str = ""  # greedy only: "1" per draft that matched the target, up to the first "0"
     num_emitted: int = 0  # tokens committed to the output (num_accepted + 1, fewer when a stop cut the step)
+    max_k: int | None = None  # the most drafts the policy could give it this step (proposer, lengths, caps)
 
 
 @dataclass
@@ -36,6 +37,9 @@ class StepRecord:
     total_ms: float = 0.0  # schedule .. commit, measured
     num_emitted: int = 0
     plan_info: dict = field(default_factory=dict)  # the policy's reasoning (JSON in the log)
+    # host (perf_counter) ms per phase: schedule, view, decide, reserve, propose, score, overlap,
+    # verify (with its wait for the GPU), commit, record, stats, other (engine.step_timer)
+    host_ms: dict[str, float] = field(default_factory=dict)
     requests: list[StepRequestRecord] = field(default_factory=list)
 
     @property

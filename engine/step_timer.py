@@ -19,7 +19,11 @@ wall time. The end event of the last phase is recorded after the host read; :met
 with ``query`` (no wait) and waits only when the GPU has not reached it yet (counted in
 ``num_waits``; it should stay 0).
 
-``host_ms`` keeps every phase's host (perf_counter) time of the current step on both devices.
+``host_ms`` keeps the current step's host (perf_counter) time per phase on both devices: the timed
+phases' blocks, plus the untimed stretches between them charged by :meth:`StepTimer.mark` to a named
+phase (schedule, view, decide, ...; time between a mark and the next block goes to ``other``). On
+CUDA a block's host time is its Python time, not the GPU's, except where the block waits for the GPU
+(verify's host read).
 """
 
 from __future__ import annotations
@@ -49,10 +53,19 @@ class StepTimer:
         self._rec: StepRecord | None = None
         self._field = ""
         self._t0 = 0.0
+        self._lap = 0.0  # perf_counter at the last mark or block end
 
-    def start_step(self) -> None:
+    def start_step(self, t0: float | None = None) -> None:
+        """Begin a step; ``t0``: its perf_counter start, when work before this call belongs to it."""
         self.host_ms.clear()
         self._pending.clear()
+        self._lap = time.perf_counter() if t0 is None else t0
+
+    def mark(self, name: str) -> None:
+        """Charge the host time since the last mark or block end to phase ``name``."""
+        now = time.perf_counter()
+        self.host_ms[name] = self.host_ms.get(name, 0.0) + (now - self._lap) * 1e3
+        self._lap = now
 
     def phase(self, rec: StepRecord, field: str) -> StepTimer:
         """Context manager adding the enclosed block's time to ``rec.<field>`` (ms)."""
@@ -66,12 +79,15 @@ class StepTimer:
                 self._pool.append((self._new_event(), self._new_event()))
             self._pool[i][0].record()
             self._pending.append((self._field, i))
-        self._t0 = time.perf_counter()
+        self.mark("other")
+        self._t0 = self._lap
 
     def __exit__(self, *exc) -> None:
-        ms = (time.perf_counter() - self._t0) * 1e3
+        self._lap = time.perf_counter()
+        ms = (self._lap - self._t0) * 1e3
         field = self._field
-        self.host_ms[field] = self.host_ms.get(field, 0.0) + ms
+        name = field.removesuffix("_ms")
+        self.host_ms[name] = self.host_ms.get(name, 0.0) + ms
         if self.is_events:
             self._pool[self._pending[-1][1]][1].record()
         else:

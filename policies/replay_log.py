@@ -106,7 +106,8 @@ class RecordedRequest:
     output_len: int  # output tokens (the prefill's first token included)
     first_step: int | None  # its first decode step; None when it finished at prefill
     bits: list[int | None]  # [output_len] match bit per output index; None = unknown
-    recorded_k: dict[int, int] = field(default_factory=dict)  # start index s -> k recorded there
+    # start index s -> the cap recorded there: the step's max_k (schema >= 3), else its k (a lower bound)
+    recorded_k: dict[int, int] = field(default_factory=dict)
     is_finished: bool = True  # False: no `requests` row (still running when the log ended)
 
     @property
@@ -178,12 +179,15 @@ def _load(db, path: str, run_id: int | None) -> RecordedRun:
         row["is_synthetic"] = bool(row["is_synthetic"])
         steps[row["step"]] = StepRecord(**row)
     rows: dict[str, list[tuple[int, StepRequestRecord]]] = {}
+    max_k = ", max_k" if "max_k" in db["step_requests"].columns_dict else ""  # schema >= 3
     for r in db.query(
-        "select step, request_id, context_len, k, num_accepted from step_requests"
+        f"select step, request_id, context_len, k, num_accepted{max_k} from step_requests"
         " where run_id = ? order by step",
         [run_id],
     ):
-        q = StepRequestRecord(r["request_id"], r["context_len"], r["k"], r["num_accepted"])
+        q = StepRequestRecord(
+            r["request_id"], r["context_len"], r["k"], r["num_accepted"], max_k=r.get("max_k")
+        )
         if r["step"] in steps:
             steps[r["step"]].requests.append(q)
         rows.setdefault(q.request_id, []).append((r["step"], q))
@@ -243,7 +247,7 @@ def _requests(rows, finished, steps) -> tuple[list[RecordedRequest], int]:
         recorded_k: dict[int, int] = {}
         for _, q in recs:
             s = q.context_len - prompt
-            recorded_k.setdefault(s, q.k)
+            recorded_k.setdefault(s, q.k if q.max_k is None else q.max_k)
             for i in range(min(q.k, q.num_accepted + 1)):  # i < a matched; i == a < k did not
                 m, b = s + 1 + i, int(i < q.num_accepted)
                 if 0 < m < length:

@@ -65,13 +65,14 @@ def ngram_lookup(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k: 
     return [] if start is None else arr[start : start + k].tolist()
 
 
-_VECTORISE_FROM = 32  # index this many new positions or more with numpy windows, fewer in a loop
+_ZIP_FROM = 16  # index this many new positions or more by zipping columns, fewer in a loop
 
 
 class NgramIndex:
     """The most recent end position of every n-gram (``min_n <= n <= max_n``) of a growing token
     sequence, for :func:`ngram_match` in O(max_n - min_n) dictionary lookups per step instead of a
-    scan of the sequence. An n-gram is keyed by the bytes of its int64 tokens.
+    scan of the sequence. An n-gram is keyed by the tuple of its tokens (Python ints: on the few
+    tokens a decode step adds, tuple slices cost a fraction of numpy's per-call overhead).
 
     ``extend(tokens, stop)`` indexes the n-grams ending at positions ``num_indexed .. stop - 1`` (a
     later end overwrites an earlier one: the most recent wins); ``match(tokens)`` is
@@ -81,28 +82,31 @@ class NgramIndex:
     def __init__(self, min_n: int, max_n: int) -> None:
         _check_n(min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
-        self.ends: dict[int, dict[bytes, int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
         self.num_indexed = 0  # n-grams ending before this position are indexed
 
-    def extend(self, tokens: np.ndarray, stop: int) -> None:  # tokens: int64 [>= stop]
-        start, self.num_indexed = self.num_indexed, max(self.num_indexed, stop)
-        for n, ends in self.ends.items():
+    def extend(self, tokens: Sequence[int], stop: int) -> None:
+        start = self.num_indexed
+        if start >= stop:
+            return
+        self.num_indexed = stop
+        for n, ends in self.ends.items():  # the n-gram ending at e is tokens[e - n + 1 : e + 1]
             lo = max(start, n - 1)
-            if stop - lo >= _VECTORISE_FROM:
-                win = np.lib.stride_tricks.sliding_window_view(tokens[lo - n + 1 : stop], n)  # [stop-lo, n]
-                keys = np.ascontiguousarray(win).view(np.dtype((np.void, 8 * n))).ravel()
-                ends.update(zip(keys.tolist(), range(lo, stop)))
-            else:
+            if stop - lo >= _ZIP_FROM:  # many (a prompt): its n columns zipped, in C
+                cols = [tokens[lo - n + 1 + j : stop - n + 1 + j] for j in range(n)]
+                ends.update(zip(zip(*cols), range(lo, stop)))
+            else:  # the few a decode step adds
                 for e in range(lo, stop):
-                    ends[tokens[e - n + 1 : e + 1].tobytes()] = e
+                    ends[tuple(tokens[e - n + 1 : e + 1])] = e
 
-    def match(self, tokens: np.ndarray) -> int | None:  # tokens: int64, the sequence so far
+    def match(self, tokens: Sequence[int]) -> int | None:  # the sequence so far
         last = len(tokens) - 1
         if last < 1:
             return None
         self.extend(tokens, last)
+        ends = self.ends
         for n in range(min(self.max_n, last), self.min_n - 1, -1):
-            e = self.ends[n].get(tokens[last - n + 1 :].tobytes())
+            e = ends[n].get(tuple(tokens[last - n + 1 :]))
             if e is not None:
                 return e + 1
         return None
@@ -112,20 +116,19 @@ class NgramIndex:
 class _CachedTokens:
     owner: int  # id() of the Request whose tokens these are
     num_prompt: int
-    buf: np.ndarray  # [capacity] int64, first num_tokens valid
-    num_tokens: int
+    tokens: list[int]  # a copy of the request's prompt + output, extended by appends
     index: NgramIndex
-    match_at: int = -1  # num_tokens when match_start was found (peek), -1: none yet
+    match_at: int = -1  # len(tokens) when match_start was found (peek), -1: none yet
     match_start: int | None = None  # ngram_match over the first match_at tokens
 
 
 class NgramProposer(Proposer):
     """Prompt lookup over each request's prompt + output (``req.token_ids``).
 
-    Keeps a numpy copy of each request's tokens, extended by appends (tokens only grow while a
-    request runs), with its :class:`NgramIndex` (each step indexes only the new tokens and looks the
-    suffix up: no scan of the sequence). Both are rebuilt when the Request object, its prompt length,
-    a shorter total length or the last cached token disagree with the copy, and dropped in
+    Keeps a copy of each request's tokens, extended by appends (tokens only grow while a request
+    runs), with its :class:`NgramIndex` (each step indexes only the new tokens and looks the suffix
+    up: no scan of the sequence). Both are rebuilt when the Request object, its prompt length, a
+    shorter total length or the last cached token disagree with the copy, and dropped in
     :meth:`on_finish`. The match :meth:`peek` finds is kept with it, so :meth:`propose` on the same
     tokens (the same step) does not search again.
     """
@@ -137,34 +140,26 @@ class NgramProposer(Proposer):
         self.device = torch.device(device)
         self._cache: dict[str, _CachedTokens] = {}  # request_id -> its tokens
 
-    def _tokens(self, req: Request) -> np.ndarray:  # [num_tokens] int64
-        num_prompt, num = req.num_prompt_tokens, req.num_tokens
+    def _cached(self, req: Request) -> _CachedTokens:
+        """The request's cache entry, its tokens brought up to ``req.token_ids``."""
+        prompt, out = req.prompt_ids, req.output_ids
+        num_prompt = len(prompt)
         c = self._cache.get(req.request_id)
-        if (
-            c is not None
-            and c.owner == id(req)
-            and c.num_prompt == num_prompt
-            and 0 < c.num_tokens <= num
-            and c.buf[c.num_tokens - 1] == _token_at(req, c.num_tokens - 1)
-        ):
-            if c.num_tokens < num:
-                if num > c.buf.shape[0]:
-                    grown = np.empty(2 * num, dtype=np.int64)
-                    grown[: c.num_tokens] = c.buf[: c.num_tokens]
-                    c.buf = grown
-                c.buf[c.num_tokens : num] = req.output_ids[c.num_tokens - num_prompt :]
-                c.num_tokens = num
-            return c.buf[:num]
-        buf = np.empty(2 * max(num, 16), dtype=np.int64)
-        buf[:num] = req.token_ids
-        index = NgramIndex(self.cfg.min_n, self.cfg.max_n)
-        self._cache[req.request_id] = _CachedTokens(id(req), num_prompt, buf, num, index)
-        return buf[:num]
+        if c is not None and c.owner == id(req) and c.num_prompt == num_prompt:
+            toks = c.tokens
+            have = len(toks) - num_prompt  # output tokens copied so far
+            if 0 <= have <= len(out) and (have == 0 or toks[-1] == out[have - 1]):
+                if have < len(out):
+                    toks += out[have:]
+                return c
+        c = _CachedTokens(id(req), num_prompt, prompt + out, NgramIndex(self.cfg.min_n, self.cfg.max_n))
+        self._cache[req.request_id] = c
+        return c
 
-    def _match(self, req: Request) -> tuple[np.ndarray, int | None]:
+    def _match(self, req: Request) -> tuple[list[int], int | None]:
         """The request's tokens and :func:`ngram_match` over them (cached per token count)."""
-        tokens = self._tokens(req)
-        c = self._cache[req.request_id]
+        c = self._cached(req)
+        tokens = c.tokens
         if c.match_at != len(tokens):
             c.match_start, c.match_at = c.index.match(tokens), len(tokens)
         return tokens, c.match_start
@@ -187,13 +182,8 @@ class NgramProposer(Proposer):
         drafts = []
         for req, ki in zip(batch, k, strict=True):
             tokens, start = self._match(req) if ki > 0 else (None, None)
-            drafts.append([] if start is None else tokens[start : start + ki].tolist())
+            drafts.append([] if start is None else tokens[start : start + ki])
         return Proposals.from_lists(drafts)  # host tensors: scorers and verify read them there
 
     def on_finish(self, request: Request) -> None:
         self._cache.pop(request.request_id, None)
-
-
-def _token_at(req: Request, i: int) -> int:
-    n = req.num_prompt_tokens
-    return req.prompt_ids[i] if i < n else req.output_ids[i - n]
