@@ -27,6 +27,7 @@ from specsched.bench.common import random_prompts
 from specsched.bench.loopback import free_port
 from specsched.bench.prompts import PROMPTS
 from specsched.bench.serve_config import DaemonRun, ServeConfig
+from specsched.bench.serve_host import host_phase_rows
 from specsched.bench.serve_load import PassResult, run_pass, summarize
 from specsched.client.sync_client import Client
 
@@ -214,19 +215,19 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
     prompts = make_prompts(cfg)
     has_baseline = any(c.kind == "baseline" for c in cfg.configs)
     reference: dict | None = {} if has_baseline else None
-    configs, rows, extra = [], [], []
+    configs, rows, extra, host = [], [], [], []
     daemon_cpus, client_cpus = split_cpus(cfg.pin_cpus)
     own_cpus = os.sched_getaffinity(0) if client_cpus else None
     if client_cpus:
         logger.info("serve: daemons on cores %s, clients on %s", sorted(daemon_cpus), sorted(client_cpus))
         os.sched_setaffinity(0, client_cpus)
     try:
-        _run_all(cfg, prompts, out, log_dir, reference, configs, rows, extra, daemon_cpus)
+        _run_all(cfg, prompts, out, log_dir, reference, configs, rows, extra, daemon_cpus, host)
     finally:
         if own_cpus:
             os.sched_setaffinity(0, own_cpus)
     add_spread(rows)
-    result = {"configs": configs, "rows": rows, "warm_start": None,
+    result = {"configs": configs, "rows": rows, "warm_start": None, "host_phases": host,
               "cpus": {"daemon": sorted(daemon_cpus or []), "clients": sorted(client_cpus or [])},
               "settings": {k: v for k, v in OmegaConf.to_container(section, resolve=True).items()
                            if k != "configs"}}  # fmt: skip
@@ -237,7 +238,7 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
 
 
 def _run_all(cfg: ServeConfig, prompts, out: Path, log_dir, reference, configs: list, rows: list,
-             extra: list, daemon_cpus: set[int] | None) -> None:  # fmt: skip
+             extra: list, daemon_cpus: set[int] | None, host: list) -> None:  # fmt: skip
     from tqdm import tqdm
 
     with tqdm(total=len(cfg.configs) * cfg.passes, desc="serve configs x passes", unit="pass") as bar:
@@ -249,6 +250,8 @@ def _run_all(cfg: ServeConfig, prompts, out: Path, log_dir, reference, configs: 
                 extra = [f"{cfg.oracle_override}={write_oracle(out / 'oracle.json', prompts, reference)}"]
             configs.append(info)
             rows += r
+            if log_dir is not None:
+                host += host_phase_rows(log_dir / f"{safe_name(run.name)}.sqlite", run.name, cfg.concurrency)
             bar.n = (len(configs)) * cfg.passes  # a failed config skips its passes
             bar.refresh()
 

@@ -8,6 +8,7 @@ import statistics
 from collections import defaultdict
 
 from specsched.bench.markdown import fmt, table
+from specsched.bench.serve_host import host_note, host_table
 
 SPREAD_GOAL = 0.05  # the two passes of a row within 5%
 LEAD_GOAL = 0.03  # goodput >= the best fixed row - 3%
@@ -120,4 +121,5 @@ def serve_section(res: dict) -> str:
     return "\n".join([
         "### Serving benchmark (bench=serve)", "", note, "", configs_table(res), "",
         rows_table(res["rows"]), "", "Targets (issue 12):", "", targets_table(res), "",
+        *([host_note(), "", host_table(res["host_phases"]), ""] if res.get("host_phases") else []),
     ])  # fmt: skip

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 import specsched.bench.cli as cli
 from specsched.bench.serve import same_output_share
 from specsched.bench.serve_config import ServeConfig
+from specsched.bench.serve_host import PHASES
 from specsched.bench.serve_load import PassResult, RequestResult, summarize
 
 CONF_DIR = str(Path(cli.__file__).parent / "conf")
@@ -48,6 +49,7 @@ def test_serve_bench_tiny_hf_chat(tmp_path, tiny_hf_dir):
         f"bench.serve.source={tiny_hf_dir}",
         "bench.serve.prompts=chat",
         "bench.serve.prompt_indices=[2,4,6,7]",  # the short prompts: the tiny model's context is 256
+        f"bench.serve.log_dir={tmp_path / 'dblogs'}",
     )
     res = cli.run_bench(cfg, "test")
     assert res["errors"] == {}
@@ -75,8 +77,16 @@ def test_serve_bench_tiny_hf_chat(tmp_path, tiny_hf_dir):
         assert (r["spread"] is None) == (r["pass"] == 1)
     ngram = [r for r in rows if r["config"] == "ngram k=2 MQA"]
     assert all(r["tokens_per_step"] >= 1 for r in ngram)
+    # host ms per phase from each daemon's decision log: both working configs, at N = 1 at least
+    host = {(h["config"], h["concurrency"]): h for h in serve["host_phases"]}
+    assert {c for c, _ in host} == set(info) and all((c, 1) in host for c in info)
+    for h in host.values():
+        assert h["num_steps"] > 0 and 0 < h["gpu_idle_ms"] <= h["total_ms"]
+        assert 0 < sum(h[p] for p in PHASES) <= 1.5 * h["total_ms"]  # medians of parts: about the whole
+    assert host[("ngram k=2 MQA", 1)]["view"] > 0
     text = (tmp_path / "tables.md").read_text()
     assert "### Serving benchmark (bench=serve)" in text and "exited with status" in text
+    assert "Host ms per decode step by phase" in text
     assert json.loads((tmp_path / "results.json").read_text())["serve"]["rows"] == json.loads(
         json.dumps(rows)
     )

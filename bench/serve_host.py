@@ -1,0 +1,72 @@
+"""Host time per step phase of ``bench=serve``'s daemons, read from their decision logs (issue 17:
+the host side of a step <= 0.2 ms at batch 1 and <= 0.6 ms at batch 64).
+
+For each config and concurrency N: the decode steps of batch size N (both passes), and per phase the
+median of ``steps.host_ms`` (schema 3; engine/step_timer.py), with the step's median wall ms and its
+GPU-idle ms = wall - (propose + score + verify) device ms: the host time the GPU waits for (on CUDA
+the phase columns of ``steps`` are CUDA-event times; the host phases ``score``/``overlap`` run while
+the GPU works, ``verify`` includes the wait for it).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from specsched.bench.markdown import fmt, table
+from specsched.engine.log_schema import LogFormatError, open_log
+
+PHASES = ("schedule", "view", "decide", "reserve", "propose", "score", "overlap", "verify", "commit",
+          "record", "stats", "other")  # fmt: skip
+HOST_GOAL_MS = {1: 0.2, 64: 0.6}  # issue 17: the GPU-idle host time per step at these batch sizes
+
+
+def host_phase_rows(log_path: str | Path, config: str, concurrency: list[int]) -> list[dict]:
+    """One row per N with decode steps of batch size N in the log's last run: medians in ms."""
+    try:
+        db = open_log(log_path)
+    except LogFormatError:
+        return []
+    if "host_ms" not in db["steps"].columns_dict:
+        return []
+    run = db.execute("select max(id) from runs").fetchone()[0]
+    out = []
+    for n in concurrency:
+        steps = list(db.query(
+            "select host_ms, total_ms, propose_ms, score_ms, verify_ms from steps where run_id = ? "
+            "and kind = 'decode' and batch_size = ? and host_ms is not null", [run, n],
+        ))  # fmt: skip
+        if not steps:
+            continue
+        host = [json.loads(s["host_ms"]) for s in steps]
+        row = {"config": config, "concurrency": n, "num_steps": len(steps),
+               "total_ms": statistics.median(s["total_ms"] for s in steps),
+               "gpu_idle_ms": statistics.median(
+                   s["total_ms"] - (s["propose_ms"] or 0) - (s["score_ms"] or 0) - (s["verify_ms"] or 0)
+                   for s in steps)}  # fmt: skip
+        for p in PHASES:
+            row[p] = statistics.median(h.get(p, 0.0) for h in host)
+        out.append(row)
+    return out
+
+
+def host_table(rows: list[dict]) -> str:
+    header = ["config", "N", "steps", "step ms", "GPU-idle ms (goal)", *PHASES]
+    out = []
+    for r in rows:
+        goal = HOST_GOAL_MS.get(r["concurrency"])
+        idle = fmt(r["gpu_idle_ms"], 3) + (f" (≤ {goal})" if goal else "")
+        out.append([r["config"], str(r["concurrency"]), str(r["num_steps"]), fmt(r["total_ms"], 3), idle,
+                    *(fmt(r[p], 3) for p in PHASES)])  # fmt: skip
+    return table(header, out)
+
+
+def host_note() -> str:
+    return (
+        "Host ms per decode step by phase (medians over the steps of batch size N, both passes; "
+        "`steps.host_ms` of the decision logs): view = proposer peek + acceptance estimates; decide = "
+        "the critical path's (≈0 when decided ahead); score = input build + launch; overlap = cost-model "
+        "update + next step's decide while the GPU scores; verify includes the wait for the GPU. "
+        "GPU-idle = step wall − (propose + score + verify) device ms."
+    )
