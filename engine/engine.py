@@ -54,6 +54,7 @@ class Engine:
         self.is_plan_ahead = mode == "on" or (mode == "auto" and self.timer.is_events)  # see _decode
         self._ahead: tuple[list[str], Plan] | None = None  # (request ids, plan) decided a step early
         self._unobserved: list[StepRecord] = []
+        self._last_end: float | None = None  # perf_counter at the end of the last step, while busy
         self.num_steps = 0
 
     @classmethod
@@ -105,10 +106,13 @@ class Engine:
         if batch is None or batch.is_prefill:
             self.flush_observations()
         if batch is None:
+            self._last_end = None
             return []
         timer = self.timer
         timer.start_step(t0)
         timer.mark("schedule")
+        if self._last_end is not None:  # the caller's time since the last step (the daemon's loop)
+            timer.host_ms["between"] = (t0 - self._last_end) * 1e3
         if batch.is_prefill:
             outputs, rec = self._prefill(batch)
         else:
@@ -125,6 +129,7 @@ class Engine:
         self.num_steps += 1
         if self.on_step is not None:
             self.on_step(rec)
+        self._last_end = time.perf_counter() if self.requests else None  # idle next: no gap to time
         return outputs
 
     def flush_observations(self) -> None:

@@ -92,6 +92,8 @@ def test_cpu_records_one_per_step_with_consistent_phase_times():
     decode_phases = {"schedule", "view", "decide", "reserve", "propose", "score", "overlap", "verify",
                      "commit", "record", "stats"}  # fmt: skip
     for r in records:
+        between = r.host_ms.pop("between", None)  # the caller's time before the step: not in it
+        assert (between is None) == (r.step == 0) and (between is None or between >= 0)
         phases = set(r.host_ms) - {"other"}
         assert phases == (decode_phases if r.kind == "decode" else {"schedule", "score", "verify", "stats"})
         # the host phases partition the step: they add up to its wall time (total_ms is taken last)
