@@ -19,7 +19,7 @@ from specsched.bench.markdown import fmt, table
 from specsched.engine.log_schema import LogFormatError, open_log
 
 PHASES = ("between", "schedule", "view", "decide", "reserve", "propose", "score", "overlap", "verify",
-          "commit", "record", "stats", "other")  # fmt: skip
+          "commit", "record", "observe", "stats", "other")  # fmt: skip
 HOST_GOAL_MS = {1: 0.2, 64: 0.6}  # issue 17: the GPU-idle host time per step at these batch sizes
 
 

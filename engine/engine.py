@@ -122,6 +122,7 @@ class Engine:
             self._unobserved.append(rec)
             if not self.is_overlapped_observe:
                 self.flush_observations()
+                timer.mark("observe")  # the cost models' update, here when not overlapped (CPU)
         self.stats.observe(rec)
         timer.mark("stats")
         rec.host_ms = dict(timer.host_ms)

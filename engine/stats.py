@@ -32,12 +32,14 @@ class EngineStats:
     scorer_step_ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # whole steps
     started: float = field(default_factory=time.monotonic)
     _recent: deque = field(default_factory=deque)  # (time.monotonic(), tokens) of the steps in the window
+    _recent_tokens: int = 0  # the sum of _recent's tokens (kept as steps enter and leave the window)
 
     def observe(self, rec: StepRecord) -> None:
         self.num_steps += 1
         self.num_tokens_out += rec.num_emitted
         now = time.monotonic()
         self._recent.append((now, rec.num_emitted))
+        self._recent_tokens += rec.num_emitted
         self._forget_before(now - self.window_s)
         if rec.kind == "prefill":
             self.num_prefill_steps += 1
@@ -56,7 +58,7 @@ class EngineStats:
         if len(self._recent) < 2:
             return 0.0
         span = max(self._recent[-1][0] - self._recent[0][0], 1e-3)
-        return sum(n for _, n in self._recent) / span
+        return self._recent_tokens / span
 
     def recent_tokens_per_s(self) -> float:
         """Tokens emitted in the last ``window_s`` seconds up to now / the window (shorter right after
@@ -64,7 +66,7 @@ class EngineStats:
         now = time.monotonic()
         self._forget_before(now - self.window_s)
         span = min(self.window_s, max(now - self.started, 1e-3))
-        return sum(n for _, n in self._recent) / span
+        return self._recent_tokens / span
 
     def to_dict(self) -> dict:
         return {
@@ -82,8 +84,9 @@ class EngineStats:
         }
 
     def _forget_before(self, t: float) -> None:
-        while self._recent and self._recent[0][0] < t:
-            self._recent.popleft()
+        recent = self._recent
+        while recent and recent[0][0] < t:
+            self._recent_tokens -= recent.popleft()[1]
 
 
 def rss_bytes() -> int:

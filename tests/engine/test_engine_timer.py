@@ -90,7 +90,7 @@ def test_cpu_records_one_per_step_with_consistent_phase_times():
     check_records(records, walls)
     assert not engine.timer.is_events
     decode_phases = {"schedule", "view", "decide", "reserve", "propose", "score", "overlap", "verify",
-                     "commit", "record", "stats"}  # fmt: skip
+                     "commit", "record", "observe", "stats"}  # fmt: skip
     for r in records:
         between = r.host_ms.pop("between", None)  # the caller's time before the step: not in it
         assert (between is None) == (r.step == 0) and (between is None or between >= 0)
