@@ -25,7 +25,7 @@ class FrozenHeap:
     @property
     def description(self) -> str:
         return (
-            f"{self.num_frozen} start-up objects frozen out of the collector's passes in {self.seconds:.2f} s"
+            f"{self.num_frozen} start-up objects frozen out of the GC's passes in {self.seconds:.2f} s"
         )
 
 
