@@ -16,6 +16,7 @@ and the sockets, return.
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import signal
@@ -30,6 +31,7 @@ from specsched.daemon.io_thread import IOThread
 from specsched.daemon.limits import DaemonConfig
 from specsched.daemon.protocol import HealthReply, Message, StatsReply
 from specsched.daemon.serving import Serving
+from specsched.engine.heap import FrozenHeap, freeze_heap
 from specsched.kernels.compile_watch import compile_watch
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class Server:
         self.started_at = time.monotonic()
         self._inbox: queue.Queue = queue.Queue()  # IO -> engine thread: serving commands
         self._outbox: queue.Queue = queue.Queue()  # engine -> IO thread: (client, message)
+        self._frozen: FrozenHeap | None = None  # set once listening
         self._serving = Serving(engine, self.cfg, self._queue_send, self._wake, log)
         self._is_shutting_down = False
         self._engine_done = threading.Event()
@@ -101,6 +104,8 @@ class Server:
         if cfg.heartbeat_ivl_ms:
             self._router.setsockopt(zmq.HEARTBEAT_IVL, cfg.heartbeat_ivl_ms)
             self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, cfg.heartbeat_timeout_ms)
+        self._frozen = freeze_heap()  # full GC passes skip the start-up heap (engine/heap.py); close thaws
+        logger.info("%s", self._frozen.description)
         watch = compile_watch()
         watch.mark_ready()  # start-up is over: a Triton variant built from now on is a serving stall
         logger.info("%d Triton kernel variants built before listening", watch.num_built)
@@ -141,6 +146,9 @@ class Server:
 
     def close(self) -> None:
         """Close the log and the sockets (after :meth:`join`; idempotent)."""
+        if self._frozen is not None:
+            gc.unfreeze()  # collectable again (matters where servers start and stop in one process)
+            self._frozen = None
         if self.log is not None:
             try:
                 self.log.end_run(compile_watch().num_after_ready)
