@@ -88,17 +88,54 @@ def pool_strength(counts: list[tuple[float, float]]) -> float | None:
     p̄(1 − p̄) / (α + β + 1) = τ² gives α + β = p̄(1 − p̄) / τ² − 1; τ² <= 0 (the requests differ no
     more than chance) gives +inf. Requests with no trials are skipped; None for fewer than two.
     """
-    seen = [(s, s + f) for s, f in counts if s + f > 0]
-    if len(seen) < 2:
-        return None
-    total = sum(n for _, n in seen)
-    p = sum(s for s, _ in seen) / total
-    spread = sum(s * s / n for s, n in seen) - p * p * total  # Σ n_i (p_i − p̄)²
-    denom = total - sum(n * n for _, n in seen) / total
-    if denom <= 0 or p <= 0.0 or p >= 1.0:
-        return None
-    tau2 = (spread - p * (1.0 - p) * (len(seen) - 1)) / denom
-    return math.inf if tau2 <= 0 else max(p * (1.0 - p) / tau2 - 1.0, 0.0)
+    sums = PoolSums()
+    for s, f in counts:
+        sums.add(s, f, 1.0)
+    return sums.strength()
+
+
+class PoolSums:
+    """The sums :func:`pool_strength` needs over a pool of (successes, failures) counts — R (requests
+    with trials), Σ n_i, Σ s_i, Σ s_i² / n_i, Σ n_i² — kept as counts come and go, so the strength
+    of a pool whose requests all moved is O(1) instead of a pass over the pool."""
+
+    __slots__ = ("num", "total", "succ", "sq", "nsq", "num_updates")
+
+    def __init__(self) -> None:
+        self.num = 0
+        self.total = self.succ = self.sq = self.nsq = 0.0
+        self.num_updates = 0  # adds and removes since the sums were last summed from scratch
+
+    def add(self, s: float, f: float, sign: float) -> None:
+        """Add (``sign`` 1) or remove (-1) one request's counts; no trials: nothing."""
+        n = s + f
+        if n > 0:
+            self.num += 1 if sign > 0 else -1
+            self.total += sign * n
+            self.succ += sign * s
+            self.sq += sign * (s * s / n)
+            self.nsq += sign * (n * n)
+            self.num_updates += 1
+            if self.num == 0:  # an empty pool: exact zeros, not the rounding of what came and went
+                self.total = self.succ = self.sq = self.nsq = 0.0
+
+    def strength(self) -> float | None:
+        """:func:`pool_strength` of the counts summed here."""
+        if self.num < 2:
+            return None
+        total = self.total
+        p = self.succ / total
+        spread = self.sq - p * p * total  # Σ n_i (p_i − p̄)²
+        denom = total - self.nsq / total
+        if denom <= 0 or p <= 0.0 or p >= 1.0:
+            return None
+        tau2 = (spread - p * (1.0 - p) * (self.num - 1)) / denom
+        return math.inf if tau2 <= 0 else max(p * (1.0 - p) / tau2 - 1.0, 0.0)
+
+
+# adds and removes after which a pool's sums are summed again from its counts (bounds the rounding
+# that removing counts from running float sums leaves behind)
+_RESUM_UPDATES = 1 << 13
 
 
 class AcceptanceEstimator:
@@ -117,6 +154,10 @@ class AcceptanceEstimator:
     a request's own counts add to it, so they dominate as they grow (Efron & Morris 1975, "Data
     analysis using Stein's estimator and its generalizations", JASA 70: shrinkage by the ratio of
     within- to between-request variance).
+
+    Cost (the engine looks up every running request's posterior every step): the pool's sums are
+    kept as counts change (:class:`PoolSums`), and each proposer's prior terms are computed once
+    after a change, so a lookup is a few float operations.
     """
 
     def __init__(self, config: AcceptanceConfig | None = None) -> None:
@@ -125,33 +166,50 @@ class AcceptanceEstimator:
         self._aggregate: dict[str, list[float]] = {}  # proposer -> [successes, failures] (decayed)
         self._proposer_of: dict[str, str] = {}  # request_id -> the proposer it was observed under
         self._finished: dict[str, deque] = {}  # proposer -> (successes, failures) of finished requests
-        self._strength: dict[str, float] = {}  # proposer -> prior strength (cached until it changes)
+        self._pools: dict[str, PoolSums] = {}  # proposer -> sums over its finished and running counts
+        # proposer -> (alpha0, beta0, aggregate successes, failures, strength cap), until it changes
+        self._priors: dict[str, tuple[float, float, float, float, float]] = {}
 
     def _base_prior(self, proposer: str) -> tuple[float, float]:
         return self.config.priors.get(proposer, self.config.default_prior)
 
+    def _pool(self, proposer: str) -> PoolSums:
+        pool = self._pools.get(proposer)
+        if pool is None:
+            pool = self._pools[proposer] = PoolSums()
+        return pool
+
     def prior_strength(self, proposer: str) -> float:
         """Pseudo-observations the pool of ``proposer`` lends a request's prior (see class)."""
-        found = self._strength.get(proposer)
+        cfg = self.config
+        pool = self._pools.get(proposer)
+        if pool is not None and pool.num_updates >= _RESUM_UPDATES:  # sum afresh, as pool_strength
+            pool = self._pools[proposer] = PoolSums()
+            for s, f in self._finished.get(proposer, ()):
+                pool.add(s, f, 1.0)
+            for r, c in self._requests.items():
+                if self._proposer_of[r] == proposer:
+                    pool.add(c[0], c[1], 1.0)
+            pool.num_updates = 0
+        fitted = pool.strength() if pool is not None and pool.num >= cfg.min_pool_requests else None
+        return cfg.prior_strength if fitted is None else min(fitted, cfg.max_prior_strength)
+
+    def _prior_terms(self, proposer: str) -> tuple[float, float, float, float, float]:
+        found = self._priors.get(proposer)
         if found is None:
-            cfg = self.config
-            counts = list(self._finished.get(proposer, ()))
-            counts += [tuple(c) for r, c in self._requests.items() if self._proposer_of[r] == proposer]
-            num = sum(1 for s, f in counts if s + f > 0)
-            fitted = pool_strength(counts) if num >= cfg.min_pool_requests else None
-            found = cfg.prior_strength if fitted is None else min(fitted, cfg.max_prior_strength)
-            self._strength[proposer] = found
+            alpha0, beta0 = self._base_prior(proposer)
+            s, f = self._aggregate.get(proposer, (0.0, 0.0))
+            cap = max(self.prior_strength(proposer), alpha0 + beta0)
+            found = self._priors[proposer] = (alpha0, beta0, s, f, cap)
         return found
 
     def prior(self, proposer: str, own: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
         """The Beta prior of a request of ``proposer`` whose own counts ``own`` are left out of the
         aggregate (a new request: none)."""
-        alpha0, beta0 = self._base_prior(proposer)
-        s, f = self._aggregate.get(proposer, (0.0, 0.0))
+        alpha0, beta0, s, f, cap = self._prior_terms(proposer)
         s, f = max(s - own[0], 0.0), max(f - own[1], 0.0)
         alpha, beta = alpha0 + s, beta0 + f
         strength = alpha + beta
-        cap = max(self.prior_strength(proposer), alpha0 + beta0)
         if strength > cap:
             alpha, beta = alpha * cap / strength, beta * cap / strength
         return alpha, beta
@@ -165,15 +223,38 @@ class AcceptanceEstimator:
         if k == 0:
             return
         failures = 1.0 if num_accepted < k else 0.0
-        own = self._requests.setdefault(request_id, [0.0, 0.0])
-        self._proposer_of[request_id] = proposer
-        self._strength.pop(proposer, None)
-        decay = self.config.request_decay
-        own[0] = own[0] * decay + num_accepted
-        own[1] = own[1] * decay + failures
-        agg = self._aggregate.setdefault(proposer, [0.0, 0.0])
-        agg[0] = agg[0] * self.config.aggregate_decay + num_accepted
-        agg[1] = agg[1] * self.config.aggregate_decay + failures
+        cfg = self.config
+        own = self._requests.get(request_id)
+        if own is None:
+            own = self._requests[request_id] = [num_accepted + 0.0, failures]
+            self._proposer_of[request_id] = proposer
+            self._pool(proposer).add(own[0], failures, 1.0)
+        else:
+            s0, f0 = own
+            decay = cfg.request_decay
+            s1, f1 = s0 * decay + num_accepted, f0 * decay + failures
+            own[0], own[1] = s1, f1
+            before = self._proposer_of[request_id]
+            if before == proposer:  # the pool's sums move by the difference (n0, n1 >= 1)
+                pool = self._pools[proposer]
+                n0, n1 = s0 + f0, s1 + f1
+                pool.total += n1 - n0
+                pool.succ += s1 - s0
+                pool.sq += s1 * s1 / n1 - s0 * s0 / n0
+                pool.nsq += n1 * n1 - n0 * n0
+                pool.num_updates += 1
+            else:  # its counts move to the other proposer's pool
+                self._pool(before).add(s0, f0, -1.0)
+                self._pool(proposer).add(s1, f1, 1.0)
+                self._proposer_of[request_id] = proposer
+                self._priors.pop(before, None)
+        self._priors.pop(proposer, None)
+        agg = self._aggregate.get(proposer)
+        if agg is None:
+            agg = self._aggregate[proposer] = [0.0, 0.0]
+        decay = cfg.aggregate_decay
+        agg[0] = agg[0] * decay + num_accepted
+        agg[1] = agg[1] * decay + failures
 
     def posterior(self, request_id: str, proposer: str) -> tuple[float, float]:
         """(alpha, beta) of the request's posterior (its proposer's prior when never observed)."""
@@ -191,9 +272,26 @@ class AcceptanceEstimator:
         return beta_std(*self.posterior(request_id, proposer))
 
     def mean_std(self, request_id: str, proposer: str) -> tuple[float, float]:
-        """(:meth:`mean`, :meth:`std`) from one posterior lookup."""
-        alpha, beta = self.posterior(request_id, proposer)
-        return alpha / (alpha + beta), beta_std(alpha, beta)
+        """(:meth:`mean`, :meth:`std`) from one posterior lookup (:meth:`posterior` and
+        :func:`beta_std`, inlined: the engine calls this for every running request every step)."""
+        terms = self._priors.get(proposer)
+        alpha0, beta0, s, f, cap = terms if terms is not None else self._prior_terms(proposer)
+        own = self._requests.get(request_id)
+        if own is None:
+            alpha, beta = alpha0 + s, beta0 + f  # s, f >= 0: the aggregate with nothing left out
+            strength = alpha + beta
+            if strength > cap:
+                alpha, beta = alpha * cap / strength, beta * cap / strength
+        else:
+            own_s, own_f = own
+            s, f = s - own_s, f - own_f
+            alpha, beta = alpha0 + (s if s > 0.0 else 0.0), beta0 + (f if f > 0.0 else 0.0)
+            strength = alpha + beta
+            if strength > cap:
+                alpha, beta = alpha * cap / strength, beta * cap / strength
+            alpha, beta = alpha + own_s, beta + own_f
+        n = alpha + beta
+        return alpha / n, _sqrt(alpha * beta / (n * n * (n + 1.0)))
 
     def aggregate_mean(self, proposer: str) -> float:
         """Mean acceptance of the prior a new request of ``proposer`` would get now."""
@@ -207,10 +305,17 @@ class AcceptanceEstimator:
         if own is None:
             return
         proposer = self._proposer_of.pop(request_id)
-        finished = self._finished.setdefault(proposer, deque(maxlen=self.config.pool_requests))
-        finished.append((own[0], own[1]))
-        self._strength.pop(proposer, None)
+        finished = self._finished.get(proposer)
+        if finished is None:
+            finished = self._finished[proposer] = deque(maxlen=self.config.pool_requests)
+        if len(finished) == finished.maxlen:  # the oldest finished request leaves the pool
+            self._pool(proposer).add(*finished[0], -1.0)
+        finished.append((own[0], own[1]))  # its counts stay in the pool, now as a finished request
+        self._priors.pop(proposer, None)
 
     @property
     def num_requests(self) -> int:
         return len(self._requests)
+
+
+_sqrt = math.sqrt
