@@ -2,19 +2,23 @@
 
 One :class:`~specsched.policies.rls.OnlineLinearModel` (recursive least squares with forgetting)
 per component: ``("score", scorer)``, ``("propose", proposer)``, ``("verify",)``, ``("overhead",)``,
-over the features of :mod:`specsched.policies.shapes`, seeded from per-device priors and saved to
-(loaded from) the decision log's ``cost_models`` table.
+over the features of :mod:`specsched.policies.shapes`, seeded from per-device priors
+(:mod:`specsched.policies.cost_priors`) and saved to (loaded from) the decision log's
+``cost_models`` table (:mod:`specsched.policies.cost_store`).
 """
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import mul as _mul
 
 import numpy as np
 
 from specsched.engine.records import StepRecord
+from specsched.policies.cost_priors import FLOOR, PRIORS, seed_coefficients
+from specsched.policies.cost_store import load_models, save_models
 from specsched.policies.rls import OnlineLinearModel
 from specsched.policies.running_error import RunningError
 from specsched.policies.shapes import (
@@ -28,63 +32,7 @@ from specsched.policies.shapes import (
     verify_features,
 )
 
-__all__ = ["CostModels", "CostSlopes", "StepCost"]
-
-_FLOOR = {  # smallest prior std scale per feature (ms per unit) so unseeded features still learn
-    "score": [1.0, 0.01, 0.01, 0.01, 0.01, 1.0],
-    "propose": [0.1, 0.1, 0.01, 0.01],
-    "verify": [0.1, 0.001],
-    "overhead": [0.1, 0.01],
-}
-# Seed coefficients ("*" = any other name). cpu: the tiny / 135M models in float32 on a few cores;
-# cuda: llama2-7b on an H200, least squares over the 2026-12-02 scorer table of docs/benchmarks.md
-# (graph scorers 8.2 ms + 0.036 ms per batch-expansion row + 0.066 ms per row per 1k context, or +
-# 0.023 ms per MQA token + 0.07 ms per 1k context; eager MQA ~24 ms), the llama-68m draft at ~0.9 ms
-# per forward with its host work (the bench's synthetic proposer runs it too), host overhead 0.8 ms
-# + 0.15 ms per request (its non-speculative end-to-end rows).
-PRIORS: dict[str, dict] = {
-    "cpu": {
-        "score": {
-            "batch_expansion": [2.0, 0.05, 0.2, 0.01, 0.02, 0.0],
-            "mqa": [2.0, 0.05, 0.2, 0.01, 0.01, 0.0],
-            "*": [2.0, 0.05, 0.2, 0.01, 0.02, 0.0],
-        },
-        "propose": {
-            "draft": [0.2, 0.6, 0.05, 0.0],
-            "ngram": [0.05, 0.0, 0.0, 0.002],
-            "*": [0.05, 0.0, 0.0, 0.01],
-        },
-        "verify": [0.05, 0.005],
-        "overhead": [0.3, 0.02],
-    },
-    "cuda": {
-        "score": {
-            "batch_expansion": [8.2, 0.036, 0.0, 0.0, 0.066, 15.0],
-            "mqa": [24.0, 0.0, 0.02, 0.07, 0.0, 0.0],
-            "mqa_graph": [8.2, 0.0, 0.023, 0.07, 0.0, 15.0],
-            "*": [15.0, 0.0, 0.02, 0.1, 0.05, 0.0],
-        },
-        "propose": {
-            "draft": [0.3, 0.9, 0.005, 0.01],
-            "synthetic": [0.3, 0.9, 0.005, 0.01],
-            "ngram": [0.05, 0.0, 0.0, 0.001],
-            "*": [0.05, 0.0, 0.0, 0.001],
-        },
-        "verify": [0.1, 0.002],
-        "overhead": [0.8, 0.15],
-    },
-}
-TABLE = "cost_models"
-_COLUMNS = (
-    "run_id",
-    "component",
-    "key",
-    "features",
-    "coefficients",
-    "covariance",
-    "prior_var",
-    "num_updates",
-)
+__all__ = ["PRIORS", "CostModels", "CostSlopes", "StepCost"]
 
 
 @dataclass
@@ -153,14 +101,7 @@ class CostModels:
         self.errors.clear()
 
     def _prior(self, key: tuple[str, ...]) -> list[float]:
-        table = PRIORS[self.device][key[0]]
-        if not isinstance(table, dict):
-            return list(table)
-        if key[0] == "score":
-            return list(table.get(key[1], table["*"]))
-        # a mixed batch's proposer label joins its proposers with "+": their costs add up
-        parts = [table.get(name, table["*"]) for name in key[1].split("+") if name != "none"]
-        return [sum(c) for c in zip(*parts, strict=True)] if parts else [0.0] * len(FEATURES["propose"])
+        return seed_coefficients(self.device, key)
 
     def model(self, *key: str) -> OnlineLinearModel:
         """The model of ``key`` (e.g. ``model("score", "mqa")``), made from the seeds on first use."""
@@ -171,7 +112,7 @@ class CostModels:
                     f"bad cost-model key {key}; use (score, name), (propose, name), (verify,), (overhead,)"
                 )
             coef = self._prior(key)
-            scale = np.maximum(np.abs(coef), _FLOOR[key[0]]) * self.prior_rel_std
+            scale = np.maximum(np.abs(coef), FLOOR[key[0]]) * self.prior_rel_std
             found = OnlineLinearModel(len(coef), self.forgetting, prior_var=scale**2, coef=coef)
             self.models[key] = found
         return found
@@ -224,41 +165,56 @@ class CostModels:
     # ---- learning ----
     def observe(self, record: StepRecord) -> bool:
         """Update from a decode step's measured times; returns False for records it skips (prefill,
-        empty). Overhead = ``total_ms`` minus propose + score + verify (skipped when total is 0)."""
-        if record.kind != "decode" or not record.requests:
+        empty). Overhead = ``total_ms`` minus propose + score + verify (skipped when total is 0).
+
+        First the step's ms as predicted before the models learn from it is compared with the
+        measured (the prequential error, :meth:`prediction_error`), then each model learns its
+        component; the features are computed once for both."""
+        reqs = record.requests
+        if record.kind != "decode" or not reqs:
             return False
         if not record.scorer:
             raise ValueError(f"decode step record {record.step} has no scorer")
-        times = {n: getattr(record, n) for n in ("propose_ms", "score_ms", "verify_ms", "total_ms")}
-        bad = {n: t for n, t in times.items() if not np.isfinite(t) or t < 0}
-        if bad:
+        propose_ms, score_ms, verify_ms, total_ms = (
+            record.propose_ms, record.score_ms, record.verify_ms, record.total_ms,
+        )  # fmt: skip
+        if not all(math.isfinite(t) and t >= 0 for t in (propose_ms, score_ms, verify_ms, total_ms)):
+            times = {n: getattr(record, n) for n in ("propose_ms", "score_ms", "verify_ms", "total_ms")}
+            bad = {n: t for n, t in times.items() if not np.isfinite(t) or t < 0}
             raise ValueError(f"step record {record.step} has invalid timings {bad}")
-        shape = StepShape([r.k for r in record.requests], [r.context_len + 1 for r in record.requests])
-        s = shape.stats()
-        self._track_error(record, s)
-        if s.max_k > 0:
-            self.model("propose", record.proposer or "none").update(propose_features(s), record.propose_ms)
-        else:
-            self.num_decodes[record.scorer] = self.num_decodes.get(record.scorer, 0) + 1
-        self.model("score", record.scorer).update(self.score_features(record.scorer, s), record.score_ms)
-        self.model("verify").update(verify_features(s), record.verify_ms)
-        if record.total_ms > 0:
-            overhead = max(0.0, record.total_ms - record.propose_ms - record.score_ms - record.verify_ms)
-            self.model("overhead").update(overhead_features(s), overhead)
-        return True
+        s = _record_stats(record)
+        scorer, proposer = record.scorer, record.proposer or "none"
+        is_spec = s.max_k > 0
+        x_score, x_verify = self.score_features(scorer, s), verify_features(s)
+        m_score, m_verify = self.model("score", scorer), self.model("verify")
+        m_propose = self.model("propose", proposer) if is_spec else None
+        m_overhead = self.model("overhead") if total_ms > 0 else None
+        x_propose = propose_features(s) if is_spec else None
+        x_overhead = overhead_features(s)
 
-    def _track_error(self, record: StepRecord, s: ShapeStats) -> None:
-        """Prequential: the step's ms as predicted before the models learn from it, against measured."""
-        predicted = self.model("score", record.scorer).predict(self.score_features(record.scorer, s))
-        predicted += self.model("verify").predict(verify_features(s))
-        if s.max_k > 0:
-            predicted += self.model("propose", record.proposer or "none").predict(propose_features(s))
-        measured = record.total_ms
-        if measured > 0:
-            predicted += self.model("overhead").predict(overhead_features(s))
+        # prequential: the step's ms as predicted before the models learn from it, against measured
+        predicted = m_score.predict(x_score) + m_verify.predict(x_verify)
+        if m_propose is not None:
+            predicted += m_propose.predict(x_propose)
+        if m_overhead is not None:
+            predicted += m_overhead.predict(x_overhead)
+            measured = total_ms
         else:  # no total measured: the three phases
-            measured = record.propose_ms + record.score_ms + record.verify_ms
-        self.errors.setdefault(record.scorer, RunningError()).update(predicted, measured)
+            measured = propose_ms + score_ms + verify_ms
+        error = self.errors.get(scorer)
+        if error is None:
+            error = self.errors[scorer] = RunningError()
+        error.update(predicted, measured)
+
+        if m_propose is not None:
+            m_propose.update(x_propose, propose_ms)
+        else:
+            self.num_decodes[scorer] = self.num_decodes.get(scorer, 0) + 1
+        m_score.update(x_score, score_ms)
+        m_verify.update(x_verify, verify_ms)
+        if m_overhead is not None:
+            m_overhead.update(x_overhead, max(0.0, total_ms - propose_ms - score_ms - verify_ms))
+        return True
 
     def prediction_error(self, scorer: str, signed: bool = False) -> float | None:
         """Running relative error of ``scorer``'s predicted step ms over its last ~16 steps (each
@@ -294,79 +250,33 @@ class CostModels:
     def save(self, db, run_id: int) -> None:
         """Write every model to ``db``'s ``cost_models`` table under ``run_id`` (replacing it)."""
         self.model("verify"), self.model("overhead")  # so a fresh set still records device and buckets
-        buckets = json.dumps({n: b.tolist() for n, b in self.graph_buckets.items()})
-        rows = []
-        for key, m in sorted(self.models.items()):
-            state = m.state_dict()
-            rows.append(
-                {
-                    "run_id": int(run_id),
-                    "component": key[0],
-                    "key": key[1] if len(key) > 1 else "",
-                    "features": json.dumps(FEATURES[key[0]]),
-                    "coefficients": json.dumps(state["coef"]),
-                    "covariance": json.dumps(state["cov"]),
-                    "prior_var": json.dumps(state["prior_var"]),
-                    "num_updates": state["num_updates"],
-                    "forgetting": state["forgetting"],
-                    "device": self.device,
-                    "graph_buckets": buckets,
-                }
-            )
-        table = _database(db)[TABLE]
-        if table.exists():
-            table.delete_where("run_id = ?", [int(run_id)])
-        table.insert_all(rows, pk=("run_id", "component", "key"))
+        buckets = {n: b.tolist() for n, b in self.graph_buckets.items()}
+        save_models(db, run_id, self.models, self.device, buckets)
 
     @classmethod
     def load(
         cls, db, run_id: int | None = None, graph_buckets: dict[str, list[int]] | None = None
     ) -> CostModels:
         """Models saved for ``run_id`` (None = the latest run saved); graph buckets as saved unless given."""
-        db = _database(db)
-        files = [row[2] for row in db.execute("PRAGMA database_list").fetchall() if row[1] == "main"]
-        where = f"in {files[0] if files and files[0] else 'the database'}"
-        if TABLE not in db.table_names():
-            raise ValueError(f"no {TABLE!r} table {where}: no cost models were saved there")
-        missing = [c for c in _COLUMNS if c not in db[TABLE].columns_dict]
-        if missing:
-            raise ValueError(f"malformed {TABLE!r} table {where}: missing columns {missing}")
-        if run_id is None:
-            run_id = next(iter(db.query(f"select max(run_id) as r from {TABLE}")))["r"]
-        rows = list(db[TABLE].rows_where("run_id = ?", [run_id]))
-        if not rows:
-            raise ValueError(f"no cost models saved for run_id {run_id} {where}")
-        try:
-            first = rows[0]
-            saved_buckets = json.loads(first.get("graph_buckets") or "{}")
-            out = cls(
-                graph_buckets if graph_buckets is not None else saved_buckets,
-                device=first.get("device") or "cpu",
-            )
-            for row in rows:
-                component = row["component"]
-                if component not in FEATURES:
-                    raise ValueError(f"unknown component {component!r}")
-                if json.loads(row["features"]) != FEATURES[component]:
-                    raise ValueError(
-                        f"{component} saved with features {row['features']}, expected {FEATURES[component]}"
-                    )
-                key = (component, row["key"]) if component in ("score", "propose") else (component,)
-                m = out.model(*key)
-                state = {
-                    "coef": json.loads(row["coefficients"]),
-                    "cov": json.loads(row["covariance"]),
-                    "prior_var": json.loads(row["prior_var"]),
-                    "num_updates": row["num_updates"],
-                    "forgetting": row.get("forgetting") or out.forgetting,
-                }
-                m.load_state_dict(state)
-        except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
-            raise ValueError(f"malformed {TABLE!r} row {where} (run_id {run_id}): {e}") from e
-        return out
+        return load_models(lambda buckets, device: cls(buckets, device=device), db, run_id, graph_buckets)
 
 
-def _database(db):
-    import sqlite_utils
-
-    return db if isinstance(db, sqlite_utils.Database) else sqlite_utils.Database(db)
+def _record_stats(record: StepRecord) -> ShapeStats:
+    """:meth:`StepShape.stats` of a decode record's step (context as the policy sees it: the KV-cached
+    tokens + the input token), in one pass of C-level sums over its requests."""
+    ks = [r.k for r in record.requests]
+    ctx = [r.context_len for r in record.requests]  # [B] KV-cached tokens: + 1 each below
+    b, num_draft = len(ks), sum(ks)
+    if min(ks) < 0 or min(ctx) < -1:
+        raise ValueError("StepShape k and context_lens must be >= 0")
+    num_context = sum(ctx) + b
+    return ShapeStats(
+        batch_size=b,
+        num_tokens=num_draft + b,
+        max_k=max(ks),
+        num_spec_requests=b - ks.count(0),
+        num_draft_tokens=num_draft,
+        num_context_tokens=num_context,
+        # Σ (k_i + 1)(c_i + 1) = Σ k_i c_i + Σ k_i + Σ (c_i + 1): integers, exact
+        num_weighted_context_tokens=sum(map(_mul, ks, ctx)) + num_draft + num_context,
+    )

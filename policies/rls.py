@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from operator import mul
 
 import numpy as np
 
@@ -43,9 +44,14 @@ class OnlineLinearModel:
         self.cov = np.diag(self.prior_var)  # [F, F]
         self.num_updates = 0
 
+    # The state lives in Python lists: an update of a handful of features is ~F² float operations,
+    # which plain Python does several times faster than numpy's per-call overhead on F×F arrays.
     @property
     def coef(self) -> np.ndarray:  # [F] float64; assign a new array to change it (not in place)
-        return self._coef
+        found = self._coef
+        if found is None:
+            found = self._coef = np.array(self._coef_list, dtype=np.float64)
+        return found
 
     @coef.setter
     def coef(self, value: Sequence[float] | np.ndarray) -> None:
@@ -53,35 +59,68 @@ class OnlineLinearModel:
         self._coef_list = self._coef.tolist()  # python floats: predict multiplies no numpy scalars
 
     @property
+    def coef_list(self) -> list[float]:  # [F] the coefficients as Python floats (do not modify)
+        return self._coef_list
+
+    @property
+    def cov(self) -> np.ndarray:  # [F, F] float64, a copy
+        return np.array(self._cov, dtype=np.float64)
+
+    @cov.setter
+    def cov(self, value) -> None:
+        self._cov = np.asarray(value, dtype=np.float64).tolist()
+
+    @property
+    def prior_var(self) -> np.ndarray:  # [F] float64
+        return self._prior_var
+
+    @prior_var.setter
+    def prior_var(self, value) -> None:
+        self._prior_var = np.asarray(value, dtype=np.float64)
+        self._prior_var_list = self._prior_var.tolist()
+
+    @property
     def num_features(self) -> int:
-        return len(self.coef)
+        return len(self._coef_list)
 
     def predict(self, x: Sequence) -> float | np.ndarray:
         """max(0, w·x); entries of ``x`` may be arrays of one shape (then an array comes back)."""
-        if len(x) != self.num_features:
+        if len(x) != len(self._coef_list):
             raise ValueError(f"expected {self.num_features} features, got {len(x)}")
-        y = sum(w * xi for w, xi in zip(self._coef_list, x, strict=True))
+        y = sum(map(mul, self._coef_list, x))
         return np.maximum(y, 0.0) if isinstance(y, np.ndarray) else max(float(y), 0.0)
 
     def update(self, x: Sequence[float], y: float) -> None:
-        x = np.asarray(x, dtype=np.float64)
-        if x.shape != (self.num_features,):
-            raise ValueError(f"expected {self.num_features} features, got shape {x.shape}")
-        if not (np.isfinite(x).all() and math.isfinite(y)):
-            raise ValueError(f"non-finite sample x={x.tolist()}, y={y}")
-        lam = self.forgetting
-        px = self.cov @ x
-        gain = px / (lam + x @ px)
-        self.coef = self.coef + gain * (float(y) - self.coef @ x)
-        cov = self.cov - gain[:, None] * px  # P - g (P x)ᵀ; P x = (xᵀ P)ᵀ as P is symmetric
-        cov /= lam
-        cov += cov.T  # symmetrise against rounding drift (numpy buffers the overlapping transpose)
-        cov *= 0.5
-        diag = cov.diagonal()
-        if (diag > self.prior_var).any():
-            scale = np.sqrt(np.minimum(1.0, self.prior_var / np.maximum(diag, 1e-300)))
-            cov *= scale[:, None] * scale
-        self.cov = cov
+        """One RLS step (see class) on sample ``x`` ``[F]``, ``y``: in Python floats, P kept
+        exactly symmetric (its upper triangle is computed and mirrored)."""
+        w = self._coef_list
+        num = len(w)
+        if len(x) != num or (isinstance(x, np.ndarray) and x.ndim != 1):
+            raise ValueError(f"expected {num} features, got shape {np.shape(x)}")
+        x = [float(v) for v in x]
+        if not (all(map(math.isfinite, x)) and math.isfinite(y)):
+            raise ValueError(f"non-finite sample x={x}, y={y}")
+        lam, cov = self.forgetting, self._cov
+        px = [sum(map(mul, row, x)) for row in cov]  # P x
+        den = lam + sum(map(mul, x, px))
+        gain = [v / den for v in px]  # g = P x / (λ + xᵀ P x)
+        err = float(y) - sum(map(mul, w, x))
+        self._coef_list = [wi + gi * err for wi, gi in zip(w, gain)]
+        self._coef = None  # the array is rebuilt on access
+        # P ← ((P − g (P x)ᵀ) / λ + its transpose) / 2 (symmetrised against rounding drift); P is
+        # symmetric, so entry (i, j) and (j, i) come from the same two terms
+        new = [[0.0] * num for _ in range(num)]
+        for i in range(num):
+            row, gi, pxi, out = cov[i], gain[i], px[i], new[i]
+            for j in range(i, num):
+                a = (row[j] - gi * px[j]) / lam
+                b = (cov[j][i] - gain[j] * pxi) / lam
+                out[j] = new[j][i] = (a + b) * 0.5
+        prior = self._prior_var_list
+        if any(new[i][i] > prior[i] for i in range(num)):  # wind-up: cap the diagonal by D P D
+            scale = [math.sqrt(min(1.0, prior[i] / max(new[i][i], 1e-300))) for i in range(num)]
+            new = [[v * (si * sj) for v, sj in zip(row, scale)] for row, si in zip(new, scale)]
+        self._cov = new
         self.num_updates += 1
 
     def state_dict(self) -> dict:

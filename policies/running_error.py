@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
 
 class RunningError:
@@ -24,7 +24,7 @@ class RunningError:
         self.count = 0
 
     def update(self, predicted: float, measured: float) -> None:
-        if measured <= 0 or not np.isfinite(predicted):
+        if measured <= 0 or not math.isfinite(predicted):
             return
         self.count += 1
         rel, rate = (predicted - measured) / measured, 1.0 / min(self.count, self.window)

@@ -114,21 +114,31 @@ def pad_to_bucket(n, buckets: np.ndarray | None):
     if buckets is None:
         return n, np.zeros_like(n, dtype=bool) if isinstance(n, np.ndarray) else False
     idx = np.searchsorted(buckets, n, side="left")
+    if not isinstance(n, np.ndarray):  # one int: no array operations past the search
+        return (n, True) if idx >= len(buckets) else (int(buckets[idx]), False)
     over = idx >= len(buckets)
     padded = np.where(over, n, buckets[np.minimum(idx, len(buckets) - 1)])
-    return (padded, over) if isinstance(n, np.ndarray) else (int(padded), bool(over))
+    return padded, over
 
 
 def score_features(s: ShapeStats, is_expansion: bool, buckets: np.ndarray | None) -> list:
     """Score features of a scorer with one row per token (``is_expansion``) or per request, whose
     graphs were captured at ``buckets`` sizes (None: an eager scorer)."""
     rows = s.num_tokens if is_expansion else s.batch_size
+    ctx, row_ctx = s.num_context_tokens / 1e3, s.num_weighted_context_tokens / 1e3
+    if not isinstance(s.num_tokens, np.ndarray) and not isinstance(rows, np.ndarray):  # one shape
+        if buckets is None:
+            return [1.0, rows, s.num_tokens, ctx, row_ctx, 0.0]
+        rows_p, eager = pad_to_bucket(rows, buckets)
+        tokens_p, tokens_over = (rows_p, eager) if is_expansion else pad_to_bucket(s.num_tokens, buckets)
+        if eager or tokens_over:  # eager runs are not padded
+            return [1.0, rows, s.num_tokens, ctx, row_ctx, 1.0]
+        return [1.0, rows_p, tokens_p, ctx, row_ctx, 0.0]
     rows_p, rows_over = pad_to_bucket(rows, buckets)
     tokens_p, tokens_over = (rows_p, rows_over) if is_expansion else pad_to_bucket(s.num_tokens, buckets)
     eager = rows_over | tokens_over
     if buckets is not None:  # eager runs are not padded
         rows_p, tokens_p = np.where(eager, rows, rows_p), np.where(eager, s.num_tokens, tokens_p)
-    ctx, row_ctx = s.num_context_tokens / 1e3, s.num_weighted_context_tokens / 1e3
     return [1.0, rows_p, tokens_p, ctx, row_ctx, eager * 1.0]
 
 
