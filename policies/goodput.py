@@ -112,22 +112,30 @@ class GoodputPolicy(Policy):
 
     def problem(self, view: BatchView, costs: CostModels, scorers: list[str]):
         """The step's search: :class:`SingleProblem` (plain Python) at batch 1, else
-        :class:`BatchProblem` (numpy); both decide alike."""
+        :class:`BatchProblem` (numpy); both decide alike. Also returns the requests' last k (a list
+        at batch 1, else ``[B]`` int) and the posterior sds of those that could draft."""
         reqs, cfg = view.requests, self.config
         proposer = step_proposer(view)
         if len(reqs) == 1:
             r = reqs[0]
             cap = max(min(r.max_k, cfg.max_k), 0)
-            return SingleProblem(
+            prob = SingleProblem(
                 costs, scorers, proposer, r.acceptance, r.acceptance_std, r.context_len, cap, cfg.optimism
             )
-        mean = np.array([r.acceptance for r in reqs], dtype=np.float64)
-        std = np.array([r.acceptance_std for r in reqs], dtype=np.float64)
-        ctx = np.array([r.context_len for r in reqs], dtype=np.int64)
-        cap = np.array([min(r.max_k, cfg.max_k) for r in reqs], dtype=np.int64).clip(0)
-        return BatchProblem(
+            return prob, [r.last_k], [r.acceptance_std] if r.max_k > 0 else []
+        std_list = [r.acceptance_std for r in reqs]
+        max_k = [r.max_k for r in reqs]
+        mean = np.array([r.acceptance for r in reqs], dtype=np.float64)  # [B]
+        std = np.array(std_list, dtype=np.float64)  # [B]
+        ctx = np.array([r.context_len for r in reqs], dtype=np.int64)  # [B]
+        cap = np.array(max_k, dtype=np.int64)  # [B]
+        np.minimum(cap, cfg.max_k, out=cap)
+        np.maximum(cap, 0, out=cap)
+        last = np.array([r.last_k for r in reqs], dtype=np.int64)  # [B]
+        prob = BatchProblem(
             costs, scorers, proposer, mean, std, ctx, cap, cfg.max_iters, cfg.scorer_margin, cfg.optimism
         )
+        return prob, last, [sd for sd, m in zip(std_list, max_k) if m > 0]
 
     def decide(self, view: BatchView, costs: CostModels | None) -> Plan:
         cfg = self.config
@@ -143,7 +151,7 @@ class GoodputPolicy(Policy):
             last = self._last_scorer if self._last_scorer in scorers else scorers[0]
             return Plan([], last, self.name, 0.0, 0.0)
         self._num_decides += 1
-        prob = self.problem(view, costs, scorers)
+        prob, last_k, spreads = self.problem(view, costs, scorers)
         g_scorers = prob.best_goodput
 
         # scorer, with hysteresis: keep last step's unless another is better by scorer_margin, or
@@ -162,9 +170,8 @@ class GoodputPolicy(Policy):
         g = g_scorers[chosen]
         num_k_held = 0
         if cfg.k_margin > 0 and prob.top > 0 and not self._is_fresh_k:
-            k, g, num_k_held = prob.hold(k, g, [r.last_k for r in reqs], chosen, cfg.k_margin)
+            k, g, num_k_held = prob.hold(k, g, last_k, chosen, cfg.k_margin)
         is_probe = is_dither = False
-        spreads = [r.acceptance_std for r in reqs if r.max_k > 0]
         spread = sum(spreads) / len(spreads) if spreads else None
         error = costs.prediction_error(scorers[chosen], signed=True)
         error = None if error is None else abs(error)
@@ -189,7 +196,9 @@ class GoodputPolicy(Policy):
         k, num_cuts = prob.fit_kv(k, view.num_free_blocks, view.block_size)
         self._last_scorer = scorers[chosen]  # the speculative choice, which the hysteresis holds
         is_decode = is_decode_try = False
-        if not any(prob.as_list(k)) and len(scorers) > 1:  # a plain decode step
+        k_list = prob.as_list(k)
+        is_spec = any(k_list)
+        if not is_spec and len(scorers) > 1:  # a plain decode step
             ctx = [r.context_len for r in reqs]
             chosen, is_decode_try = decode_scorer(
                 costs, scorers, prob.goodput_k0, ctx, cfg.min_scorer_steps, cfg.decode_try_tolerance
@@ -202,7 +211,7 @@ class GoodputPolicy(Policy):
         runner_up = next((s for s in ranked if s != chosen), None)
         g_off = prob.goodput_k0[chosen]
         info = {
-            "reason": _reason(prob.top, any(prob.as_list(k)), g_plan, g_off, num_cuts, is_probe),
+            "reason": _reason(prob.top, is_spec, g_plan, g_off, num_cuts, is_probe),
             "goodput": g_plan,
             "goodput_k0": g_off,
             "scorer_goodput": {scorers[s]: g_scorers[s] for s in ranked},
@@ -223,7 +232,7 @@ class GoodputPolicy(Policy):
             info[f"predicted_{name}"] = cost[name]
         # expected tokens at the posterior means, as every policy's plan reports them (make_plan)
         expected = prob.expected_at_mean(k)
-        return Plan(prob.as_list(k), scorers[chosen], self.name, cost["total_ms"], expected, info)
+        return Plan(k_list, scorers[chosen], self.name, cost["total_ms"], expected, info)
 
 
 def _reason(top: int, is_spec: bool, g: float, g_off: float, num_cuts: int, is_probe: bool) -> str:

@@ -17,6 +17,11 @@ fractional programming") from the best of them: with λ the scorer's best goodpu
 the draft model's per-request cost at max k K); that splits per request — take draft j while
 E[a_i^j] > λ δ_i, drop the request when its drafts do not pay for it — for every cap K at once;
 then λ ← the exact best goodput, until it stops rising.
+
+Cost: the search runs on every decode step's critical path, where numpy's per-call overhead (not
+the arrays, of B × J elements) is the time. Candidates are evaluated all at once
+(:class:`~specsched.policies.goodput_eval.PlanEvaluator`), and single plans (the graph buckets'
+fills and trims, the held plan, dither) through its plain-Python path.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from functools import lru_cache
 import numpy as np
 
 from specsched.policies.cost_table import CostTable
+from specsched.policies.goodput_eval import PlanEvaluator
 
 __all__ = [
     "BatchProblem",
@@ -77,18 +83,26 @@ def uniform_plans(cap: np.ndarray) -> np.ndarray:
 
 
 def improve(
-    table: CostTable, powers: np.ndarray, ecum: np.ndarray, caps: np.ndarray, lam: np.ndarray
-) -> np.ndarray:
+    table: CostTable,
+    powers: np.ndarray,
+    ev: PlanEvaluator,
+    caps: np.ndarray,
+    lam: np.ndarray,
+    fixed: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """One Dinkelbach step for every scorer and cap K at once (``caps`` ``[K+1, B]`` from
     :func:`uniform_plans`): ``[S, K+1, B]`` plans that maximise Σ E_i − λ_s T (T linearised) at
-    λ_s = ``lam`` ``[S]``."""
+    λ_s = ``lam`` ``[S]``, and their expected tokens E_i(k_i) ``[S, K+1, B]``. ``fixed`` ``[K+1, 1]``:
+    a drafting request's share of the draft model's ms at max k = K (computed when None)."""
     lam = lam[:, None, None]
     kstar = (powers[None] > lam * table.delta[:, :, None]).sum(-1)  # [S, B]: a prefix (E[a^j] falls)
     k = np.minimum(kstar[:, None, :], caps[None])  # [S, K+1, B]
     # a request drafts only if its drafts pay for its share of the draft model at max k = K
-    fixed = table.spec_request_ms * np.arange(caps.shape[0])[:, None]  # [K+1, 1]
-    gain = ecum[table.rows, k] - 1.0 - lam * (table.delta[:, None, :] * k + fixed)
-    return np.where(gain > 0, k, 0)
+    if fixed is None:
+        fixed = table.spec_request_ms * np.arange(caps.shape[0])[:, None]  # [K+1, 1]
+    e = ev.expected(k)
+    keep = e - 1.0 - lam * (table.delta[:, None, :] * k + fixed) > 0
+    return np.where(keep, k, 0), np.where(keep, e, 1.0)  # E_i(0) = 1
 
 
 def fill_buckets(buckets: np.ndarray, k: np.ndarray, cap: np.ndarray, powers: np.ndarray) -> list[np.ndarray]:
@@ -101,14 +115,18 @@ def fill_buckets(buckets: np.ndarray, k: np.ndarray, cap: np.ndarray, powers: np
     idx = int(np.searchsorted(buckets, tokens))
     free = int(buckets[idx]) - tokens
     excess = tokens - int(buckets[idx - 1]) if idx > 0 else 0
-    j = np.arange(1, powers.shape[1] + 1)[None, :]
+    j = _steps(powers.shape[1]) + 1.0  # [J] 1..J
+    kk = k[:, None]
     out = []
-    for mask, count, sign in ((j > k[:, None]) & (j <= cap[:, None]), free, 1), (j <= k[:, None], excess, -1):
+    for count, sign in (free, 1), (excess, -1):
+        if count <= 0:
+            continue
+        mask = ((j > kk) & (j <= cap[:, None])) if sign > 0 else (j <= kk)  # [B, J] drafts it may move
         count = min(count, int(mask.sum()))
         if count <= 0:
             continue
-        value = np.where(mask, sign * powers, -np.inf).ravel()
-        rows = np.argsort(-value, kind="stable")[:count] // powers.shape[1]
+        key = np.where(mask, -powers if sign > 0 else powers, np.inf).ravel()  # most valuable first
+        rows = np.argsort(key, kind="stable")[:count] // powers.shape[1]
         out.append(k + sign * np.bincount(rows, minlength=len(k)))
     return out
 
@@ -156,67 +174,74 @@ class BatchProblem:
         self.mean, self.std, self.ctx, self.cap = mean, std, ctx, cap
         self.top = int(cap.max())
         plan_mean = np.minimum(mean + optimism * std, 1.0 - 1e-6) if optimism else mean
-        self.powers = acceptance_powers(plan_mean, std, max(self.top, 1))
-        self.ecum = expected_table(self.powers)
-        self.table = CostTable(costs, scorers, proposer, ctx, len(cap) * (self.top + 1))
+        self.powers = acceptance_powers(plan_mean, std, max(self.top, 1))  # [B, J]
+        self.ecum = expected_table(self.powers)  # [B, J+1]
+        # no candidate exceeds the caps: B + Σ cap_i tokens (a table of that size, not B·(max cap + 1),
+        # is what the plans can index; it is also the range the table's check for clipping covers)
+        self.table = CostTable(costs, scorers, proposer, ctx, len(cap) + int(cap.sum()))
+        self.eval = PlanEvaluator(self.table, self.ecum, ctx)
         self.buckets = [costs.graph_buckets.get(s) for s in scorers]
         self.max_iters, self.scorer_margin = max_iters, scorer_margin
-        k, g, g_k0 = self._search(self.powers, self.ecum)
+        k, g, g_k0 = self._search(self.powers, self.eval)
         self.best_k = list(k)  # [S] plans
         self.best_goodput, self.goodput_k0 = g.tolist(), g_k0.tolist()
 
-    def _search(self, powers, ecum):
+    def _search(self, powers, ev: PlanEvaluator):
         """Best plan ``[S, B]``, its goodput ``[S]`` and the k = 0 goodput ``[S]`` per scorer."""
         table, cap = self.table, self.cap
         plans = uniform_plans(cap)  # [K+1, B]
-        g = evaluate(table, ecum, plans)  # [S, K+1]
-        s_idx = np.arange(g.shape[0])
+        g = ev.many(plans)  # [S, K+1]
         best = g.argmax(-1)
-        k, g_best, g_k0 = plans[best], g[s_idx, best], g[:, 0].copy()
+        k, g_best, g_k0 = plans[best], g.max(-1), g[:, 0].copy()  # [S, B], [S], [S]
         if len(cap) > 1:
-            last = None
+            last, fixed = None, table.spec_request_ms * np.arange(plans.shape[0])[:, None]
             for _ in range(self.max_iters):
-                cand = improve(table, powers, ecum, plans, g_best)  # [S, K+1, B]
+                cand, e = improve(table, powers, ev, plans, g_best, fixed)  # [S, K+1, B]
                 if last is not None and np.array_equal(cand, last):
                     break  # λ did not move the plans: evaluated already
                 last = cand
-                g = evaluate(table, ecum, cand)
+                g = ev.many(cand, e)
                 best = g.argmax(-1)
-                better = g[s_idx, best] > g_best * (1.0 + 1e-12)
+                g_new = g.max(-1)  # = g[s, best[s]]
+                better = g_new > g_best * (1.0 + 1e-12)
                 if not better.any():
                     break
-                k[better], g_best[better] = cand[s_idx, best][better], g[s_idx, best][better]
-            contenders = g_best >= g_best.max() / (1.0 + self.scorer_margin)
+                chosen = cand[np.arange(len(best)), best]  # [S, B]
+                k, g_best = np.where(better[:, None], chosen, k), np.where(better, g_new, g_best)
+            contenders = (g_best >= g_best.max() / (1.0 + self.scorer_margin)).tolist()
             for s, b in enumerate(self.buckets):
                 if b is not None and contenders[s]:  # only a scorer that could be chosen
                     for c in fill_buckets(b, k[s], cap, powers):
-                        g_c = float(evaluate(table, ecum, c[None, :])[s, 0])
+                        g_c = ev.one(c, s)
                         if g_c > g_best[s]:
                             k[s], g_best[s] = c, g_c
         return k, g_best, g_k0
 
     def goodput(self, k: np.ndarray, s: int) -> float:
-        return float(evaluate(self.table, self.ecum, k[None, :])[s, 0])
+        return self.eval.one(k, s)
 
-    def hold(self, k, g: float, last: list[int], s: int, margin: float):
-        """Keep a request's last k unless changing it gains more than ``margin`` of its expected
-        tokens, valued at goodput ``g`` (ΔE − G·ΔT, ΔT linearised); the held plan is kept only if
-        its exact goodput is within ``margin`` of ``g``. Returns (plan, goodput, number held)."""
+    def hold(self, k, g: float, last, s: int, margin: float):
+        """Keep a request's last k (``last`` ``[B]`` ints) unless changing it gains more than
+        ``margin`` of its expected tokens, valued at goodput ``g`` (ΔE − G·ΔT, ΔT linearised); the
+        held plan is kept only if its exact goodput is within ``margin`` of ``g``. Returns (plan,
+        goodput, number held)."""
         last = np.minimum(last, self.cap)
-        if (last == k).all():
+        changed = last != k
+        if not changed.any():
             return k, g, 0
-        rows, ecum, table = self.table.rows, self.ecum, self.table
-        e_new, e_old = ecum[rows, k], ecum[rows, last]
+        table, ev = self.table, self.eval
+        e_new, e_old = ev.expected(k), ev.expected(last)
         per_request = table.spec_request_ms * max(int(k.max()), int(last.max()))
-        d_time = (k - last) * table.delta[s] + per_request * ((k > 0) * 1.0 - (last > 0) * 1.0)
-        is_held = (last != k) & ((e_new - e_old) - g * d_time < margin * e_new)
-        if not is_held.any():
+        d_time = (k - last) * table.delta[s] + per_request * np.subtract(k > 0, last > 0, dtype=np.float64)
+        is_held = changed & ((e_new - e_old) - g * d_time < margin * e_new)
+        num_held = int(np.count_nonzero(is_held))
+        if not num_held:
             return k, g, 0
         held = np.where(is_held, last, k)
-        g_held = self.goodput(held, s)
+        g_held = ev.one(held, s)
         if g_held < g * (1.0 - margin):
             return k, g, 0
-        return held, g_held, int(is_held.sum())
+        return held, g_held, num_held
 
     def can_probe(self, k) -> bool:
         """Whether the plan leaves at k = 0 a request that could draft."""
@@ -226,7 +251,8 @@ class BatchProblem:
         """The best plan for scorer ``s`` under optimistic acceptance a + z·std (point estimates)."""
         a = np.minimum(self.mean + z * self.std, 1.0 - 1e-6)
         powers = acceptance_powers(a, np.zeros_like(a), max(self.top, 1))
-        return self._search(powers, expected_table(powers))[0][s]
+        ecum = expected_table(powers)
+        return self._search(powers, PlanEvaluator(self.table, ecum, self.ctx))[0][s]
 
     def dither(self, k, g: float, direction: int, s: int, tolerance: float):
         """(k ± 1 within [1, cap] for the requests that draft — ``direction`` first, the other way
@@ -244,7 +270,7 @@ class BatchProblem:
         return fit_kv_blocks(k, self.ctx, self.mean, num_free_blocks, block_size)
 
     def components(self, k, s: int) -> dict[str, float]:
-        return self.table.components(k, s)
+        return self.eval.components(k.tolist() if isinstance(k, np.ndarray) else k, s)
 
     def expected_at_mean(self, k) -> float:
         """Σ_i (1 − a_i^(k_i+1)) / (1 − a_i) at the posterior means (what every policy reports)."""

@@ -23,8 +23,27 @@ def _features(buckets: tuple[int, ...] | None, is_expansion: bool, size: int) ->
     return tuple(bucket_table(buckets, is_expansion, 1, size)[1:].tolist())
 
 
-def _clip(x: float) -> float:
-    return x if x > 0.0 else 0.0
+_BY_ARRAY: dict[tuple[int, bool, int], tuple] = {}  # (id(buckets), is_expansion, size) -> (buckets, features)
+
+
+def _scorer_features(buckets, is_expansion: bool, size: int) -> tuple[list, ...]:
+    """:func:`_features` of a scorer's bucket array, found by the array's identity (a cost model's
+    buckets do not change): no tuple of the buckets to build and hash every step. The entry holds
+    the array, so its id is not reused while cached."""
+    key = (id(buckets), is_expansion, size)
+    found = _BY_ARRAY.get(key)
+    if found is None or found[0] is not buckets:
+        if len(_BY_ARRAY) >= 256:
+            _BY_ARRAY.clear()
+        feats = _features(None if buckets is None else tuple(buckets.tolist()), is_expansion, size)
+        found = _BY_ARRAY[key] = (buckets, feats)
+    return found[1]
+
+
+def _model(costs: CostModels, models: dict, key: tuple[str, ...]):
+    """``costs.model(*key)``, without the call when the model exists."""
+    found = models.get(key)
+    return found if found is not None else costs.model(*key)
 
 
 class SingleProblem:
@@ -35,36 +54,36 @@ class SingleProblem:
         self.mean, self.std, self.ctx, self.cap = mean, std, ctx, cap
         self.top = cap
         plan_mean = min(mean + optimism * std, 1.0 - 1e-6) if optimism else mean
-        self.expected = _expected(plan_mean, std, cap)  # [cap + 1] posterior E(k)
+        self.expected = expected = _expected(plan_mean, std, cap)  # [cap + 1] posterior E(k)
         c = ctx / 1e3
-        p = costs.model("propose", proposer).coef.tolist()
-        v = costs.model("verify").coef.tolist()
-        self.overhead_ms = float(costs.model("overhead").predict([1.0, 1.0]))
+        models = costs.models
+        p = _model(costs, models, ("propose", proposer)).coef_list
+        v = _model(costs, models, ("verify",)).coef_list
+        o = _model(costs, models, ("overhead",)).coef_list
+        self.overhead_ms = overhead = max(o[0] * 1.0 + o[1] * 1.0, 0.0)  # its predict([1, 1])
         self.spec_request_ms = max(p[2], 0.0)
         size = 1 << max(cap.bit_length() + 1, 4)
-        propose = [0.0] + [_clip(p[0] + kk * (p[1] + p[2] + p[3])) for kk in range(1, cap + 1)]
-        verify = [_clip(v[0] + v[1] * (kk + 1)) for kk in range(cap + 1)]
+        per_k = p[1] + p[2] + p[3]
+        propose = [0.0] + [x if x > 0.0 else 0.0 for x in [p[0] + kk * per_k for kk in range(1, cap + 1)]]
+        verify = [x if x > 0.0 else 0.0 for x in [v[0] + v[1] * (kk + 1) for kk in range(cap + 1)]]
         self.delta, self.score, self.total, self.g = [], [], [], []
+        graph_buckets, expansion = costs.graph_buckets, costs.expansion_scorers
         for s in scorers:
-            w = costs.model("score", s).coef.tolist()
-            buckets = costs.graph_buckets.get(s)
-            is_exp = s in costs.expansion_scorers
-            rows, tokens, eager = _features(
-                None if buckets is None else tuple(buckets.tolist()), is_exp, size
-            )
-            base = w[0] + w[3] * c
-            score = [
-                _clip(base + w[1] * rows[n] + w[2] * tokens[n] + w[4] * c * n + w[5] * eager[n])
-                for n in range(1, cap + 2)
-            ]
-            total = [sc + pr + ve + self.overhead_ms for sc, pr, ve in zip(score, propose, verify)]
+            w0, w1, w2, w3, w4, w5 = _model(costs, models, ("score", s)).coef_list
+            is_exp = s in expansion
+            rows, tokens, eager = _scorer_features(graph_buckets.get(s), is_exp, size)
+            base, wc = w0 + w3 * c, w4 * c
+            score = [base + w1 * rows[n] + w2 * tokens[n] + wc * n + w5 * eager[n] for n in range(1, cap + 2)]
+            score = [x if x > 0.0 else 0.0 for x in score]
+            total = [sc + pr + ve + overhead for sc, pr, ve in zip(score, propose, verify)]
+            g = [e / (t if t > 1e-9 else 1e-9) for e, t in zip(expected, total)]
             self.score.append(score)
             self.total.append(total)
-            self.g.append([e / max(t, 1e-9) for e, t in zip(self.expected, total)])
-            self.delta.append(max((w[1] if is_exp else 0.0) + w[2] + v[1] + p[3] + w[4] * c, 1e-6))
+            self.g.append(g)
+            self.delta.append(max((w1 if is_exp else 0.0) + w2 + v[1] + p[3] + w4 * c, 1e-6))
         self.propose, self.verify = propose, verify
-        self.best_k = [max(range(cap + 1), key=g.__getitem__) for g in self.g]
-        self.best_goodput = [g[k] for g, k in zip(self.g, self.best_k)]
+        self.best_k = best_k = [g.index(max(g)) for g in self.g]  # the first best k
+        self.best_goodput = [g[k] for g, k in zip(self.g, best_k)]
         self.goodput_k0 = [g[0] for g in self.g]
 
     def goodput(self, k: int, s: int) -> float:
