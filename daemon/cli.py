@@ -5,7 +5,8 @@ Configs live in ``conf/`` (installed as ``specsched.conf``); their dataclass sch
 hydra's ConfigStore so that a mistyped override fails at start with hydra's own message, are in
 app_config.py (re-exported here); the entry points turn the composed config into those dataclasses and
 map them onto :class:`~specsched.engine.config.EngineConfig` in :func:`to_engine_config`; no DictConfig
-goes further.
+goes further. ``specsched-serve`` times its start-up (:class:`~specsched.engine.warmup.StartupTimes`,
+from the process's start) and logs the breakdown when it listens; ``stats`` reports it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from specsched.daemon.server import Server
 from specsched.daemon.summary import StepSummary, summarize_steps
 from specsched.engine.records import StepRecord
 from specsched.engine.settings import load_settings
+from specsched.engine.warmup import StartupTimes
 
 CONFIG_PATH = "pkg://specsched.conf"
 logger = logging.getLogger("specsched")
@@ -87,14 +89,19 @@ def _open_log(app: AppConfig, cfg: DictConfig, engine) -> LogWriter | None:
     return log
 
 
-def _serve(cfg: DictConfig) -> None:
+def _serve(cfg: DictConfig, startup: StartupTimes | None = None) -> None:
+    startup = startup or StartupTimes.since_process_start()
     app = _setup(cfg)
+    startup.mark("config")
+    from specsched.engine.components import build_parts
     from specsched.engine.engine import Engine
 
-    engine = Engine.from_config(to_engine_config(app))
+    engine_cfg = to_engine_config(app)
+    engine = Engine(engine_cfg, build_parts(engine_cfg, startup=startup))  # = Engine.from_config, timed
     log = _open_log(app, cfg, engine)
+    startup.mark("log")
     try:
-        Server(engine, app.daemon, log).serve_forever()
+        Server(engine, app.daemon, log, startup).serve_forever()
     finally:
         if log is not None:
             log.close()
@@ -179,9 +186,13 @@ def _main(config_name: str, task: Callable[[DictConfig], None]) -> None:
     hydra.main(config_path=CONFIG_PATH, config_name=config_name, version_base="1.3")(task)()
 
 
-def serve() -> None:
-    """``specsched-serve [overrides]``: start the daemon (``--cfg job`` prints the resolved config)."""
-    _main("config", _serve)
+def serve(origin: float | None = None) -> None:
+    """``specsched-serve [overrides]``: start the daemon (``--cfg job`` prints the resolved config).
+    ``origin``: the entry point's first ``time.monotonic()``, the start-up clock where the process's
+    start time cannot be read (/proc)."""
+    startup = StartupTimes.since_process_start(origin)
+    startup.mark("imports")
+    _main("config", lambda cfg: _serve(cfg, startup))
 
 
 def generate() -> None:

@@ -43,6 +43,7 @@ from specsched.daemon.messages import (
     ScorerStats,
     SpecOptions,
     SpecUsage,
+    StartupStats,
     Stats,
     StatsReply,
     Usage,
@@ -136,7 +137,7 @@ _LENIENT = {
     "list[int]": list_(int_(None, None), 0, None),
     "dict": map_(),
 }
-_NESTED = {c.__name__: c for c in (Usage, SpecUsage, ProposerStats, ScorerStats)}
+_NESTED = {c.__name__: c for c in (Usage, SpecUsage, ProposerStats, ScorerStats, StartupStats)}
 
 
 def _lenient(cls, value, path: str):

@@ -36,6 +36,7 @@ from specsched.daemon.protocol import (
     HealthReply,
     Message,
     ProtocolError,
+    StartupStats,
     Stats,
     StatsReply,
     decode,
@@ -58,6 +59,7 @@ class ServerView(Protocol):
     num_auth_denied: int
     uptime_s: float
     max_queue: int
+    startup_stats: StartupStats | None  # the start-up's breakdown, once listening
 
     def health_reply(self, request_id: str | None) -> HealthReply: ...
 
@@ -238,4 +240,5 @@ class IOThread:
             rss_bytes=rss_bytes(),
             num_kernels_built_at_start=watch.num_built - watch.num_after_ready,
             num_compiles_after_start=watch.num_after_ready,
+            startup=server.startup_stats,
         )

@@ -15,7 +15,8 @@ __all__ = [
     "MAX_PROPOSER_CHARS", "MAX_SPEC_K", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_TEMPERATURE",
     "MAX_TIMEOUT_S", "MAX_TOKEN_ID", "PROTOCOL_VERSION", "SERVER_TYPES", "Cancel", "ChatMessage", "Chunk",
     "Done", "Error", "ErrorCode", "Generate", "Health", "HealthReply", "Message", "ProposerStats",
-    "ProtocolError", "ScorerStats", "SpecOptions", "SpecUsage", "Stats", "StatsReply", "Usage",
+    "ProtocolError", "ScorerStats", "SpecOptions", "SpecUsage", "StartupStats", "Stats", "StatsReply",
+    "Usage",
 ]  # fmt: skip
 PROTOCOL_VERSION = 1
 MAX_ID_CHARS = 128
@@ -168,6 +169,26 @@ class ScorerStats:
 
 
 @dataclass
+class StartupStats:
+    """The daemon's start-up: seconds from its process's start to each milestone, in the order reached
+    (null: not part of this start). The engine's ``StartupTimes`` (specsched.engine.warmup) on the wire."""
+
+    clock: str = "proc"  # proc: from the process's start (/proc); main: from the entry point's first line
+    conversion: str = "none"  # the weights' conversion cache: hit | built | none (nothing to convert)
+    imports_s: float | None = None
+    config_s: float | None = None
+    weights_s: float | None = None
+    tokenizer_s: float | None = None
+    draft_s: float | None = None
+    prebuild_s: float | None = None
+    kv_cache_s: float | None = None
+    graphs_s: float | None = None
+    warmup_s: float | None = None
+    log_s: float | None = None
+    listening_s: float | None = None  # the whole start-up
+
+
+@dataclass
 class StatsReply:
     TYPE: ClassVar[str] = "stats_reply"
     id: str | None = None
@@ -195,6 +216,7 @@ class StatsReply:
     rss_bytes: int = 0  # the daemon's resident memory (VmRSS); 0 where /proc is not available
     num_kernels_built_at_start: int = 0  # Triton kernel variants built before the daemon listened
     num_compiles_after_start: int = 0  # Triton variants built while serving (a stall each; 0 = warm)
+    startup: StartupStats | None = None  # the start-up's breakdown (null: the server did not time it)
 
 
 @dataclass

@@ -22,6 +22,7 @@ import queue
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -29,10 +30,13 @@ from specsched.daemon.auth import CurveServer, endpoint_host
 from specsched.daemon.commands import Shutdown
 from specsched.daemon.io_thread import IOThread
 from specsched.daemon.limits import DaemonConfig
-from specsched.daemon.protocol import HealthReply, Message, StatsReply
+from specsched.daemon.protocol import HealthReply, Message, StartupStats, StatsReply
 from specsched.daemon.serving import Serving
 from specsched.engine.heap import FrozenHeap, freeze_heap
 from specsched.kernels.compile_watch import compile_watch
+
+if TYPE_CHECKING:
+    from specsched.engine.warmup import StartupTimes
 
 logger = logging.getLogger(__name__)
 __all__ = ["DaemonConfig", "Server"]
@@ -40,10 +44,16 @@ __all__ = ["DaemonConfig", "Server"]
 
 class Server:
     """``Server(engine, cfg, log).serve_forever()`` serves until SIGINT/SIGTERM. In-process use
-    (tests, embedding): ``start()``, then ``request_shutdown()`` from any thread, then ``join()``."""
+    (tests, embedding): ``start()``, then ``request_shutdown()`` from any thread, then ``join()``.
+    ``startup``: the process's start-up times so far; the server marks ``listening``, logs the
+    breakdown and reports it in ``stats``."""
 
-    def __init__(self, engine, cfg: DaemonConfig | None = None, log=None) -> None:
+    def __init__(
+        self, engine, cfg: DaemonConfig | None = None, log=None, startup: StartupTimes | None = None
+    ) -> None:
         self.engine, self.cfg, self.log = engine, cfg or DaemonConfig(), log
+        self.startup = startup
+        self.startup_stats: StartupStats | None = None  # set once listening (read by the IO thread)
         self.bound_endpoint: str | None = None
         self.started_at = time.monotonic()
         self._inbox: queue.Queue = queue.Queue()  # IO -> engine thread: serving commands
@@ -127,8 +137,13 @@ class Server:
             threading.Thread(target=self._engine_main, name="specsched-engine", daemon=True),
             threading.Thread(target=io.run, name="specsched-io", daemon=True),
         ]
+        if self.startup is not None:  # bound; the threads that answer start next
+            self.startup.mark("listening")
+            self.startup_stats = StartupStats(**self.startup.to_dict())
         for t in self._threads:
             t.start()
+        if self.startup is not None:
+            logger.info("%s", self.startup.describe())
         logger.info("specsched daemon listening on %s", self.bound_endpoint)
 
     def request_shutdown(self, grace_s: float | None = None) -> None:

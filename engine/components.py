@@ -16,7 +16,7 @@ from specsched.proposers.base import Proposals, Proposer
 from specsched.scorers.base import Scorer
 
 if TYPE_CHECKING:
-    from specsched.engine.warmup import WarmupReport
+    from specsched.engine.warmup import StartupTimes, WarmupReport
 
 
 @dataclass
@@ -53,7 +53,11 @@ def size_kv_cache(cfg: EngineConfig, model: LlamaForCausalLM, draft_layers: int)
     return max(2, int(budget // per_block))
 
 
-def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
+def build_parts(
+    cfg: EngineConfig, policy: Policy | None = None, startup: StartupTimes | None = None
+) -> EngineParts:
+    """The engine's parts for ``cfg``; ``startup``, when given, gets the milestones from the target's
+    weights to the kernel warm-up marked (``Engine(cfg, build_parts(cfg, startup=times))``)."""
     from specsched.engine.settings import load_settings
     from specsched.engine.warmup import prebuild_attention, warm_up_engine
     from specsched.models.loader import load_model
@@ -62,7 +66,10 @@ def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
     from specsched.scorers.graph import GraphConfig, attach_draft_graphs, graph_buckets_of
     from specsched.scorers.registry import build_scorers, default_scorer_names
 
-    loaded = load_model(cfg.model)
+    mark = startup.mark if startup is not None else (lambda milestone: None)
+    loaded = load_model(cfg.model, mark=mark)
+    if startup is not None:
+        startup.conversion = loaded.conversion
     model = loaded.model
     draft = None
     if cfg.spec.proposer == "draft" and cfg.spec.draft.source != "self":
@@ -76,8 +83,10 @@ def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
                 attn_backend=cfg.model.attn_backend,
                 seed=cfg.spec.draft.seed,
                 cache_dir=cfg.model.cache_dir,
-            )
+            ),
+            with_tokenizer=False,  # the target's tokenizer serves; the draft's would be loaded for nothing
         ).model
+        mark("draft")
     draft_layers = 0
     if cfg.spec.proposer == "draft":
         draft_layers = draft.cfg.num_layers if draft is not None else cfg.spec.draft.num_layers
@@ -85,14 +94,17 @@ def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
     # before the KV cache takes its share of free memory (each worker holds a CUDA context)
     prebuilt = prebuild_attention(cfg, [m for m in (model, draft) if m is not None], max_len,
                                   load_settings().num_compile_workers)  # fmt: skip
+    mark("prebuild")
     num_blocks = size_kv_cache(cfg, model, draft_layers)
     kv = model.allocate_kv_cache(num_blocks, cfg.cache.block_size)
+    mark("kv_cache")
     graphs = GraphConfig.for_engine(cfg, max_len, enabled=cfg.model.cuda_graphs)
     names = cfg.spec.scorers or default_scorer_names(model.lm_head.weight.device.type)
     scorers = build_scorers(names, model, kv, cfg.cache.block_size, graphs)
     proposers = build_proposers(cfg.spec, model, num_blocks, cfg.cache.block_size, draft)
     if "draft" in proposers:
         attach_draft_graphs(proposers["draft"], graphs, cfg.cache.block_size)
+    mark("graphs")
     parts = EngineParts(
         model=model,
         tokenizer=loaded.tokenizer,
@@ -109,6 +121,7 @@ def build_parts(cfg: EngineConfig, policy: Policy | None = None) -> EngineParts:
         eos_token_ids=list(model.cfg.eos_token_ids),
     )
     parts.warmup = warm_up_engine(cfg, parts, prebuilt)
+    mark("warmup")
     return parts
 
 

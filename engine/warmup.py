@@ -15,13 +15,17 @@ one after the other. Graph capture (at scorer build) replays the same kernels. A
 daemon marks the compile watch ready (:mod:`specsched.kernels.compile_watch`); a variant built later
 is counted and named in a warning. Nothing is compiled off CUDA (torch kernels there; the
 interpreter compiles nothing), so the warm-up does nothing on CPU.
+
+:class:`StartupTimes` is the whole start-up's breakdown (process start to listening), of which the
+warm-up is one milestone.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,6 +67,88 @@ class WarmupReport:
             text += (f", after {self.num_prebuilt} attention variants compiled in {self.num_prebuild_workers}"
                      f" processes in {self.prebuild_seconds:.1f} s")  # fmt: skip
         return text
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: ``/proc/self/stat`` starttime against
+    ``/proc/uptime``, 10 ms resolution), or None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:  # comm (field 2) may hold spaces: split after its ')'
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return age if 0.0 <= age < 86400.0 else None
+
+
+@dataclass
+class StartupTimes:
+    """Seconds from the process's start to each start-up milestone, in the order they are reached
+    (None: not part of this start, e.g. no tokenizer, no separate draft model). ``clock``: ``proc`` =
+    the process's start time from /proc (interpreter start included), ``main`` = ``origin`` given by
+    the entry point (its first statement) where /proc is not available. :meth:`mark` records one."""
+
+    clock: str = "proc"
+    conversion: str = "none"  # the target's conversion cache: hit | built | none (nothing to convert)
+    imports_s: float | None = None  # the entry point's module imports (torch, hydra, zmq) done
+    config_s: float | None = None  # hydra config composed and validated
+    weights_s: float | None = None  # target weights on the device (through the conversion cache)
+    tokenizer_s: float | None = None
+    draft_s: float | None = None  # a separate draft model loaded
+    prebuild_s: float | None = None  # attention kernels compiled in worker processes (CUDA, cold)
+    kv_cache_s: float | None = None  # KV cache sized and allocated
+    graphs_s: float | None = None  # scorers and proposers built: every CUDA graph captured
+    warmup_s: float | None = None  # kernel warm-up (WarmupReport)
+    log_s: float | None = None  # engine built, decision log's run row written (when there is a log)
+    listening_s: float | None = None  # socket bound, serving threads started
+
+    def __post_init__(self) -> None:
+        self._origin = time.monotonic()  # monotonic time of the process's start (or of ``origin``)
+
+    @classmethod
+    def since_process_start(cls, origin: float | None = None) -> StartupTimes:
+        """Times from the process's start; from ``origin`` (a ``time.monotonic()``) without /proc."""
+        age, now = process_age_s(), time.monotonic()
+        times = cls(clock="proc" if age is not None else "main")
+        times._origin = now - age if age is not None else (origin if origin is not None else now)
+        return times
+
+    def mark(self, milestone: str) -> float:
+        """Record ``milestone`` (a field name without ``_s``) as reached now; returns its seconds."""
+        name, known = f"{milestone}_s", self.milestones()
+        if name not in known:
+            names = ", ".join(n.removesuffix("_s") for n in known)
+            raise ValueError(f"unknown start-up milestone {milestone!r}; known: {names}")
+        setattr(self, name, round(time.monotonic() - self._origin, 3))
+        return getattr(self, name)
+
+    @staticmethod
+    def milestones() -> list[str]:
+        return [f.name for f in fields(StartupTimes) if f.name.endswith("_s")]
+
+    @property
+    def total_s(self) -> float:
+        """Seconds from the process's start to the last milestone reached (listening, once it is)."""
+        return max(self.reached().values(), default=0.0)
+
+    def reached(self) -> dict[str, float]:
+        return {n: getattr(self, n) for n in self.milestones() if getattr(self, n) is not None}
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def describe(self) -> str:
+        """One line: the total, then each phase's own seconds in the order reached."""
+        parts, prev = [], 0.0
+        for name, at in self.reached().items():
+            label = name.removesuffix("_s")
+            if label == "weights" and self.conversion != "none":
+                label += f" (conversion cache {self.conversion})"
+            parts.append(f"{label} {at - prev:.2f}")
+            prev = at
+        return f"start-up {self.total_s:.2f} s from process start (clock {self.clock}): " + ", ".join(parts)
 
 
 def is_warmup_on(cfg: EngineConfig, device: torch.device) -> bool:

@@ -3,16 +3,21 @@ transformers, into a cache entry ``<cache_dir>/converted/<name>-<sha256[:16]>/``
 ``model.safetensors`` (float32), transformers' ``config.json``, the tokenizer files
 (``save_pretrained``) and our ``specsched.json`` (format version, sources, sha256, LlamaConfig).
 
-The key is the sha256 of the source bytes (~0.1 s for SmolLM2's 98 MB; exact, unlike size+mtime,
-and cheap next to a conversion). An entry is written into a temporary sibling folder and renamed
-into place when complete, so a crash never leaves a half entry; an entry is a plain HF folder that
-transformers loads too.
+The key is the sha256 of the source bytes (~0.1 s for SmolLM2's 98 MB, seconds for a 7B GGUF; exact,
+unlike size+mtime, and cheap next to a conversion). The digests are remembered in
+``<cache_dir>/digests.json`` with each source's size, inode, mtime and ctime (ctime cannot
+be set back by hand), so a restart reads no source byte; a file that changed in any of them is
+hashed again, a damaged ``digests.json`` is warned about and rewritten. An entry is written into a
+temporary sibling folder and renamed into place when complete, so a crash never leaves a half entry;
+an entry is a plain HF folder that transformers loads too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -28,6 +33,8 @@ from specsched.models.hf_config import llama_config_from_hf
 CACHE_FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "specsched.json"
+DIGESTS_FILE = "digests.json"  # in <cache_dir> (beside converted/): the sources' sha256 (a StatMemo)
+logger = logging.getLogger(__name__)
 
 
 def no_bar(progress: bool | None) -> bool | None:
@@ -44,11 +51,81 @@ def file_sha256(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
+def file_stat(path: Path) -> list[int]:
+    """What says a file changed: size, inode, mtime and ctime (ctime cannot be set back by hand)."""
+    st = path.stat()
+    return [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+
+
+class StatMemo:
+    """A JSON file of values remembered under a key with the stat of the files they were computed
+    from: :meth:`get` answers only while the stat is the same. A damaged file is warned about and
+    rewritten; a write that fails is warned about (the value is computed again next time)."""
+
+    def __init__(self, file: Path, what: str) -> None:
+        self.file, self.what = file, what
+
+    def _read(self) -> dict[str, dict]:
+        try:
+            memo = json.loads(self.file.read_text())
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            logger.warning("%s: cannot read %s (%s)", self.what, self.file, e)
+            return {}
+        except ValueError as e:
+            logger.warning("%s: ignoring the damaged %s (%s); rewriting it", self.what, self.file, e)
+            return {}
+        if not isinstance(memo, dict) or not all(isinstance(v, dict) and "value" in v for v in memo.values()):
+            logger.warning("%s: ignoring %s (not a memo file); rewriting it", self.what, self.file)
+            return {}
+        return memo
+
+    def get(self, key: str, stat: list) -> str | None:
+        entry = self._read().get(key)
+        return entry["value"] if entry is not None and entry.get("stat") == stat else None
+
+    def put(self, key: str, stat: list, value: str) -> None:
+        memo = self._read()
+        memo[key] = {"stat": stat, "value": value}
+        tmp = self.file.with_name(f".{self.file.name}.tmp-{os.getpid()}")
+        try:  # a lost update (two processes at once) only means one more computation later
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(memo))
+            os.replace(tmp, self.file)
+        except OSError as e:
+            logger.warning("%s: cannot write %s (%s)", self.what, self.file, e)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+
+def sources_digest(sources: list[Path], cache_root: Path) -> str:
+    """sha256 of the sources' bytes, remembered in ``digests.json`` under their resolved paths with
+    their :func:`file_stat`: hashed again only when one of them changed."""
+    memo = StatMemo(cache_root / DIGESTS_FILE, "conversion cache")
+    key, stat = "\n".join(str(p.resolve()) for p in sources), [file_stat(p) for p in sources]
+    digest = memo.get(key, stat)
+    if digest is None:
+        digest = file_sha256(sources)
+        memo.put(key, stat, digest)
+    return digest
+
+
+def cache_entry(cache_root: Path, name: str, sources: list[Path]) -> tuple[Path, str]:
+    """The cache entry's folder for ``sources`` (complete or not), and their digest."""
+    digest = sources_digest(sources, cache_root)
+    return cache_root / "converted" / f"{name}-{digest[:16]}", digest
+
+
+def is_cached(cache_root: Path, name: str, sources: list[Path]) -> bool:
+    """Whether a complete entry for ``sources`` is in the cache (a conversion would be a hit)."""
+    return _is_complete(cache_entry(cache_root, name, sources)[0])
+
+
 def _cached_or_build(cache_root: Path, name: str, sources: list[Path], build: Callable[[Path], dict]) -> Path:
     """Return the complete cache entry for ``sources``, building it with ``build(tmp_dir) -> dict``
     (written atomically: tmp dir + rename) when missing or of another format version."""
-    digest = file_sha256(sources)
-    entry = cache_root / "converted" / f"{name}-{digest[:16]}"
+    entry, digest = cache_entry(cache_root, name, sources)
     if _is_complete(entry):
         return entry
     entry.parent.mkdir(parents=True, exist_ok=True)

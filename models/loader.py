@@ -4,29 +4,40 @@ file, or ``smollm2`` (the embedded SmolLM2-135M-Instruct GGUF).
 Cache entries keep float32 (parity with transformers is tested in float32); each tensor is cast to
 the target dtype as it is moved to the target device.
 
-The conversion cache (GGUF, ``*.bin``) is :mod:`specsched.models.convert`.
+The conversion cache (GGUF, ``*.bin``) is :mod:`specsched.models.convert`. Modules are built on the
+meta device without their parameter init (the weights are loaded or initialised afterwards).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from specsched.engine.config import ModelConfig
 from specsched.models.config import PRESETS, LlamaConfig, get_preset
-from specsched.models.convert import META_FILE, WEIGHTS_FILE, convert_bin_folder, convert_gguf, no_bar
+from specsched.models.convert import (
+    META_FILE,
+    WEIGHTS_FILE,
+    convert_bin_folder,
+    convert_gguf,
+    is_cached,
+    no_bar,
+)
 from specsched.models.hf_config import llama_config_from_hf
 from specsched.models.llama import LlamaForCausalLM, hf_parameter_names, init_random, rope_inv_freq
 from specsched.models.smollm2 import SMOLLM2_NAME, smollm2_gguf_path
-from specsched.models.tokenizer import Tokenizer
+from specsched.models.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["LoadedModel", "llama_config_from_hf", "load_model", "resolve_device", "resolve_dtype"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+TOKENIZER_CLASSES_FILE = "tokenizer_classes.json"  # in the cache dir: AutoTokenizer's pick per folder
 # Random-init std per preset: 0.1 for `tiny` spreads its logits (top-2 gap >> float32 noise) so greedy
 # argmax never ties between equivalent forwards in tests; 0.02 (the usual) for timing-only presets.
 PRESET_INIT_STD = {"tiny": 0.1}
@@ -43,6 +54,7 @@ class LoadedModel:
     source_desc: str  # where the weights came from, for logs
     max_model_len: int  # ModelConfig.max_model_len, else the model's max_position
     weights_dir: Path | None = None  # folder of the safetensors read (an HF folder or a cache entry)
+    conversion: str = "none"  # the conversion cache: hit | built | none (a preset, a safetensors folder)
 
     @property
     def device(self) -> torch.device:
@@ -86,8 +98,16 @@ def resolve_attn_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def load_model(cfg: ModelConfig, progress: bool | None = None) -> LoadedModel:
-    """Build the model named by ``cfg.source``. ``progress``: tqdm bars (None = only on a TTY)."""
+def load_model(
+    cfg: ModelConfig,
+    progress: bool | None = None,
+    mark: Callable[[str], object] | None = None,
+    with_tokenizer: bool = True,
+) -> LoadedModel:
+    """Build the model named by ``cfg.source``. ``progress``: tqdm bars (None = only on a TTY);
+    ``mark(milestone)`` is called when the ``weights`` are on the device and the ``tokenizer`` is
+    loaded (start-up times); ``with_tokenizer=False``: the weights only (a draft model)."""
+    mark = mark or (lambda milestone: None)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     backend = resolve_attn_backend(cfg.attn_backend, device)
@@ -99,21 +119,25 @@ def load_model(cfg: ModelConfig, progress: bool | None = None) -> LoadedModel:
     src = cfg.source
     tokenizer: Tokenizer | None = None
     entry: Path | None = None
+    conversion = "none"
     if src in PRESETS:
         lcfg = get_preset(src)
         std = PRESET_INIT_STD.get(src, DEFAULT_INIT_STD)
         model = _empty_model(lcfg, backend, device, dtype)
         init_random(model, cfg.seed, std)
         _finish(model, lcfg, device)
+        mark("weights")
         name, desc = src, f"preset {src} (random init, seed {cfg.seed}, std {std})"
     else:
         cache_root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-        entry, name = _source_entry(src, cache_root, progress)
+        entry, name, conversion = _source_entry(src, cache_root, progress)
         lcfg = _entry_llama_config(entry)
         model = _load_safetensors(lcfg, _safetensors_files(entry), backend, device, dtype, progress)
-        if any((entry / f).is_file() for f in TOKENIZER_FILES):
-            tokenizer = Tokenizer.from_pretrained(entry, extra_eos_token_ids=lcfg.eos_token_ids)
+        mark("weights")
+        if with_tokenizer and any((entry / f).is_file() for f in TOKENIZER_FILES):
+            tokenizer = load_tokenizer(entry, cache_root / TOKENIZER_CLASSES_FILE, lcfg.eos_token_ids)
             lcfg.eos_token_ids = list(dict.fromkeys([*lcfg.eos_token_ids, *tokenizer.eos_token_ids]))
+            mark("tokenizer")
         desc = (
             f"{src} (weights {entry})" if entry.resolve() != Path(src).expanduser().resolve() else str(entry)
         )
@@ -123,19 +147,44 @@ def load_model(cfg: ModelConfig, progress: bool | None = None) -> LoadedModel:
         )
     if cfg.deterministic:
         model.set_deterministic(True)
-    return LoadedModel(model, tokenizer, lcfg, name, desc, cfg.max_model_len or lcfg.max_position, entry)
+    max_len = cfg.max_model_len or lcfg.max_position
+    return LoadedModel(model, tokenizer, lcfg, name, desc, max_len, entry, conversion)
 
 
 # --- building our model -------------------------------------------------------------------------
+
+# nn.init's in-place initialisers (and the Tensor methods they call): skipped while building
+_INIT_FUNCTIONS = frozenset(
+    "uniform_ normal_ trunc_normal_ kaiming_uniform_ kaiming_normal_ xavier_uniform_ xavier_normal_".split()
+)
+
+
+class _MetaParameters(TorchFunctionMode):
+    """Module construction (this thread) with the parameters on the meta device and no init: their
+    factories (``torch.empty`` / ``ones`` / ``zeros``) make meta tensors, nn.init's initialisers do
+    nothing, anything else (the RoPE buffer) runs on the CPU. ``with torch.device("meta")`` would run
+    every op on meta, through ``torch._refs``, whose first call imports ``torch._dynamo`` (~2 s)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _INIT_FUNCTIONS:  # nn.init.f(tensor) or tensor.f_()
+            return args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if func in (torch.empty, torch.ones, torch.zeros):
+            kwargs["device"] = torch.device("meta")
+        return func(*args, **kwargs)
+
+
+def _meta_model(lcfg: LlamaConfig, backend: str) -> LlamaForCausalLM:
+    """The model with meta parameters (values to be loaded or initialised; buffers to be replaced)."""
+    with _MetaParameters():
+        return LlamaForCausalLM(lcfg, backend)
 
 
 def _empty_model(
     lcfg: LlamaConfig, backend: str, device: torch.device, dtype: torch.dtype
 ) -> LlamaForCausalLM:
     """Uninitialised model on ``device`` in ``dtype`` (built on the meta device: no init cost)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(lcfg, backend)
-    return model.to(dtype).to_empty(device=device)
+    return _meta_model(lcfg, backend).to(dtype).to_empty(device=device)
 
 
 def _finish(model: LlamaForCausalLM, lcfg: LlamaConfig, device: torch.device) -> None:
@@ -159,8 +208,7 @@ def _load_safetensors(
 
     if not files:
         raise FileNotFoundError("no *.safetensors weights found")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(lcfg, backend)
+    model = _meta_model(lcfg, backend)
     expected = {hf for name in model.state_dict() for hf in hf_parameter_names(name)}
     state: dict[str, torch.Tensor] = {}
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
@@ -184,15 +232,17 @@ def _load_safetensors(
 # --- HF folders and the conversion cache ---------------------------------------------------------
 
 
-def _source_entry(src: str, cache_root: Path, progress: bool | None) -> tuple[Path, str]:
-    """The folder holding ``src``'s safetensors (converting GGUF / .bin into the cache), and a name."""
-    if src == "smollm2":
-        return convert_gguf(smollm2_gguf_path(), cache_root, SMOLLM2_NAME, progress), SMOLLM2_NAME
-    path = Path(src).expanduser()
-    if src.endswith(".gguf"):
+def _source_entry(src: str, cache_root: Path, progress: bool | None) -> tuple[Path, str, str]:
+    """The folder holding ``src``'s safetensors (converting GGUF / .bin into the cache), a name, and
+    the conversion cache's outcome (hit | built | none)."""
+    if src == "smollm2" or src.endswith(".gguf"):
+        path = smollm2_gguf_path() if src == "smollm2" else Path(src).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"model.source: GGUF file {src!r} does not exist")
-        return convert_gguf(path, cache_root, path.stem, progress), path.stem
+        name = SMOLLM2_NAME if src == "smollm2" else path.stem
+        hit = is_cached(cache_root, name, [path])
+        return convert_gguf(path, cache_root, name, progress), name, "hit" if hit else "built"
+    path = Path(src).expanduser()
     if path.is_dir():
         return _hf_folder_entry(path, cache_root, progress)
     raise ValueError(
@@ -201,19 +251,20 @@ def _source_entry(src: str, cache_root: Path, progress: bool | None) -> tuple[Pa
     )
 
 
-def _hf_folder_entry(folder: Path, cache_root: Path, progress: bool | None) -> tuple[Path, str]:
+def _hf_folder_entry(folder: Path, cache_root: Path, progress: bool | None) -> tuple[Path, str, str]:
     """An HF folder with safetensors is used in place; one with ``*.bin`` is converted to the cache."""
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"model.source: HF folder {str(folder)!r} has no config.json")
     name = folder.resolve().name
     if list(folder.glob("*.safetensors")):
-        return folder, name
+        return folder, name, "none"
     bins = sorted(folder.glob("pytorch_model*.bin")) or sorted(folder.glob("*.bin"))
     if not bins:
         raise FileNotFoundError(
             f"model.source: HF folder {str(folder)!r} has no *.safetensors or *.bin weights"
         )
-    return convert_bin_folder(folder, bins, cache_root, progress), name
+    hit = is_cached(cache_root, name, [folder / "config.json", *bins])
+    return convert_bin_folder(folder, bins, cache_root, progress), name, "hit" if hit else "built"
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -7,15 +7,27 @@ Chat templates render their own special tokens, so ``apply_chat_template`` adds 
 
 Decoding skips special tokens (``<|im_end|>``, ``</s>``...) and never "cleans up" spaces, so the
 streamed text of :class:`IncrementalDetokenizer` concatenates to exactly ``decode(all ids)``.
+
+Loading: ``AutoTokenizer`` picks the tokenizer class from the folder's files, which imports
+transformers' model configs (torch.distributed, sympy: ~2 s of a start); given the class it picked
+for the same files before (:attr:`Tokenizer.class_path`; the loader remembers it), that class's own
+``from_pretrained`` (what AutoTokenizer calls) loads them directly.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from specsched.models.convert import StatMemo, file_stat
+
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")  # files that do not pick the class
+logger = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -38,14 +50,28 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, gguf_file: str | None = None, extra_eos_token_ids: Iterable[int] = ()
+        cls,
+        path: str | Path,
+        gguf_file: str | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+        tokenizer_class: str | None = None,
     ) -> Tokenizer:
-        """Load from a local folder (``tokenizer.json`` etc.), or from a GGUF file in it."""
-        from transformers import AutoTokenizer
-
+        """Load from a local folder (``tokenizer.json`` etc.), or from a GGUF file in it.
+        ``tokenizer_class``: the :attr:`class_path` AutoTokenizer picked for these files before (with
+        this transformers version): loaded with it directly; None or an unknown class: AutoTokenizer."""
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+        hf_class = _transformers_class(tokenizer_class) if tokenizer_class and not gguf_file else None
+        if hf_class is None:
+            from transformers import AutoTokenizer
+
+            hf_class = AutoTokenizer
+        hf = hf_class.from_pretrained(str(path), local_files_only=True, **kwargs)
         return cls(hf, extra_eos_token_ids)
+
+    @property
+    def class_path(self) -> str:
+        """``module:Class`` of the transformers tokenizer (``tokenizer_class`` of a later load)."""
+        return f"{type(self.hf).__module__}:{type(self.hf).__qualname__}"
 
     @property
     def vocab_size(self) -> int:
@@ -98,6 +124,38 @@ class Tokenizer:
 
     def save_pretrained(self, path: str | Path) -> None:
         self.hf.save_pretrained(str(path))
+
+
+def load_tokenizer(folder: Path, class_memo: Path, extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+    """The folder's tokenizer. The class AutoTokenizer picks for its files (all but the weights, by
+    :func:`~specsched.models.convert.file_stat`) under this transformers version is remembered in
+    the JSON file ``class_memo``, so that later loads use that class directly."""
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return Tokenizer.from_pretrained(folder, extra_eos_token_ids=extra_eos_token_ids)
+    memo = StatMemo(class_memo, "tokenizer class cache")
+    key = f"{folder.resolve()} (transformers {version})"
+    files = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES)
+    stat = [[f.name, *file_stat(f)] for f in files]
+    known = memo.get(key, stat)
+    tok = Tokenizer.from_pretrained(folder, extra_eos_token_ids=extra_eos_token_ids, tokenizer_class=known)
+    if tok.class_path != known and _transformers_class(tok.class_path) is not None:
+        memo.put(key, stat, tok.class_path)
+    return tok
+
+
+def _transformers_class(class_path: str) -> type | None:
+    """The transformers tokenizer class named ``module:Class``, or None (not transformers', gone)."""
+    module, _, name = class_path.partition(":")
+    if not module.startswith("transformers.") or not name.isidentifier():
+        return None
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except ImportError as e:
+        logger.debug("tokenizer class %s: %s", class_path, e)
+        return None
+    return found if isinstance(found, type) and hasattr(found, "from_pretrained") else None
 
 
 def _tokenizer_adds_bos(hf_tokenizer: Any) -> bool:

@@ -27,6 +27,7 @@ from specsched.daemon.protocol import (
     ScorerStats,
     SpecOptions,
     SpecUsage,
+    StartupStats,
     Stats,
     StatsReply,
     Usage,
@@ -92,6 +93,7 @@ SERVER_MESSAGES = [
         {"mqa": ScorerStats(3, 2.5, 1.5)},
         {"steps": 3, "nested": {"x": [1, 2]}},
     ),  # fmt: skip
+    StatsReply("t", startup=StartupStats("proc", "hit", imports_s=1.5, weights_s=2.25, listening_s=4.0)),
     HealthReply("h", "ok", "tiny", 3.25),
 ]
 
@@ -239,6 +241,20 @@ def test_server_messages_ignore_unknown_fields_but_check_types():
         decode(encode(Generate("a", prompt="x")), allowed=SERVER_TYPES)
 
 
+def test_stats_reply_startup_is_optional_both_ways():
+    """A server without start-up times (or an older one) sends no ``startup``: null; a newer server's
+    extra milestone inside it is ignored, a wrong type is not."""
+    raw = msgpack.unpackb(encode(StatsReply("s", startup=StartupStats(listening_s=3.5))))
+    assert raw["startup"]["listening_s"] == 3.5 and raw["startup"]["tokenizer_s"] is None
+    del raw["startup"]
+    assert decode(msgpack.packb(raw), allowed=SERVER_TYPES).startup is None
+    raw["startup"] = {"clock": "proc", "listening_s": 2.0, "future_s": 1.0}
+    assert decode(msgpack.packb(raw), allowed=SERVER_TYPES).startup == StartupStats(listening_s=2.0)
+    raw["startup"] = {"listening_s": "soon"}
+    with pytest.raises(ProtocolError, match=r"stats_reply\.startup\.listening_s: must be a number"):
+        decode(msgpack.packb(raw), allowed=SERVER_TYPES)
+
+
 def test_docs_describe_every_field_and_error_code():
     text = DOCS.read_text()
     for code in ErrorCode:
@@ -247,6 +263,6 @@ def test_docs_describe_every_field_and_error_code():
         assert f"`{cls.TYPE}`" in text, f"message type {cls.TYPE} is not documented"
         for f in fields(cls):
             assert f"`{f.name}`" in text, f"{cls.TYPE}.{f.name} is not documented"
-    for cls in (SpecOptions, ChatMessage, Usage, SpecUsage, ProposerStats, ScorerStats):  # nested maps
+    for cls in (SpecOptions, ChatMessage, Usage, SpecUsage, ProposerStats, ScorerStats, StartupStats):
         for f in fields(cls):
             assert re.search(rf"\b{f.name}\b", text), f"{cls.__name__}.{f.name} is not documented"

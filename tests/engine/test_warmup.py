@@ -162,3 +162,53 @@ def test_deterministic_mode_warms_up_its_two_attention_configs_only():
     assert _attention_configs(model, d) == deterministic_launch_configs(3, 64)
     model.deterministic = False  # the default mode: every config of the serving domain
     assert len(_attention_configs(model, d)) > 2
+
+
+# ---- start-up times -----------------------------------------------------------------------------------
+
+
+def test_startup_times_mark_in_order_from_the_process_start(monkeypatch):
+    import time
+
+    from specsched.engine import warmup
+    from specsched.engine.warmup import StartupTimes, process_age_s
+
+    age = process_age_s()
+    assert age is not None and 0.0 < age < time.monotonic()  # Linux CI: /proc is there
+    times = StartupTimes.since_process_start()
+    assert times.clock == "proc"
+    first = times.mark("imports")
+    assert first >= age - 0.05  # seconds from the process's start, not from the object's
+    times.mark("weights")
+    times.mark("listening")
+    reached = times.reached()
+    assert list(reached) == ["imports_s", "weights_s", "listening_s"]  # field order = start-up order
+    assert list(reached.values()) == sorted(reached.values()) and times.total_s == times.listening_s
+    line = times.describe()
+    assert line.startswith(f"start-up {times.total_s:.2f} s from process start (clock proc): imports ")
+    assert "weights " in line and "tokenizer" not in line  # only the milestones reached
+    times.conversion = "hit"
+    assert "weights (conversion cache hit) " in times.describe()
+    assert times.to_dict()["conversion"] == "hit" and times.to_dict()["tokenizer_s"] is None
+    with pytest.raises(ValueError, match="unknown start-up milestone 'coffee'; known: imports, config"):
+        times.mark("coffee")
+    # without /proc: from the entry point's own first reading
+    monkeypatch.setattr(warmup, "process_age_s", lambda: None)
+    origin = time.monotonic() - 2.0
+    fallback = StartupTimes.since_process_start(origin)
+    assert fallback.clock == "main" and 2.0 <= fallback.mark("imports") < 10.0
+
+
+def test_build_parts_marks_the_engines_milestones():
+    from specsched.engine.components import build_parts
+    from specsched.engine.warmup import StartupTimes
+
+    cfg = config("on", proposer="ngram")
+    times = StartupTimes.since_process_start()
+    times.mark("config")
+    engine = Engine(cfg, build_parts(cfg, startup=times))
+    assert engine.warmup is not None
+    reached = times.reached()
+    assert list(reached) == ["config_s", "weights_s", "prebuild_s", "kv_cache_s", "graphs_s", "warmup_s"]
+    assert list(reached.values()) == sorted(reached.values())
+    assert times.conversion == "none" and times.tokenizer_s is None  # a preset: nothing converted
