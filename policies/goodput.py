@@ -34,6 +34,7 @@ rank alike is tried), not on the one the hysteresis kept from the speculative st
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -43,6 +44,8 @@ from specsched.policies.fixed import step_proposer
 from specsched.policies.goodput_explore import ExplorationSwitch, decode_scorer
 from specsched.policies.goodput_search import BatchProblem
 from specsched.policies.goodput_single import SingleProblem
+
+_REQUEST_FIELDS = attrgetter("acceptance", "acceptance_std", "context_len", "max_k", "last_k")
 
 
 @dataclass
@@ -123,19 +126,18 @@ class GoodputPolicy(Policy):
                 costs, scorers, proposer, r.acceptance, r.acceptance_std, r.context_len, cap, cfg.optimism
             )
             return prob, [r.last_k], [r.acceptance_std] if r.max_k > 0 else []
-        std_list = [r.acceptance_std for r in reqs]
-        max_k = [r.max_k for r in reqs]
-        mean = np.array([r.acceptance for r in reqs], dtype=np.float64)  # [B]
-        std = np.array(std_list, dtype=np.float64)  # [B]
-        ctx = np.array([r.context_len for r in reqs], dtype=np.int64)  # [B]
+        accs, stds, ctxs, max_k, lasts = zip(*map(_REQUEST_FIELDS, reqs))  # one pass over the views
+        mean = np.array(accs, dtype=np.float64)  # [B]
+        std = np.array(stds, dtype=np.float64)  # [B]
+        ctx = np.array(ctxs, dtype=np.int64)  # [B]
         cap = np.array(max_k, dtype=np.int64)  # [B]
         np.minimum(cap, cfg.max_k, out=cap)
         np.maximum(cap, 0, out=cap)
-        last = np.array([r.last_k for r in reqs], dtype=np.int64)  # [B]
+        last = np.array(lasts, dtype=np.int64)  # [B]
         prob = BatchProblem(
             costs, scorers, proposer, mean, std, ctx, cap, cfg.max_iters, cfg.scorer_margin, cfg.optimism
         )
-        return prob, last, [sd for sd, m in zip(std_list, max_k) if m > 0]
+        return prob, last, [sd for sd, m in zip(stds, max_k) if m > 0]
 
     def decide(self, view: BatchView, costs: CostModels | None) -> Plan:
         cfg = self.config

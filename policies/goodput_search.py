@@ -122,7 +122,7 @@ def fill_buckets(buckets: np.ndarray, k: np.ndarray, cap: np.ndarray, powers: np
         if count <= 0:
             continue
         mask = ((j > kk) & (j <= cap[:, None])) if sign > 0 else (j <= kk)  # [B, J] drafts it may move
-        count = min(count, int(mask.sum()))
+        count = min(count, int(mask.sum()) if sign > 0 else tokens - len(k))  # trim: at most Σ k_i
         if count <= 0:
             continue
         key = np.where(mask, -powers if sign > 0 else powers, np.inf).ravel()  # most valuable first
