@@ -47,6 +47,7 @@ class Tokenizer:
         self.eos_token_ids: list[int] = eos
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.is_adding_bos: bool = _tokenizer_adds_bos(hf_tokenizer)
+        self._backend = _checked_backend(hf_tokenizer)  # the Rust tokenizer, where it decodes the same
 
     @classmethod
     def from_pretrained(
@@ -95,8 +96,14 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if self._backend is not None:  # ~1 us instead of ~4 (the streaming detokenizer: 2 per step)
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._hf_decode(ids, skip_special_tokens)
+
+    def _hf_decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.hf.decode(
-            [int(i) for i in ids], skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -124,6 +131,29 @@ class Tokenizer:
 
     def save_pretrained(self, path: str | Path) -> None:
         self.hf.save_pretrained(str(path))
+
+
+def _checked_backend(hf: Any) -> Any | None:
+    """``hf``'s Rust ``tokenizers.Tokenizer`` when decoding through it gives what ``hf.decode`` gives
+    (without the clean-up, which we never use) on a sample: every id below 2048, the special ids,
+    and a few mixed sequences, with and without special tokens; else None (``hf.decode`` is used)."""
+    backend = getattr(hf, "_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return None
+    try:
+        n = len(hf)
+        special = [int(i) for i in getattr(hf, "all_special_ids", []) if 0 <= int(i) < n]
+        ids = list(range(min(n, 2048)))
+        samples = [ids[i : i + 7] for i in range(0, len(ids), 7)] + [special, special + ids[:50]]
+        samples += [ids[::37], ids[1::11][:64]]
+        for sample in samples:
+            for skip in (True, False):
+                want = hf.decode(sample, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+                if backend.decode(sample, skip_special_tokens=skip) != want:
+                    return None
+    except Exception:  # noqa: BLE001 -- any doubt: the wrapper's decode
+        return None
+    return backend
 
 
 def load_tokenizer(folder: Path, class_memo: Path, extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -118,3 +120,39 @@ def test_incremental_property(tiny_tok, text, chunk):
     ids = tiny_tok.encode(text)
     pieces, tail = stream(tiny_tok, ids, chunk)
     assert "".join(pieces) + tail == tiny_tok.decode(ids)
+
+
+def test_decode_through_the_rust_backend_equals_the_wrapper(any_tok):
+    """Both tokenizers decode through their Rust backend (the streaming path's speed), with the
+    wrapper's result on random id sequences, special ids among them, with and without skipping."""
+    assert any_tok._backend is not None
+    rng = random.Random(0)
+    n = len(any_tok.hf)
+    special = list(any_tok.hf.all_special_ids)
+    for _ in range(300):
+        ids = [rng.randrange(n) for _ in range(rng.randint(0, 12))] + rng.sample(
+            special, k=min(2, len(special))
+        )
+        rng.shuffle(ids)
+        for skip in (True, False):
+            assert any_tok.decode(ids, skip_special_tokens=skip) == any_tok._hf_decode(ids, skip)
+
+
+def test_a_backend_that_decodes_differently_is_not_used(tiny_tok):
+    class OwnDecode:  # a wrapper whose decode is its own (as a subclass overriding _decode would be)
+        def __init__(self, inner):
+            self.inner = inner
+
+        def decode(self, ids, **kw):
+            return self.inner.decode(ids, **kw).upper()
+
+        def __len__(self):
+            return len(self.inner)
+
+        def __getattr__(self, name):  # everything else, the Rust backend included, as the real one
+            return getattr(self.inner, name)
+
+    tok = Tokenizer(OwnDecode(tiny_tok.hf))
+    assert tok._backend is None
+    ids = tiny_tok.encode("hello world")
+    assert tok.decode(ids) == tiny_tok.decode(ids).upper()  # through the wrapper's own decode
