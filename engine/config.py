@@ -87,9 +87,17 @@ class SchedulerConfig:
     # Decide the next decode step's plan while the GPU runs this step's scoring, for policies that
     # allow it (Policy.is_plan_ahead_safe): auto = on CUDA, on, off. See Engine._decode.
     plan_ahead: str = "auto"
+    # The share of a decode step's time that deciding may cost: a plan whose decide the step waits
+    # for (on the critical path, or planned ahead but longer than the GPU's scoring) is used for
+    # up to max_plan_age steps, so that deciding costs about this share (engine/planning.py). For
+    # policies that allow plan-ahead; null: decide every step.
+    decide_budget: float | None = 0.05
+    max_plan_age: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue"):
+        if self.decide_budget is not None and not self.decide_budget > 0:
+            raise ValueError(f"scheduler.decide_budget must be > 0 or null, got {self.decide_budget}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "max_plan_age"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler.{name} must be >= 1, got {getattr(self, name)}")
         if self.plan_ahead not in ("auto", "on", "off"):

@@ -16,11 +16,16 @@ from specsched.engine.request import SamplingParams
 from specsched.policies.base import BatchView, Plan, RequestView
 
 
-def make_engine(plan_ahead: str, policy: dict, proposer: str = "ngram") -> Engine:
+def make_engine(
+    plan_ahead: str, policy: dict, proposer: str = "ngram", decide_budget: float | None = None
+) -> Engine:
+    sched = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, plan_ahead=plan_ahead, decide_budget=decide_budget
+    )
     cfg = EngineConfig(
         model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
         cache=CacheConfig(block_size=4, num_blocks=256),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, plan_ahead=plan_ahead),
+        scheduler=sched,
         spec=SpecConfig(proposer=proposer, scorers=["batch_expansion", "mqa"], max_k=4),
         policy=policy,
     )
@@ -51,10 +56,13 @@ def test_goodput_planned_ahead_is_lossless_and_flagged_in_the_log():
     reference, _ = run(make_engine("off", {"name": "fixed", "k": 0, "scorer": "batch_expansion"}))
     outputs, records = run(make_engine("on", {"name": "goodput"}))
     assert outputs == reference
-    # a step uses the plan decided ahead exactly when it runs the previous decode step's requests
+    # without a decide budget every decode step after the first runs the plan decided during the last
+    # one's scoring, carried to its batch (here requests only leave it: all three start together)
     ids = [[q.request_id for q in r.requests] for r in records]
     flags = [bool(r.plan_info.get("is_planned_ahead")) for r in records]
-    assert flags == [i > 0 and ids[i] == ids[i - 1] for i in range(len(records))]
+    assert flags == [i > 0 for i in range(len(records))]
+    assert any(len(ids[i]) < len(ids[i - 1]) for i in range(1, len(ids)))  # the carry across a finish ran
+    assert all(r.plan_info["plan_age"] == 0 for r in records[1:])
     ahead = [r for r, f in zip(records, flags) if f]
     assert len(ahead) > len(records) // 2 and any(r.num_proposed for r in ahead), (len(ahead), len(records))
     _, off = run(make_engine("off", {"name": "goodput"}))
@@ -76,14 +84,17 @@ class _Req:
         self.request_id = request_id
 
 
-def test_a_plan_decided_ahead_is_capped_now_and_used_once_for_the_same_requests_only():
+def test_a_plan_decided_ahead_is_capped_now_and_carried_to_the_batch_by_request_id():
     engine = make_engine("on", {"name": "goodput"})
     plan = Plan([4, 3, 2], "mqa", "goodput", 1.0, 2.0, {"reason": "x"})
-    reqs = [_Req("a"), _Req("b"), _Req("c")]
-    engine._ahead = (["a", "b", "c"], plan)
-    got = engine._plan_decided_ahead(reqs, view_of(["a", "b", "c"], [1, 3, 0]))
+    engine._held = (["a", "b", "c"], plan, True)
+    got = engine._held_plan(view_of(["a", "b", "c"], [1, 3, 0]))
     assert got.k == [1, 3, 0] and got.scorer == "mqa" and got.info["is_planned_ahead"]
     assert plan.k == [4, 3, 2] and "is_planned_ahead" not in plan.info  # the original is untouched
-    assert engine._plan_decided_ahead(reqs, view_of(["a", "b", "c"], [4, 4, 4])) is None  # used up
-    engine._ahead = (["a", "b", "c"], plan)
-    assert engine._plan_decided_ahead(reqs[:2], view_of(["a", "b"], [4, 4])) is None  # batch changed
+    # used once as the plan decided ahead; with no budget (decide every step) it is not carried again
+    assert engine._held_plan(view_of(["a", "b", "c"], [4, 4, 4])) is None
+    engine._held = (["a", "b", "c"], plan, True)
+    got = engine._held_plan(view_of(["c", "a"], [4, 4]))  # b left, the order changed
+    assert got.k == [2, 4] and got.info["num_left"] == 1 and got.info["num_joined"] == 0
+    engine._held = (["a", "b", "c"], plan, True)
+    assert engine._held_plan(view_of(["a", "d", "e"], [4, 4, 4])) is None  # 2 of 3 joined: decide

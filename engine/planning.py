@@ -1,0 +1,91 @@
+"""Which plan a decode step runs: one decided ahead, an earlier plan carried over, or a new decide.
+
+The policy's ``decide`` is host work (at batch 64 the goodput search and the second view it needs
+take ~1-2 ms of Python on the H200 host), and its plans move slowly: the acceptance posteriors and
+cost models it reads change little from one step to the next. So the engine treats the decide's
+cost as part of the step's cost and decides only as often as that cost allows:
+
+- **Planned ahead** (``scheduler.plan_ahead``): on CUDA the next step's plan is decided while the GPU
+  scores this step. That hides the decide only while it is shorter than the scoring forward;
+  :class:`PlanReuse` measures the part it does not hide (*exposed* ms: the host time from the
+  scoring launch to the verification read beyond the forward's GPU time, at most the planning ms).
+- **Carried over** (``scheduler.decide_budget``): a plan is used again for up to
+  ``interval - 1`` more steps, ``interval = ceil(exposed / (budget · step ms))``, so that deciding
+  costs about ``budget`` of the step time on average (1 = decide every step, which is what a cheap
+  decide at batch 1 gets). On the CPU path a decide is on the critical path: all of it is exposed.
+
+A plan is *carried* to a step's batch by request id (:func:`carry_plan`): requests that left are
+dropped, every k is capped by the request's cap now (n-gram matches and remaining lengths move on),
+and requests that joined since (fresh from prefill) draft nothing until the next decide, which comes
+at once when more than ``max_joined`` of the batch is new. Only policies that declare
+``is_plan_ahead_safe`` (their plan does not react to the last step's outcome) get either.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from specsched.policies.base import BatchView, Plan
+
+MAX_JOINED = 0.125  # a plan is carried to a batch of which at most this share (or 1 request) is new
+
+
+def carry_plan(ids: list[str], plan: Plan, view: BatchView, max_joined: float) -> Plan | None:
+    """``plan`` (decided for requests ``ids``) for the batch of ``view``, or None when more than
+    ``max_joined`` (a share of the batch, at least one request) of it joined since; joined requests
+    get k = 0, every k is capped by its request's ``max_k`` now. The plan's ``info`` is copied with
+    ``num_joined`` / ``num_left`` added (the original is not changed)."""
+    index = {rid: i for i, rid in enumerate(ids)}
+    old_k, k, num_joined = plan.k, [], 0
+    for v in view.requests:
+        i = index.get(v.request_id)
+        if i is None:
+            num_joined += 1
+            k.append(0)
+        else:
+            k.append(min(old_k[i], v.max_k))
+    if num_joined > max(1, int(max_joined * len(view.requests))):
+        return None
+    num_left = len(ids) - (len(view.requests) - num_joined)
+    return replace(plan, k=k, info={**plan.info, "num_joined": num_joined, "num_left": num_left})
+
+
+class PlanReuse:
+    """How often the engine decides. The engine calls :meth:`on_new_plan` when a step gets a fresh
+    plan, :meth:`on_use` each time a step runs the plan held, :meth:`record_decide` with each
+    decide's exposed ms and :meth:`observe_step` with each decode step's wall ms; ``is_due`` says
+    whether the held plan has been used ``interval`` times. ``budget`` None: decide every step."""
+
+    def __init__(self, budget: float | None, max_age: int, smoothing: float = 0.2) -> None:
+        self.budget, self.max_age, self.smoothing = budget, max_age, smoothing
+        self.exposed_ms: float | None = None  # EMA over decides: the ms of each that a step waited for
+        self.step_ms: float | None = None  # EMA over decode steps: wall ms, the loop between included
+        self.age = 0  # steps that have run the held plan
+
+    @property
+    def interval(self) -> int:
+        """Steps per decide: 1 while a decide costs at most ``budget`` of a step, at most ``max_age``."""
+        if self.budget is None or not self.step_ms or not self.exposed_ms:
+            return 1
+        return max(1, min(self.max_age, math.ceil(self.exposed_ms / (self.budget * self.step_ms))))
+
+    @property
+    def is_due(self) -> bool:
+        """The held plan has run ``interval`` steps: the next step gets a fresh one."""
+        return self.age >= self.interval
+
+    def on_new_plan(self) -> None:
+        self.age = 0
+
+    def on_use(self) -> None:
+        self.age += 1
+
+    def record_decide(self, exposed_ms: float) -> None:
+        self.exposed_ms = self._ema(self.exposed_ms, max(exposed_ms, 0.0))
+
+    def observe_step(self, step_ms: float) -> None:
+        self.step_ms = self._ema(self.step_ms, step_ms)
+
+    def _ema(self, mean: float | None, x: float) -> float:
+        return x if mean is None else (1.0 - self.smoothing) * mean + self.smoothing * x

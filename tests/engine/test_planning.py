@@ -1,0 +1,147 @@
+"""engine/planning.py: carrying a plan to a later batch, and how often the engine decides."""
+
+from __future__ import annotations
+
+import pytest
+
+from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specsched.engine.engine import Engine
+from specsched.engine.planning import PlanReuse, carry_plan
+from specsched.engine.records import StepRecord
+from specsched.engine.request import SamplingParams
+from specsched.policies.base import BatchView, Plan, RequestView
+from specsched.policies.goodput import GoodputPolicy
+
+
+def view_of(ids: list[str], caps: list[int]) -> BatchView:
+    reqs = [RequestView(i, 10, "ngram", c, 0.5, 0.1, 0, 0) for i, c in zip(ids, caps)]
+    return BatchView(reqs, 100, 4, ["batch_expansion", "mqa"], 0)
+
+
+def test_carry_plan_maps_by_id_caps_and_gives_joined_requests_no_drafts():
+    plan = Plan([5, 3, 2, 1], "mqa", "goodput", 1.0, 2.0, {"reason": "x"})
+    got = carry_plan(["a", "b", "c", "d"], plan, view_of(["d", "b", "e", "a"], [9, 1, 9, 9]), 0.25)
+    assert got.k == [1, 1, 0, 5]
+    assert got.info == {"reason": "x", "num_joined": 1, "num_left": 1}
+    assert plan.k == [5, 3, 2, 1] and plan.info == {"reason": "x"}
+
+
+def test_carry_plan_refuses_a_batch_that_is_mostly_new():
+    plan = Plan([1] * 8, "mqa", "goodput")
+    ids = [f"r{i}" for i in range(8)]
+    new = ids[:6] + ["x", "y"]
+    assert carry_plan(ids, plan, view_of(new, [4] * 8), 0.25) is not None  # 2 of 8 joined: at the share
+    assert carry_plan(ids, plan, view_of(ids[:5] + ["x", "y", "z"], [4] * 8), 0.25) is None  # 3 of 8
+    assert carry_plan(ids[:1], plan, view_of(["q"], [4]), 0.0) is not None  # one request may always join
+
+
+def test_interval_spends_the_budget_and_is_capped():
+    r = PlanReuse(budget=0.05, max_age=8)
+    assert r.interval == 1  # nothing measured yet
+    r.observe_step(10.0)
+    r.record_decide(1.0)
+    assert r.interval == 2  # 1 ms per decide / (0.05 * 10 ms) = 2 steps per decide
+    r.record_decide(1.0)
+    r.observe_step(4.0)
+    r.observe_step(4.0)
+    r.observe_step(4.0)
+    assert r.interval == 3  # step ~5.8 ms now: ceil(1 / 0.29)
+    r.record_decide(100.0)
+    assert r.interval == 8
+    assert PlanReuse(budget=None, max_age=8).interval == 1
+    hidden = PlanReuse(budget=0.05, max_age=8)
+    hidden.observe_step(3.0)
+    hidden.record_decide(0.0)  # planned ahead inside the GPU's scoring: free
+    assert hidden.interval == 1
+
+
+def test_age_counts_the_steps_that_ran_the_held_plan():
+    r = PlanReuse(budget=0.05, max_age=8)
+    r.observe_step(10.0)
+    r.record_decide(1.5)  # interval 3
+    r.on_new_plan()
+    for expected_due in (False, False, True):
+        r.on_use()
+        assert r.is_due is expected_due
+    r.on_new_plan()
+    assert not r.is_due
+
+
+def test_config_checks_the_budget():
+    with pytest.raises(ValueError, match="decide_budget must be > 0 or null, got 0"):
+        SchedulerConfig(decide_budget=0)
+    with pytest.raises(ValueError, match="max_plan_age must be >= 1, got 0"):
+        SchedulerConfig(max_plan_age=0)
+
+
+class CountingGoodput(GoodputPolicy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_decides = 0
+
+    def decide(self, view, costs):
+        self.num_decides += 1
+        return super().decide(view, costs)
+
+
+class EveryFourSteps(PlanReuse):
+    """The engine's wiring with the measurement taken out: a decide every 4 steps."""
+
+    @property
+    def interval(self) -> int:
+        return 4
+
+
+PROMPTS = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7, [12, 13, 14, 15, 16] * 5]
+
+
+def run(budget: float | None, policy=None, name: str = "goodput", reuse: PlanReuse | None = None):
+    cfg = EngineConfig(
+        model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, decide_budget=budget),
+        spec=SpecConfig(proposer="ngram", scorers=["batch_expansion", "mqa"], max_k=4),
+        policy={"name": name} if name != "fixed" else {"name": "fixed", "k": 0, "scorer": "mqa"},
+    )
+    engine = Engine(cfg, policy=policy)
+    if reuse is not None:
+        engine.reuse = reuse
+    records: list[StepRecord] = []
+    engine.on_step = records.append
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    run.engine = engine
+    return out, [r for r in records if r.kind == "decode"]
+
+
+def test_a_plan_is_carried_until_the_decide_is_due_and_output_stays_lossless():
+    reference, _ = run(None, name="fixed")
+    policy = CountingGoodput()
+    outputs, records = run(0.05, policy, reuse=EveryFourSteps(0.05, 8))
+    assert outputs == reference
+    ages = [r.plan_info.get("plan_age", 0) for r in records]
+    # every run of a plan is 4 steps long (0, 1, 2, 3), the last perhaps shorter
+    assert ages[: 4 * (len(ages) // 4)] == [0, 1, 2, 3] * (len(ages) // 4)
+    assert policy.num_decides == -(-len(records) // 4)
+    assert all(r.plan_info["decide_ms"] == 0.0 for r in records if r.plan_info.get("plan_age"))
+    assert all(r.plan_info["decide_ms"] > 0.0 for r in records if not r.plan_info.get("plan_age"))
+
+
+def test_without_a_budget_every_step_decides():
+    reference, _ = run(None, name="fixed")
+    policy = CountingGoodput()
+    outputs, records = run(None, policy, reuse=EveryFourSteps(None, 8))
+    assert outputs == reference and policy.num_decides == len(records)
+
+
+def test_policies_that_react_to_the_last_step_are_never_carried():
+    _, records = run(0.05, name="hf_heuristic", reuse=EveryFourSteps(0.05, 8))
+    assert records and not any(r.plan_info.get("plan_age") for r in records)
+
+
+def test_the_engine_feeds_the_budget_the_decides_and_steps_it_measured():
+    _, records = run(0.05)
+    reuse = run.engine.reuse
+    decided = [r.plan_info["decide_ms"] for r in records if not r.plan_info.get("plan_age")]
+    assert reuse.step_ms is not None and reuse.step_ms > 0
+    # on the CPU path every decide is on the critical path: the EMA lies within the decides' range
+    assert reuse.exposed_ms is not None and min(decided) <= reuse.exposed_ms <= max(decided)
