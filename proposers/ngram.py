@@ -90,14 +90,28 @@ class NgramIndex:
         if start >= stop:
             return
         self.num_indexed = stop
+        if stop - start < _ZIP_FROM:  # the few a decode step adds
+            self._extend_few(tokens, start, stop)
+            return
         for n, ends in self.ends.items():  # the n-gram ending at e is tokens[e - n + 1 : e + 1]
             lo = max(start, n - 1)
             if stop - lo >= _ZIP_FROM:  # many (a prompt): its n columns zipped, in C
                 cols = [tokens[lo - n + 1 + j : stop - n + 1 + j] for j in range(n)]
                 ends.update(zip(zip(*cols), range(lo, stop)))
-            else:  # the few a decode step adds
+            else:
                 for e in range(lo, stop):
                     ends[tuple(tokens[e - n + 1 : e + 1])] = e
+
+    def _extend_few(self, tokens: Sequence[int], start: int, stop: int) -> None:
+        """:meth:`extend` for a few end positions: one tuple of the longest n-gram per end, the shorter
+        ones sliced from it (a tuple slice is one allocation; a list slice made a tuple is two)."""
+        min_n, max_n = self.min_n, self.max_n
+        ends = self.ends
+        for e in range(max(start, min_n - 1), stop):
+            top = max_n if e >= max_n - 1 else e + 1  # the longest n-gram ending at e
+            longest = tuple(tokens[e - top + 1 : e + 1])
+            for n in range(min_n, top + 1):
+                ends[n][longest[top - n :]] = e
 
     def match(self, tokens: Sequence[int]) -> int | None:  # the sequence so far
         last = len(tokens) - 1
@@ -105,8 +119,10 @@ class NgramIndex:
             return None
         self.extend(tokens, last)
         ends = self.ends
-        for n in range(min(self.max_n, last), self.min_n - 1, -1):
-            e = ends[n].get(tuple(tokens[last - n + 1 :]))
+        top = min(self.max_n, last)
+        suffix = tuple(tokens[last - top + 1 :])  # the longest suffix tried; shorter ones sliced from it
+        for n in range(top, self.min_n - 1, -1):
+            e = ends[n].get(suffix[top - n :])
             if e is not None:
                 return e + 1
         return None
