@@ -325,5 +325,48 @@ def test_gpu_smollm2_64_prompts_spec_equals_non_spec(smollm2_path, smollm2_cache
         assert same == 64
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("max_model_len", [None, 2048], ids=["model_len", "len2048"])
+def test_gpu_smollm2_daemon_config_spec_equals_non_spec(smollm2_path, smollm2_cache_dir, max_model_len):
+    """The serving daemons' configs (H200, 2026-12-03: 85-90 % same output through the daemon, 64/64 in
+    the test above): the baseline built as bench=serve builds it (fixed k = 0 on batch expansion, that
+    scorer only), the speculative engine with goodput over the default scorers, kernel warm-up on,
+    the model's own context length or 2048; 12 prompts one at a time (N = 1) and all 64 at once."""
+    del smollm2_path
+
+    def engine(proposer: str, scorers: list[str], policy: dict) -> Engine:
+        cfg = EngineConfig(
+            model=ModelConfig(source="smollm2", dtype="bfloat16", device="cuda", deterministic=True,
+                              cache_dir=str(smollm2_cache_dir), max_model_len=max_model_len),
+            cache=CacheConfig(block_size=16, num_blocks=8192),
+            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
+            spec=SpecConfig(proposer=proposer, scorers=scorers, max_k=8),
+            policy=policy,
+        )  # fmt: skip
+        return Engine(cfg)
+
+    def outputs(e: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+        params = SamplingParams(max_tokens=128)
+        return [e.generate([p], params)[0] for p in prompts[:12]], e.generate(prompts, params)
+
+    base = engine("none", ["batch_expansion"], {"name": "fixed", "k": 0, "scorer": "batch_expansion"})
+    prompts = [base.tokenizer.apply_chat_template([{"role": "user", "content": f.format(t)}])
+               for f in PROMPT_FORMS for t in PROMPT_TOPICS]  # fmt: skip
+    want_1, want_64 = outputs(base, prompts)
+    del base
+    torch.cuda.empty_cache()
+    spec = engine("ngram", ["batch_expansion", "mqa", "mqa_graph"], {"name": "goodput"})
+    scorers: set[str] = set()
+    spec.on_step = lambda rec: scorers.add(rec.scorer)
+    got_1, got_64 = outputs(spec, prompts)
+    same_1 = sum(a == b for a, b in zip(got_1, want_1))
+    same_64 = sum(a == b for a, b in zip(got_64, want_64))
+    print(f"\nSmolLM2 bf16 deterministic, daemon config, max_model_len={max_model_len}: "
+          f"N=1 {same_1}/12, N=64 {same_64}/64 spec == non-spec {sorted(scorers)}")  # fmt: skip
+    assert (same_1, same_64) == (12, 64)
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreted"]:
     run_jobs({"triton_path": triton_path_job})
