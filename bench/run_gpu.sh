@@ -51,6 +51,11 @@ step() {  # step NAME LIMIT_S CMD...: run guarded, full log in $OUT/NAME.log, ou
 cat "$OUT/env.txt"
 
 # (i) GPU tests (marked `gpu`); -s shows the measured bf16 relative errors. SKIP_TESTS=1 skips them.
+# GPU_TESTS="tests/x tests/y": only those (one guarded step, GPU_TESTS_LIMIT_S, default 300 s).
+if [ -n "${GPU_TESTS:-}" ] && [ "${SKIP_TESTS:-0}" != 1 ]; then
+step test_selected "${GPU_TESTS_LIMIT_S:-300}" python3 -m pytest -m gpu -q -rA -s $GPU_TESTS || true
+SKIP_TESTS=1
+fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
 step test_kernels 150 python3 -m pytest -m gpu -q -rA -s tests/kernels/ || true
 step test_scorers 110 python3 -m pytest -m gpu -x -q -rA -s tests/scorers/ || true
