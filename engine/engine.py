@@ -224,7 +224,8 @@ class Engine:
         rec.batch_size, rec.num_tokens = len(reqs), props.num_tokens + len(reqs)
         rec.num_emitted = sum(len(e) for e in emitted)
         rec.scorer, rec.policy, rec.is_synthetic = plan.scorer, plan.policy, props.is_synthetic
-        rec.proposer = names[0] if len(set(names)) == 1 else "+".join(sorted(set(names)))
+        kinds = set(names)
+        rec.proposer = names[0] if len(kinds) == 1 else "+".join(sorted(kinds))
         rec.predicted_ms, rec.plan_info = plan.predicted_ms, plan.info
         rec.predicted_propose_ms = plan.info.get("predicted_propose_ms")
         rec.predicted_score_ms = plan.info.get("predicted_score_ms")
@@ -294,22 +295,23 @@ class Engine:
             self._ahead_ms = None
 
     def _view(self, reqs: list[Request], names: list[str]) -> BatchView:
-        peek = {
-            n: iter(self.proposers[n].peek(reqs if len(by) == len(reqs) else [reqs[i] for i in by]).max_k)
-            for n, by in self._by_proposer(names).items()
-        }
+        by = self._by_proposer(names)
+        if len(by) == 1:  # one proposer for the whole batch: its peek is in batch order
+            peek = self.proposers[names[0]].peek(reqs).max_k
+        else:
+            peek = [0] * len(reqs)
+            for n, idx in by.items():
+                for i, m in zip(idx, self.proposers[n].peek([reqs[i] for i in idx]).max_k):
+                    peek[i] = m
         max_k, max_len, views = self.cfg.spec.max_k, self.max_model_len, []
-        for r, n in zip(reqs, names):
-            num_tokens = r.num_tokens
-            cap = min(
-                next(peek[n]),
-                max_k,
-                r.sampling.max_tokens - len(r.output_ids) - 1,
-                max_len - num_tokens,
-            )
+        mean_std = self.acceptance.mean_std
+        for r, n, m in zip(reqs, names, peek):
+            num_out = len(r.output_ids)
+            num_tokens = len(r.prompt_ids) + num_out  # r.num_tokens (one property call less per request)
+            cap = min(m, max_k, r.sampling.max_tokens - num_out - 1, max_len - num_tokens)
             if r.spec.max_k is not None:
                 cap = min(cap, r.spec.max_k)
-            mean, std = self.acceptance.mean_std(r.request_id, n)
+            mean, std = mean_std(r.request_id, n)
             views.append(
                 RequestView(r.request_id, num_tokens, n, max(cap, 0), mean, std, r.last_k, r.last_accepted)
             )
@@ -323,7 +325,7 @@ class Engine:
 
     def _proposer_names(self, reqs: list[Request]) -> list[str]:
         default = self.cfg.spec.proposer
-        return [r.proposer or default for r in reqs]
+        return [r.spec.proposer or default for r in reqs]  # r.proposer, without the property call
 
     @staticmethod
     def _by_proposer(names: list[str]) -> dict[str, list[int]]:
@@ -352,22 +354,25 @@ class Engine:
         at EOS/stop ids/length, roll back the KV of rejected drafts by length. ``names``: the
         requests' proposers on a decode step (acceptance is observed), None on a prefill step."""
         outputs, unfinished = [], []
+        observe, trim = self.acceptance.observe, self.scheduler.trim
         for i, (r, toks, k) in enumerate(zip(reqs, emitted, num_draft)):
             n_acc = len(toks) - 1
             kept, reason = self._kept(r, toks)
-            r.output_ids.extend(kept)
+            out = r.output_ids
+            out.extend(kept)
             if names is not None:
                 r.num_proposed += k
                 r.num_accepted += n_acc
                 r.num_spec_steps += 1
                 r.last_k, r.last_accepted = k, n_acc
-                self.acceptance.observe(r.request_id, names[i], k, n_acc)
-            r.num_computed = r.num_tokens - 1
+                if k:  # k = 0 teaches the estimator nothing (its observe returns at once)
+                    observe(r.request_id, names[i], k, n_acc)
+            r.num_computed = len(r.prompt_ids) + len(out) - 1  # num_tokens - 1
             outputs.append(RequestOutput(r.request_id, kept, k, n_acc, reason.value if reason else None))
             if reason is not None:
                 self._finish(r, reason)
             else:
-                self.scheduler.trim(r)
+                trim(r)
                 unfinished.append(r)
         for p in self.proposers.values():
             p.on_commit(unfinished)
@@ -377,12 +382,14 @@ class Engine:
         """The prefix of ``tokens`` the request keeps, through the first one that stops it (EOS or a
         stop id: STOP; max_tokens or the model's context reached: LENGTH), and that reason."""
         s = r.sampling
-        eos = () if s.ignore_eos else self.eos_token_ids
-        num_out, num_prompt = len(r.output_ids), len(r.prompt_ids)
+        eos, stop_ids = () if s.ignore_eos else self.eos_token_ids, s.stop_token_ids
+        num_out = len(r.output_ids)
+        # the i-th token reaches max_tokens or the model's context when i >= limit
+        limit = min(s.max_tokens - num_out, self.max_model_len - len(r.prompt_ids) - num_out)
         for i, t in enumerate(tokens, 1):
-            if t in eos or t in s.stop_token_ids:
+            if t in eos or t in stop_ids:
                 return tokens[:i], FinishReason.STOP
-            if num_out + i >= s.max_tokens or num_prompt + num_out + i >= self.max_model_len:
+            if i >= limit:
                 return tokens[:i], FinishReason.LENGTH
         return tokens, None
 

@@ -90,7 +90,7 @@ class Scheduler:
 
     def trim(self, req: Request) -> None:
         """Free whole blocks beyond the request's tokens (rollback of rejected lookahead slots)."""
-        keep = self.blocks_for(req.num_tokens)
+        keep = -(-(len(req.prompt_ids) + len(req.output_ids)) // self.block_size)  # blocks_for(num_tokens)
         if len(req.block_table) > keep:
             self.allocator.free(req.block_table[keep:])
             del req.block_table[keep:]
@@ -121,7 +121,8 @@ class Scheduler:
     def prefill_target(req: Request) -> int:
         """Tokens to compute before decoding: the prompt for a fresh request; every token but the
         last for a resumed (preempted) one."""
-        return req.num_prompt_tokens if not req.output_ids else req.num_tokens - 1
+        num_prompt, num_out = len(req.prompt_ids), len(req.output_ids)
+        return num_prompt + num_out - 1 if num_out else num_prompt
 
     def schedule(self) -> ScheduledBatch | None:
         """Prefill first (chunked under a token budget), else one decode step over all running."""
@@ -136,10 +137,13 @@ class Scheduler:
             ):
                 break
             self.running.append(self.waiting.popleft())
-        prefills, chunks = [], []
+        prefills, chunks, decodes = [], [], []
         for req in self.running:
             todo = self.prefill_target(req) - req.num_computed
-            if todo <= 0 or budget <= 0:
+            if todo <= 0:
+                decodes.append(req)
+                continue
+            if budget <= 0:
                 continue
             n = min(todo, budget)
             # a chunk that completes a fresh prompt samples the first token: reserve its slot too
@@ -150,7 +154,6 @@ class Scheduler:
             budget -= n
         if prefills:
             return ScheduledBatch(prefills, True, chunks)
-        decodes = [r for r in self.running if self.prefill_target(r) <= r.num_computed]
         if not decodes:
             return None
         return ScheduledBatch(decodes, False, [])
@@ -161,11 +164,16 @@ class Scheduler:
         preempted. Returns the requests that stay in this step and their k."""
         kept, ks = [], []
         running = {id(r) for r in self.running}  # by identity: Request's == compares every field
-        num_running = len(running)
+        num_running, block_size = len(running), self.block_size
         for req, ki in zip(batch, k):
             if id(req) not in running:  # not running, or preempted below in this call
                 continue
-            while not self.reserve(req, req.num_tokens + ki):
+            num_tokens = len(req.prompt_ids) + len(req.output_ids)  # req.num_tokens
+            if num_tokens + ki <= len(req.block_table) * block_size:  # covered already (most steps)
+                kept.append(req)
+                ks.append(ki)
+                continue
+            while not self.reserve(req, num_tokens + ki):
                 if ki > 0:
                     ki = 0
                     continue
