@@ -20,12 +20,12 @@ into one upload), :func:`build_scoring_inputs_vec` uploads it as it is (eager sc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
 
 from specsched.engine.request import Request
-from specsched.kernels.metadata import pad_block_tables
 from specsched.models.graph_buckets import HostInputs
 from specsched.proposers.base import Proposals
 from specsched.scorers.inputs import ScoringInputs
@@ -74,9 +74,7 @@ def pack_scoring_batch(batch: list[Request], proposals: Proposals, block_size: i
     if proposals.num_requests != len(batch):
         raise ValueError(f"proposals cover {proposals.num_requests} requests, batch has {len(batch)}")
     b = len(batch)
-    facts = np.array(
-        [(r.num_tokens, r.num_computed, len(r.block_table), r.last_token) for r in batch], dtype=np.int64
-    ).reshape(b, 4)
+    facts = np.fromiter(chain.from_iterable(map(_facts, batch)), dtype=np.int64, count=4 * b).reshape(b, 4)
     n, computed, lens, last = facts.T
     bad = np.flatnonzero(computed != n - 1)
     if bad.size:
@@ -90,7 +88,24 @@ def pack_scoring_batch(batch: list[Request], proposals: Proposals, block_size: i
             f"request {batch[i].request_id}: its block table of {lens[i]} blocks holds "
             f"{lens[i] * block_size} tokens, scoring {k[i]} drafts needs {n[i] + k[i]}"
         )
-    return ScoringBatch(n, k, last, pad_block_tables([r.block_table for r in batch]), block_size)
+    return ScoringBatch(n, k, last, _padded_tables([r.block_table for r in batch], lens), block_size)
+
+
+def _facts(r: Request) -> tuple[int, int, int, int]:
+    """(num_tokens, num_computed, blocks, last token) of a request, without its property calls."""
+    prompt, out = r.prompt_ids, r.output_ids
+    last = out[-1] if out else prompt[-1]
+    return len(prompt) + len(out), r.num_computed, len(r.block_table), last
+
+
+def _padded_tables(tables: list[list[int]], lens: np.ndarray) -> np.ndarray:  # [B, W] int32
+    """:func:`~specsched.kernels.metadata.pad_block_tables` with the rows' lengths known: one copy of
+    the concatenated rows through a mask instead of a row at a time."""
+    width = int(lens.max(initial=0)) or 1
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    flat = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+    out[np.arange(width) < lens[:, None]] = flat  # row-major: each row's first lens[i] entries
+    return out
 
 
 def scoring_host_inputs(
