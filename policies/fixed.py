@@ -5,9 +5,10 @@ built-in uses to fill a plan's prediction."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 from specsched.policies.acceptance import expected_tokens
-from specsched.policies.base import BatchView, Plan, Policy
+from specsched.policies.base import BatchView, Plan, Policy, RequestView
 from specsched.policies.cost_model import CostModels
 from specsched.policies.shapes import StepShape
 
@@ -38,9 +39,9 @@ def make_plan(
     models are given, its predicted step time; the per-component prediction goes to ``info`` as
     ``predicted_{propose,score,verify,overhead}_ms``."""
     info = dict(info or {})
-    expected = sum(
-        expected_tokens(min(max(r.acceptance, 0.0), 1.0), ki) for r, ki in zip(view.requests, k, strict=True)
-    )
+    if len(k) != len(view.requests):
+        raise ValueError(f"policy {policy!r}: {len(k)} k for {len(view.requests)} requests")
+    expected = sum(map(_expected_tokens, view.requests, k))
     predicted = None
     if costs is not None and view.requests:
         shape = StepShape(list(k), [r.context_len for r in view.requests])
@@ -50,9 +51,21 @@ def make_plan(
     return Plan(list(k), scorer, policy, predicted_ms=predicted, expected_tokens=expected, info=info)
 
 
+def _expected_tokens(r: RequestView, k: int) -> float:
+    """``expected_tokens`` at the request's acceptance clamped to [0, 1]; k = 0 (no speculation, the
+    common case at large batches) is 1.0 without the call: the formula's (1 - a) / (1 - a)."""
+    a = r.acceptance
+    if k == 0 and 0.0 <= a < 1.0:
+        return 1.0
+    return expected_tokens(min(max(a, 0.0), 1.0), k)
+
+
 def capped_k(view: BatchView, k: int) -> list[int]:
     """``k`` for every request, capped by each request's ``max_k``."""
-    return [max(0, min(k, r.max_k)) for r in view.requests]
+    return [k if m >= k else max(0, m) for m in map(_max_k, view.requests)]
+
+
+_max_k = attrgetter("max_k")
 
 
 def _check_k(name: str, k: int) -> None:
