@@ -8,10 +8,15 @@ Chat templates render their own special tokens, so ``apply_chat_template`` adds 
 Decoding skips special tokens (``<|im_end|>``, ``</s>``...) and never "cleans up" spaces, so the
 streamed text of :class:`IncrementalDetokenizer` concatenates to exactly ``decode(all ids)``.
 
-Loading: ``AutoTokenizer`` picks the tokenizer class from the folder's files, which imports
-transformers' model configs (torch.distributed, sympy: ~2 s of a start); given the class it picked
-for the same files before (:attr:`Tokenizer.class_path`; the loader remembers it), that class's own
-``from_pretrained`` (what AutoTokenizer calls) loads them directly.
+Loading (:func:`load_tokenizer`): importing transformers alone takes ~2 s of a start, so a folder
+whose files were found to tokenize, decode and render chats exactly as transformers' tokenizer does
+(:mod:`~specsched.models.tokenizer_check`, on the first load of these files under this transformers
+version) is served by a :class:`~specsched.models.tokenizer_files.FileTokenizer` (``tokenizers`` and
+jinja2; no transformers import) on every later load; files that differ in anything checked are
+served by transformers (logged at each load). Either way the verdict and the class ``AutoTokenizer``
+picked are remembered in a JSON file under the files' stat: AutoTokenizer's pick imports
+transformers' model configs (torch.distributed, sympy: ~2 s more), while that class's own
+``from_pretrained`` (what AutoTokenizer calls) loads the files directly.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from specsched.models.convert import StatMemo, file_stat
+from specsched.models.tokenizer_files import FileTokenizer
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")  # files that do not pick the class
+SAME_AS_TRANSFORMERS = "same"  # the remembered verdict that lets a FileTokenizer serve
 logger = logging.getLogger(__name__)
 
 
@@ -47,7 +54,9 @@ class Tokenizer:
         self.eos_token_ids: list[int] = eos
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.is_adding_bos: bool = _tokenizer_adds_bos(hf_tokenizer)
-        self._backend = _checked_backend(hf_tokenizer)  # the Rust tokenizer, where it decodes the same
+        # the Rust tokenizer, where it decodes the same (a FileTokenizer decodes through it anyway)
+        is_files = isinstance(hf_tokenizer, FileTokenizer)
+        self._backend = hf_tokenizer._tokenizer if is_files else _checked_backend(hf_tokenizer)
 
     @classmethod
     def from_pretrained(
@@ -71,8 +80,10 @@ class Tokenizer:
 
     @property
     def class_path(self) -> str:
-        """``module:Class`` of the transformers tokenizer (``tokenizer_class`` of a later load)."""
-        return f"{type(self.hf).__module__}:{type(self.hf).__qualname__}"
+        """``module:Class`` of the transformers tokenizer (``tokenizer_class`` of a later load); for a
+        FileTokenizer, the transformers class it was checked against."""
+        own = f"{type(self.hf).__module__}:{type(self.hf).__qualname__}"
+        return getattr(self.hf, "class_path", None) or own
 
     @property
     def vocab_size(self) -> int:
@@ -118,13 +129,19 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if (
                 not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
+                or set(m) != {"role", "content"}
+                or not isinstance(m["role"], str)
+                or not isinstance(m["content"], str)
             ):
-                raise ValueError(f"messages[{i}] must be a map with str 'role' and 'content', got {m!r}")
-        ids = self.hf.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+                raise ValueError(f"messages[{i}] must be a map of exactly str 'role' and 'content': {m!r}")
+        try:
+            ids = self.hf.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as e:
+            if type(e).__module__.startswith("jinja2."):  # e.g. raise_exception(...): the chat's fault
+                raise ValueError(f"the chat template refused these messages: {e}") from None
+            raise
         if hasattr(ids, "keys"):  # BatchEncoding from a transformers that ignores return_dict
             ids = ids["input_ids"]
         return [int(i) for i in ids]
@@ -157,9 +174,12 @@ def _checked_backend(hf: Any) -> Any | None:
 
 
 def load_tokenizer(folder: Path, class_memo: Path, extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:
-    """The folder's tokenizer. The class AutoTokenizer picks for its files (all but the weights, by
-    :func:`~specsched.models.convert.file_stat`) under this transformers version is remembered in
-    the JSON file ``class_memo``, so that later loads use that class directly."""
+    """The folder's tokenizer: a :class:`FileTokenizer` (no transformers import) when these files (all
+    but the weights, by :func:`~specsched.models.convert.file_stat`) were found to behave as the
+    transformers tokenizer of this transformers version, else that one. The check's verdict and the
+    class AutoTokenizer picked are remembered in the JSON file ``class_memo``: the first load of these
+    files under this version loads transformers' tokenizer and checks; later loads use the verdict
+    (and the class directly)."""
     try:
         version = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
@@ -168,11 +188,41 @@ def load_tokenizer(folder: Path, class_memo: Path, extra_eos_token_ids: Iterable
     key = f"{folder.resolve()} (transformers {version})"
     files = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES)
     stat = [[f.name, *file_stat(f)] for f in files]
-    known = memo.get(key, stat)
+    known, verdict = memo.get(key, stat), memo.get(f"{key} check", stat)
+    if verdict == SAME_AS_TRANSFORMERS:
+        try:
+            return Tokenizer(FileTokenizer(folder, known), extra_eos_token_ids)
+        except Exception as e:  # noqa: BLE001 -- transformers serves (e.g. jinja2 or tokenizers changed)
+            logger.warning("tokenizer %s: the transformers-free tokenizer failed to load (%s); transformers "
+                           "serves", folder, e)  # fmt: skip
     tok = Tokenizer.from_pretrained(folder, extra_eos_token_ids=extra_eos_token_ids, tokenizer_class=known)
     if tok.class_path != known and _transformers_class(tok.class_path) is not None:
         memo.put(key, stat, tok.class_path)
+    if verdict is None:
+        fast, verdict = _checked_file_tokenizer(folder, tok)
+        memo.put(f"{key} check", stat, verdict)
+        if fast is not None:
+            logger.info("tokenizer %s: the transformers-free tokenizer behaves as transformers' (checked); "
+                        "it serves from now on", folder)  # fmt: skip
+            return Tokenizer(fast, extra_eos_token_ids)
+    if verdict != SAME_AS_TRANSFORMERS:
+        logger.info("tokenizer %s: transformers serves (%s)", folder, verdict)
     return tok
+
+
+def _checked_file_tokenizer(folder: Path, tok: Tokenizer) -> tuple[FileTokenizer | None, str]:
+    """A FileTokenizer of ``folder`` and the verdict :data:`SAME_AS_TRANSFORMERS` when it behaves as
+    ``tok`` (transformers' tokenizer of the same files) does; else None and why not."""
+    from specsched.models.tokenizer_check import differences
+
+    try:
+        fast = FileTokenizer(folder, tok.class_path)
+        why = differences(fast, tok.hf)
+    except Exception as e:  # noqa: BLE001 -- files it does not read: transformers serves
+        return None, f"the transformers-free tokenizer cannot load these files: {type(e).__name__}: {e}"[:400]
+    if why is not None:
+        return None, f"the transformers-free tokenizer differs from transformers': {why}"[:400]
+    return fast, SAME_AS_TRANSFORMERS
 
 
 def _transformers_class(class_path: str) -> type | None:

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specsched.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from specsched.models.tokenizer_files import FileTokenizer
 
 MULTIBYTE = [
     "Grüße aus Köln, naïve café.",
@@ -54,8 +55,10 @@ def test_bos_follows_the_tokenizer(tiny_tok, any_tok):
 
 def test_smollm2_tokenizer_facts(smollm2):
     tok = smollm2.tokenizer
+    assert isinstance(tok.hf, FileTokenizer)  # checked against transformers' at load: serves without it
+    assert tok.class_path == "transformers.tokenization_utils_tokenizers:TokenizersBackend"
     assert not tok.is_adding_bos
-    assert tok.vocab_size == 49152 and tok.eos_token_ids == [tok.hf.convert_tokens_to_ids("<|im_end|>")]
+    assert tok.vocab_size == 49152 and tok.eos_token_ids == [tok.hf._tokenizer.token_to_id("<|im_end|>")]
 
 
 def test_chat_template_produces_ids(any_tok):
@@ -74,6 +77,12 @@ def test_chat_template_errors(tiny_tokenizer_dir):
         tok.apply_chat_template([{"role": "user"}])
     with pytest.raises(ValueError, match="non-empty list"):
         tok.apply_chat_template([])
+    named = {"role": "user", "content": "x", "name": "a"}  # fields besides role and content: FileTokenizer's
+    with pytest.raises(ValueError, match=r"messages\[1\] must be a map of exactly"):  # rule for both
+        tok.apply_chat_template([{"role": "user", "content": "hi"}, named])
+    tok.hf.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ValueError, match="the chat template refused these messages: roles must alternate"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])  # a client's error, not a jinja2 one
     tok.hf.chat_template = None
     with pytest.raises(ValueError, match="has no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
