@@ -38,6 +38,12 @@ class RequestStream:
         self.token_ids.extend(new_ids)
         if self.detok is None or self.is_stopped:
             return "", self.is_stopped
+        if not self.stop:  # nothing held back: the new text is what goes out (num_sent_chars == len(text))
+            new = self.detok.push(new_ids) + (self.detok.flush() if finishing else "")
+            if new:
+                self.text += new
+                self.num_sent_chars = len(self.text)
+            return new, False
         old_len = len(self.text)
         self.text += self.detok.push(new_ids) + (self.detok.flush() if finishing else "")
         if self.stop and len(self.text) > old_len:

@@ -247,23 +247,23 @@ class Serving:
         st = self.streams.get(out.request_id)
         if st is None:
             return
-        reason = (
-            None if out.finish_reason is None else str(getattr(out.finish_reason, "value", out.finish_reason))
-        )
-        text, is_hit = st.advance(list(out.new_token_ids), finishing=reason is not None)
-        if out.new_token_ids:
+        reason = out.finish_reason
+        if reason is not None:
+            reason = str(getattr(reason, "value", reason))
+        new_ids = out.new_token_ids  # advance copies what it keeps
+        text, is_hit = st.advance(new_ids, finishing=reason is not None)
+        if new_ids:
             st.steps += 1
-            st.first_token_time = st.first_token_time or time.time()
+            if not st.first_token_time:
+                st.first_token_time = time.time()
         st.proposed += out.num_proposed
         st.accepted += out.num_accepted
         if is_hit:
             if reason is None:
                 self.engine.abort_request(st.key, FinishReason.STOP)
             reason = FinishReason.STOP.value
-        if st.is_streaming and (out.new_token_ids or text):
-            self.send(
-                st.client, Chunk(st.id, list(out.new_token_ids), text, out.num_proposed, out.num_accepted)
-            )
+        if st.is_streaming and (new_ids or text):
+            self.send(st.client, Chunk(st.id, list(new_ids), text, out.num_proposed, out.num_accepted))
         if reason is not None:
             self._finish(st, reason)
 

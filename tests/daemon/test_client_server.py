@@ -342,6 +342,39 @@ def test_streamed_text_with_stop_strings_for_every_way_of_splitting_the_tokens(t
         assert st.advance([], finishing=True) == ("", is_hit)  # nothing left over
 
 
+def test_streamed_text_without_stop_strings_is_sent_as_it_completes(tiny_tokenizer_dir):
+    """No stop strings (the path that holds nothing back): each step sends exactly the text its
+    tokens complete (what the detokenizer returns, the flush on the last step), the pieces add up to
+    the full text, and the stream's text and sent count follow."""
+    import random
+
+    from specsched.daemon.request_stream import RequestStream
+    from specsched.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    tok = Tokenizer.from_pretrained(tiny_tokenizer_dir)
+    full = tok.encode("The quick brown fox jumps over the lazy dog. Grüße 🚀 done")
+    cut = tok.encode("done 🚀")[:-1]  # ends inside the emoji: held back until the flush
+    rng = random.Random(1)
+    for trial in range(40):
+        ids = full if trial % 2 else cut
+        text = tok.decode(ids) if ids is full else None
+        cuts = sorted(rng.sample(range(1, len(ids)), k=min(len(ids) - 1, trial % 7)))
+        steps = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+        st = RequestStream(b"c", "r", "k", True, [], 3, 0.0, IncrementalDetokenizer(tok))
+        ref = IncrementalDetokenizer(tok)
+        sent = []
+        for i, step in enumerate(steps):
+            is_last = i == len(steps) - 1
+            piece, is_hit = st.advance(step, finishing=is_last)
+            assert piece == ref.push(step) + (ref.flush() if is_last else "") and not is_hit
+            sent.append(piece)
+            assert st.num_sent_chars == len(st.text) == len("".join(sent))
+        assert "".join(sent) == st.text, (steps, sent)
+        assert st.text == text if ids is full else st.text.endswith("\ufffd") and sent[-1], (steps, sent)
+        assert st.token_ids == ids
+        assert st.advance([], finishing=True) == ("", False)
+
+
 # ---- lifecycle: each test runs its own daemon ------------------------------------------------------
 
 
