@@ -11,9 +11,11 @@ from the process's start) and logs the breakdown when it listens; ``stats`` repo
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -72,6 +74,24 @@ def _setup(cfg: DictConfig) -> AppConfig:
         sys.exit(f"specsched: invalid config: {e}")
 
 
+def _import_ahead(app: AppConfig) -> None:
+    """Import in a background thread, while the model loads, what the start-up needs only after it:
+    ``sqlite_utils`` for the decision log's writer (~0.1-0.7 s: its import scans every installed
+    package's entry points, files more than CPU). A failed import is left to the code that needs the
+    module (it raises there)."""
+    names = ["sqlite_utils"] if app.log.path is not None else []
+
+    def run() -> None:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception as e:  # noqa: BLE001 -- the writer reports it when it opens the log
+                logger.debug("importing %s ahead: %s", name, e)
+
+    if names:
+        threading.Thread(target=run, name="specsched-import-ahead", daemon=True).start()
+
+
 def _open_log(app: AppConfig, cfg: DictConfig, engine) -> LogWriter | None:
     """The decision log with this run's row (its resolved config) written, or None for ``log=none``."""
     if app.log.path is None:
@@ -93,6 +113,7 @@ def _serve(cfg: DictConfig, startup: StartupTimes | None = None) -> None:
     startup = startup or StartupTimes.since_process_start()
     app = _setup(cfg)
     startup.mark("config")
+    _import_ahead(app)
     from specsched.engine.components import build_parts
     from specsched.engine.engine import Engine
 
@@ -110,6 +131,7 @@ def _serve(cfg: DictConfig, startup: StartupTimes | None = None) -> None:
 def _generate(cfg: DictConfig) -> None:
     app = _setup(cfg)
     assert isinstance(app, GenerateConfig)
+    _import_ahead(app)
     from specsched.engine.engine import Engine
     from specsched.engine.request import Request, SamplingParams
     from specsched.models.tokenizer import IncrementalDetokenizer

@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Callable
-
-import sqlite_utils
+from typing import TYPE_CHECKING
 
 from specsched.daemon.log_config import LogConfig
 from specsched.engine.log_schema import (
@@ -23,6 +22,9 @@ from specsched.engine.log_schema import (
     step_rows,
 )
 from specsched.engine.records import StepRecord
+
+if TYPE_CHECKING:  # imported by the writer thread when it opens the file (_open_db): not at start-up
+    import sqlite_utils
 
 logger = logging.getLogger("specsched.daemon.log")  # one logger name for the whole decision log
 
@@ -164,6 +166,8 @@ class LogStore:
     def _open_db(self) -> sqlite_utils.Database:
         if self._db is not None:
             return self._db
+        import sqlite_utils  # ~0.1-0.7 s (it scans every package's entry points); cli.py imports it ahead
+
         conn = sqlite3.connect(self.path, timeout=self.cfg.busy_timeout_s)
         try:
             db = sqlite_utils.Database(conn)

@@ -43,3 +43,44 @@ def test_cli_daemon_reports_its_start_up_in_order_in_stats_and_its_log(start_cli
     assert f"start-up {startup.listening_s:.2f} s from process start (clock proc): imports " in lines[0]
     out = d.output()
     assert out.index(" s from process start (clock ") < out.index("specsched daemon listening on ")
+
+
+def imported_modules(output: str) -> set[str]:
+    """The modules a process imported, from its ``-X importtime`` lines."""
+    return {
+        line.rsplit("|", 1)[1].strip() for line in output.splitlines() if line.startswith("import time:")
+    } - {"package"}  # the header line's last column
+
+
+@pytest.fixture(scope="module")
+def warm_text_daemon(start_cli_daemon, tiny_hf_dir, tmp_path_factory):
+    """A daemon with a tokenizer (the tiny HF folder) started a second time on the same cache (its
+    tokenizer checked against transformers' by the first start), with ``-X importtime``."""
+    cache = tmp_path_factory.mktemp("warm-cache")
+    overrides = (f"model.source={tiny_hf_dir}", f"model.cache_dir={cache}", "log=none")
+    first = start_cli_daemon(*overrides)
+    assert "the transformers-free tokenizer behaves as transformers' (checked)" in first.output()
+    first.stop()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPROFILEIMPORTTIME", "1")
+        return start_cli_daemon(*overrides)
+
+
+@pytest.mark.slow
+def test_a_warm_start_serves_text_without_importing_transformers(warm_text_daemon):
+    with Client(warm_text_daemon.endpoint, timeout_s=30) as client:
+        got = client.generate(messages=[{"role": "user", "content": "Grüße"}], max_tokens=4)
+        assert got.usage.prompt_tokens > 0 and len(got.token_ids) == 4
+    imported = imported_modules(warm_text_daemon.output())
+    assert {"torch", "tokenizers", "jinja2"} <= imported  # the transformers-free tokenizer served
+    assert not {m for m in imported if m.split(".")[0] == "transformers"}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine/log_schema.py imports sqlite_utils at module level (cli -> server -> io_thread -> log); "
+    "daemon/log_store.py imports it in the writer thread only",
+)
+def test_a_start_without_a_log_does_not_import_sqlite_utils(warm_text_daemon):
+    assert "sqlite_utils" not in imported_modules(warm_text_daemon.output())
