@@ -354,7 +354,7 @@ class Engine:
         at EOS/stop ids/length, roll back the KV of rejected drafts by length. ``names``: the
         requests' proposers on a decode step (acceptance is observed), None on a prefill step."""
         outputs, unfinished = [], []
-        observe, trim = self.acceptance.observe, self.scheduler.trim
+        observe, trim, block_size = self.acceptance.observe, self.scheduler.trim, self.scheduler.block_size
         for i, (r, toks, k) in enumerate(zip(reqs, emitted, num_draft)):
             n_acc = len(toks) - 1
             kept, reason = self._kept(r, toks)
@@ -367,12 +367,14 @@ class Engine:
                 r.last_k, r.last_accepted = k, n_acc
                 if k:  # k = 0 teaches the estimator nothing (its observe returns at once)
                     observe(r.request_id, names[i], k, n_acc)
-            r.num_computed = len(r.prompt_ids) + len(out) - 1  # num_tokens - 1
+            num_tokens = len(r.prompt_ids) + len(out)
+            r.num_computed = num_tokens - 1
             outputs.append(RequestOutput(r.request_id, kept, k, n_acc, reason.value if reason else None))
             if reason is not None:
                 self._finish(r, reason)
             else:
-                trim(r)
+                if len(r.block_table) * block_size >= num_tokens + block_size:  # a whole block to free
+                    trim(r)
                 unfinished.append(r)
         for p in self.proposers.values():
             p.on_commit(unfinished)

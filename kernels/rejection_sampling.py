@@ -74,7 +74,7 @@ class VerifyResult:
         """Per request: "1" per accepted draft, then "0" if a draft was rejected (greedy: the
         draft/target match pattern up to the first mismatch)."""
         return [
-            "1" * (len(e) - 1) + ("0" if len(e) <= k else "")
+            ("1" * (len(e) - 1) + ("0" if len(e) <= k else "")) if k else ""  # k = 0: nothing to match
             for e, k in zip(self.emitted, self.num_draft, strict=True)
         ]
 
