@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-
-import sqlite_utils
+from typing import TYPE_CHECKING
 
 from specsched.engine.records import StepRecord
+
+if TYPE_CHECKING:  # imported by open_log: a daemon without a log does not pay its import
+    import sqlite_utils
 
 SCHEMA_VERSION = 3  # bump on any change to the tables below (with a MIGRATIONS entry)
 READABLE_VERSIONS = (1, 2, 3)  # readers take these; the writer migrates an older file when it appends
@@ -99,6 +101,8 @@ def migrate(db: sqlite_utils.Database) -> None:
 
 def open_log(path: str | os.PathLike) -> sqlite_utils.Database:
     """Open an existing log for reading (replay, analysis); checks it is a log of this schema version."""
+    import sqlite_utils
+
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise LogFormatError(f"{path}: no such log file")

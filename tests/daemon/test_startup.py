@@ -77,10 +77,5 @@ def test_a_warm_start_serves_text_without_importing_transformers(warm_text_daemo
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/log_schema.py imports sqlite_utils at module level (cli -> server -> io_thread -> log); "
-    "daemon/log_store.py imports it in the writer thread only",
-)
 def test_a_start_without_a_log_does_not_import_sqlite_utils(warm_text_daemon):
     assert "sqlite_utils" not in imported_modules(warm_text_daemon.output())
