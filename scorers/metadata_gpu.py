@@ -74,7 +74,16 @@ def pack_scoring_batch(batch: list[Request], proposals: Proposals, block_size: i
     if proposals.num_requests != len(batch):
         raise ValueError(f"proposals cover {proposals.num_requests} requests, batch has {len(batch)}")
     b = len(batch)
-    facts = np.fromiter(chain.from_iterable(map(_facts, batch)), dtype=np.int64, count=4 * b).reshape(b, 4)
+    rows = [  # (num_tokens, num_computed, blocks, last token) without the properties' calls
+        (
+            len(r.prompt_ids) + len(r.output_ids),
+            r.num_computed,
+            len(r.block_table),
+            (r.output_ids or r.prompt_ids)[-1],
+        )
+        for r in batch
+    ]
+    facts = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=4 * b).reshape(b, 4)
     n, computed, lens, last = facts.T
     bad = np.flatnonzero(computed != n - 1)
     if bad.size:
@@ -89,13 +98,6 @@ def pack_scoring_batch(batch: list[Request], proposals: Proposals, block_size: i
             f"{lens[i] * block_size} tokens, scoring {k[i]} drafts needs {n[i] + k[i]}"
         )
     return ScoringBatch(n, k, last, _padded_tables([r.block_table for r in batch], lens), block_size)
-
-
-def _facts(r: Request) -> tuple[int, int, int, int]:
-    """(num_tokens, num_computed, blocks, last token) of a request, without its property calls."""
-    prompt, out = r.prompt_ids, r.output_ids
-    last = out[-1] if out else prompt[-1]
-    return len(prompt) + len(out), r.num_computed, len(r.block_table), last
 
 
 def _padded_tables(tables: list[list[int]], lens: np.ndarray) -> np.ndarray:  # [B, W] int32
