@@ -162,14 +162,18 @@ def verify_greedy(
     _check(proposals, num_rows)
     argmax = target_logits.argmax(dim=-1)  # [N + B]
     drafts = proposals.draft_tokens
-    if not proposals.num_tokens:
-        host = argmax.tolist()  # the step's one device-to-host copy
-    elif drafts.device.type == "cpu":  # the proposer's drafts are on the host already
+    if num_rows == proposals.num_requests:  # no drafts at all (non-speculative): each emits its argmax
+        return VerifyResult([[t] for t in argmax.tolist()], list(proposals.num_draft))  # one host copy
+    if drafts.device.type == "cpu":  # the proposer's drafts are on the host already
         host = argmax.tolist() + drafts.tolist()
     else:  # drafts on the device: one device-to-host copy of the argmaxes and the drafts
         host = torch.cat([argmax, drafts.to(argmax.device)]).tolist()
     emitted, row, d = [], 0, num_rows  # row: request's first target row; d: its first draft in host
     for k in proposals.num_draft:
+        if not k:  # no drafts: the target's token
+            emitted.append([host[row]])
+            row += 1
+            continue
         a = 0
         while a < k and host[row + a] == host[d + a]:
             a += 1
@@ -256,7 +260,7 @@ def verify(
         raise ValueError(
             f"{num_req} requests but {len(sampling)} sampling params and {len(generators)} generators"
         )
-    if all(sp.is_greedy for sp in sampling):
+    if all(sp.temperature == 0.0 for sp in sampling):  # all greedy (SamplingParams.is_greedy, inlined)
         return verify_greedy(target_logits, proposals)
     device = target_logits.device
     u_accept, u_resample = [], []  # host tensors: request i's k_i accept uniforms, then 1 resample
