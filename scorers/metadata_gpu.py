@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from specsched.engine.request import Request
+from specsched.kernels.metadata import pad_block_tables
 from specsched.models.graph_buckets import HostInputs
 from specsched.proposers.base import Proposals
 from specsched.scorers.inputs import ScoringInputs
@@ -101,8 +102,11 @@ def pack_scoring_batch(batch: list[Request], proposals: Proposals, block_size: i
 
 
 def _padded_tables(tables: list[list[int]], lens: np.ndarray) -> np.ndarray:  # [B, W] int32
-    """:func:`~specsched.kernels.metadata.pad_block_tables` with the rows' lengths known: one copy of
-    the concatenated rows through a mask instead of a row at a time."""
+    """:func:`~specsched.kernels.metadata.pad_block_tables` with the rows' lengths known: from 32 rows
+    on, one copy of the concatenated rows through a mask instead of a row at a time (below that the
+    mask's few numpy calls cost more than the rows' copies)."""
+    if len(tables) < 32:
+        return pad_block_tables(tables)
     width = int(lens.max(initial=0)) or 1
     out = np.zeros((len(tables), width), dtype=np.int32)
     flat = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
