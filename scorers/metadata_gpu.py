@@ -131,12 +131,16 @@ def scoring_host_inputs(
         raise ValueError(
             f"draft_tokens must be [{num_drafts}] (sum of num_draft), got {tuple(draft_tokens.shape)}"
         )
-    q = sb.num_draft + 1
-    cu = np.zeros(b + 1, dtype=np.int64)
-    np.cumsum(q, out=cu[1:])
-    req = np.repeat(np.arange(b), q)  # [T] request of each token
-    j = np.arange(t) - cu[req]  # [T] index within the request
-    positions = sb.num_tokens[req] - 1 + j
+    if num_drafts:
+        q = sb.num_draft + 1
+        cu = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        req = np.repeat(np.arange(b), q)  # [T] request of each token
+        j = np.arange(t) - cu[req]  # [T] index within the request
+        positions = sb.num_tokens[req] - 1 + j
+    else:  # no drafts (a non-speculative step): token i is request i's last, j = 0
+        req, cu, j = np.arange(b), np.arange(b + 1), np.zeros(b, dtype=np.int64)
+        positions = sb.num_tokens - 1
     slots = sb.block_tables[req, positions // bs].astype(np.int64) * bs + positions % bs
     is_draft = j > 0
     scatter = None
