@@ -90,7 +90,7 @@ class Scheduler:
 
     def trim(self, req: Request) -> None:
         """Free whole blocks beyond the request's tokens (rollback of rejected lookahead slots)."""
-        keep = -(-(len(req.prompt_ids) + len(req.output_ids)) // self.block_size)  # blocks_for(num_tokens)
+        keep = self.blocks_for(req.num_tokens)
         if len(req.block_table) > keep:
             self.allocator.free(req.block_table[keep:])
             del req.block_table[keep:]

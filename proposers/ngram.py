@@ -98,7 +98,7 @@ class NgramIndex:
             if stop - lo >= _ZIP_FROM:  # many (a prompt): its n columns zipped, in C
                 cols = [tokens[lo - n + 1 + j : stop - n + 1 + j] for j in range(n)]
                 ends.update(zip(zip(*cols), range(lo, stop)))
-            else:
+            else:  # the stretch past n - 1 is short
                 for e in range(lo, stop):
                     ends[tuple(tokens[e - n + 1 : e + 1])] = e
 
