@@ -17,6 +17,7 @@ from specsched.scorers.base import Scorer
 
 if TYPE_CHECKING:
     from specsched.engine.warmup import StartupTimes, WarmupReport
+    from specsched.models.cuda_graphs import GraphRunner
 
 
 @dataclass
@@ -35,6 +36,7 @@ class EngineParts:
     max_model_len: int
     eos_token_ids: list[int]
     warmup: WarmupReport | None = None  # what the start-up kernel warm-up built (None: it did not run)
+    prefill_runner: GraphRunner | None = None  # prefill chunks on graphs (None: eager prefill)
 
 
 def size_kv_cache(cfg: EngineConfig, model: LlamaForCausalLM, draft_layers: int) -> int:
@@ -63,7 +65,12 @@ def build_parts(
     from specsched.models.loader import load_model
     from specsched.policies.registry import build_policy
     from specsched.proposers.registry import build_proposers
-    from specsched.scorers.graph import GraphConfig, attach_draft_graphs, graph_buckets_of
+    from specsched.scorers.graph import (
+        GraphConfig,
+        attach_draft_graphs,
+        build_prefill_runner,
+        graph_buckets_of,
+    )
     from specsched.scorers.registry import build_scorers, default_scorer_names
 
     mark = startup.mark if startup is not None else (lambda milestone: None)
@@ -101,6 +108,7 @@ def build_parts(
     graphs = GraphConfig.for_engine(cfg, max_len, enabled=cfg.model.cuda_graphs)
     names = cfg.spec.scorers or default_scorer_names(model.lm_head.weight.device.type)
     scorers = build_scorers(names, model, kv, cfg.cache.block_size, graphs)
+    prefill_runner = build_prefill_runner(model, kv, cfg.cache.block_size, graphs)
     proposers = build_proposers(cfg.spec, model, num_blocks, cfg.cache.block_size, draft)
     if "draft" in proposers:
         attach_draft_graphs(proposers["draft"], graphs, cfg.cache.block_size)
@@ -119,6 +127,7 @@ def build_parts(
         device=model.lm_head.weight.device,
         max_model_len=max_len,
         eos_token_ids=list(model.cfg.eos_token_ids),
+        prefill_runner=prefill_runner,
     )
     parts.warmup = warm_up_engine(cfg, parts, prebuilt)
     mark("warmup")

@@ -26,8 +26,13 @@ class ModelConfig:
     # bit (batch-invariant GEMMs, attention split at fixed key positions): speculation then is exactly
     # lossless in bf16 too. Needs attn_backend auto or triton on CUDA (torch: CPU only). Costs speed.
     deterministic: bool = False
+    # Prefill chunks of up to this many tokens (and 8 prompts) run on CUDA graphs (each row's last
+    # token's logits); longer ones run eagerly. 0: every prefill eager.
+    prefill_graph_tokens: int = 512
 
     def __post_init__(self) -> None:
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"model.prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.kernel_warmup not in ("auto", "on", "off"):

@@ -24,7 +24,7 @@ from specsched.engine.step_timer import StepTimer
 from specsched.kernels.rejection_sampling import verify
 from specsched.policies.base import BatchView, Plan, Policy, RequestView
 from specsched.proposers.base import Proposals
-from specsched.scorers.inputs import build_chunk_inputs, tokens_from
+from specsched.scorers.inputs import chunk_host_inputs, tokens_from
 
 
 class Engine:
@@ -44,6 +44,7 @@ class Engine:
         self.model_name, self.device = p.model_name, p.device
         self.max_model_len = p.max_model_len
         self.warmup = p.warmup  # engine.warmup.WarmupReport, or None when no warm-up ran
+        self.prefill_runner = p.prefill_runner  # prefill chunks on graphs (None: eager)
         self.eos_token_ids = set(p.eos_token_ids)
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, p.num_blocks)
         self.requests: dict[str, Request] = {}
@@ -239,16 +240,8 @@ class Engine:
         sample = [
             i for i, (r, e) in enumerate(zip(reqs, ends)) if not r.output_ids and e == r.num_prompt_tokens
         ]
-        x, last = build_chunk_inputs(
-            [tokens_from(r, s)[:c] for r, s, c in zip(reqs, starts, chunks)],
-            starts,
-            [r.block_table for r in reqs],
-            self.cfg.cache.block_size,
-            self.device,
-            logits_rows=sample,
-        )
-        with self._timed(rec, "score_ms"):
-            logits = self.model(x.input_ids, x.positions, x.meta, self.kv_cache, last)
+        tokens = [tokens_from(r, s)[:c] for r, s, c in zip(reqs, starts, chunks)]
+        logits = self._prefill_logits(rec, tokens, starts, [r.block_table for r in reqs], sample)
         for r, e in zip(reqs, ends):
             r.num_computed = e
         done = [reqs[i] for i in sample]
@@ -260,6 +253,24 @@ class Engine:
             r.first_token_time = now
         rec.num_emitted = len(done)
         return self._commit(done, first, [0] * len(done), None), rec
+
+    def _prefill_logits(self, rec, tokens, starts, tables, sample: list[int]) -> torch.Tensor:  # [S, vocab]
+        """The chunk's forward, logits of the last token of rows ``sample``: on the prefill graphs
+        when a bucket fits (each row's last token, then the sampled rows), else eagerly with the
+        tokens padded to a token bucket on CUDA (counted as the prefill runner's fallback)."""
+        runner, bs = self.prefill_runner, self.cfg.cache.block_size
+        x = chunk_host_inputs(tokens, starts, tables, bs)  # logits of every row's last token
+        if runner is not None:
+            bucket, reason, detail = runner.bucket_for(x)
+            if bucket is not None:
+                with self._timed(rec, "score_ms"):
+                    logits = runner.run_host(x)  # [rows, vocab]
+                    return logits if len(sample) == len(tokens) else logits[sample]
+            runner.note_fallback(reason, detail)
+        x.logits_indices = x.logits_indices[sample]
+        ids, pos, meta, last = x.to_device(self.device, pad_tokens=self.device.type == "cuda")
+        with self._timed(rec, "score_ms"):
+            return self.model(ids, pos, meta, self.kv_cache, last)
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _held_plan(self, view: BatchView) -> Plan | None:

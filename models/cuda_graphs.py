@@ -92,8 +92,13 @@ class GraphRunner:
         emulate: bool = False,
         progress: bool = True,
         num_warmup: int = 1,
+        last_token_logits: bool = False,
     ) -> None:
+        """``last_token_logits``: the graphs compute the logits of each row's last token only
+        (prefill chunks); ``run_host`` then returns ``[rows, vocab]`` and needs inputs whose
+        ``logits_indices`` are exactly every row's last token (what its eager fallback computes)."""
         self.model, self.kv_cache, self.name = model, kv_cache, name
+        self.is_last_token_logits = last_token_logits
         self.device = model.lm_head.weight.device
         self.is_emulated = emulate
         if self.device.type != "cuda" and not emulate:
@@ -125,9 +130,10 @@ class GraphRunner:
         nbytes = max(lay.base_nbytes + 24 * lay.tokens for lay in self.layouts.values())
         with torch.inference_mode():
             self.input_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)  # [bytes]
+            num_logits = self.max_rows if last_token_logits else self.max_tokens
             self.logits = torch.zeros(
-                self.max_tokens, model.cfg.vocab_size, dtype=torch.float32, device=self.device
-            )  # [T, V]
+                num_logits, model.cfg.vocab_size, dtype=torch.float32, device=self.device
+            )  # [T, V] (rows: [R, V])
         self._staging = _Staging(nbytes, self.device)
         self._pool = None if emulate else torch.cuda.graph_pool_handle()
         self._warmup_stream: torch.cuda.Stream | None = None
@@ -196,6 +202,14 @@ class GraphRunner:
     def _forward_fn(self, b: GraphBucket) -> Callable[[], None]:
         ids, pos, meta, _ = self._views(self.layouts[b], b.max_q)
         self._ids_views[b] = ids
+        if self.is_last_token_logits:  # each row's last token: cu_seqlens_q[1:] - 1 (pad rows: any)
+            out = self.logits[: b.rows]
+
+            def forward() -> None:
+                last = meta.cu_seqlens_q[1:].to(torch.int64) - 1
+                out.copy_(self.model(ids, pos, meta, self.kv_cache, last, self.num_layers))
+
+            return forward
         out = self.logits[: b.tokens]
 
         def forward() -> None:
@@ -284,6 +298,10 @@ class GraphRunner:
         runner's next replay."""
         if (device_ids is None) != (x.scatter_index is None):
             raise ValueError("device ids and HostInputs.scatter_index must be given together")
+        if self.is_last_token_logits and (
+            x.logits_indices is None or not np.array_equal(x.logits_indices, x.cu_seqlens_q[1:] - 1)
+        ):
+            raise ValueError(f"{self.name} graphs compute rows' last tokens: pass those as logits_indices")
         t = x.num_tokens
         b, reason, detail = self.find_bucket(x.num_rows, t, x.max_q, x.width, x.max_k)
         if b is None:
@@ -291,6 +309,8 @@ class GraphRunner:
             return self.run_eager(ids, pos, meta, reason, detail, logits_indices)
         lay = self.layouts[b].with_tails(*x.num_tails)
         self._upload(x, lay)
+        if self.is_last_token_logits:
+            return self._replay(b, x.num_rows)
         if device_ids is None and x.logits_indices is None:
             return self._replay(b, t)
         logits_indices, scatter, gather = lay.split_tails(self.input_buffer)
@@ -326,6 +346,8 @@ class GraphRunner:
         """Logits of every token for inputs already on the device: a graph replay when a bucket fits
         (padded on the device: a dozen device ops more than :meth:`run_host`), else an eager forward
         (counted). The result is a view of the static logits buffer (see :meth:`run_host`)."""
+        if self.is_last_token_logits:
+            raise ValueError(f"{self.name} graphs compute last-token logits: use run_host")
         t = meta.num_tokens
         if input_ids.shape[0] != t or positions.shape[0] != t:
             raise ValueError(
@@ -351,13 +373,23 @@ class GraphRunner:
         logits_indices: torch.Tensor | None = None,  # [L] int64
     ) -> torch.Tensor:  # [T or L, vocab] float32
         """The eager forward for a shape no graph covers; logged once per reason, always counted."""
+        self.note_fallback(reason, detail)
+        return self.model(input_ids, positions, meta, self.kv_cache, logits_indices, self.num_layers)
+
+
+    def note_fallback(self, reason: str, detail: str) -> None:
+        """Count (and log, the first time per reason) a forward that ran eagerly outside the buckets;
+        for callers that run their own eager path (the engine's padded prefill)."""
         if not self.fallback_reasons[reason]:
             logger.warning("%s graphs: running eagerly (%s): %s", self.name, reason, detail)
         else:
             logger.debug("%s graphs: running eagerly (%s): %s", self.name, reason, detail)
         self.fallback_reasons[reason] += 1
         self.num_eager_fallbacks += 1
-        return self.model(input_ids, positions, meta, self.kv_cache, logits_indices, self.num_layers)
+
+    def bucket_for(self, x: HostInputs) -> tuple[GraphBucket | None, str, str]:
+        """:meth:`find_bucket` for a host batch."""
+        return self.find_bucket(x.num_rows, x.num_tokens, x.max_q, x.width, x.max_k)
 
 
 def _empty_batch(width: int) -> HostInputs:

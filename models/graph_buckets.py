@@ -112,6 +112,22 @@ def mqa_buckets(max_rows: int, max_q: int) -> list[GraphBucket]:
     ]
 
 
+def prefill_buckets(max_rows: int, max_tokens: int, min_tokens: int = 32) -> list[GraphBucket]:
+    """Prefill chunks (a few rows of many tokens each, logits of each row's last token): rows 1, 2,
+    4, ... up to ``max_rows`` by tokens ``min_tokens``, 2x, 4x, ... up to ``max_tokens``, any row's
+    q_len up to the bucket's tokens. Powers of two keep the set small (20 graphs for 8 rows x 512
+    tokens): a chunk pads to at most twice its tokens, which a launch-bound forward hardly feels."""
+    if max_rows < 1 or max_tokens < 1:
+        raise ValueError(f"prefill buckets need max_rows, max_tokens >= 1, got {max_rows}, {max_tokens}")
+    rows = [1 << i for i in range(max_rows.bit_length()) if 1 << i < max_rows] + [max_rows]
+    tokens, t = [], min(min_tokens, max_tokens)
+    while t < max_tokens:
+        tokens.append(t)
+        t *= 2
+    tokens.append(max_tokens)
+    return [GraphBucket(r, t, t) for r in rows for t in tokens if t >= r]
+
+
 def as_bucket(b: GraphBucket | tuple[int, ...]) -> GraphBucket:
     """A bucket from a tuple: (rows, tokens) is decode when rows == tokens, else q_len <= tokens."""
     if isinstance(b, GraphBucket):
