@@ -4,9 +4,13 @@ by N concurrent protocol clients (bench/serve_load.py); tables in bench/serve_re
 For each config (hydra overrides of the daemon): start it on a free loopback port, time start-up
 (process start until ``health`` answers ok), send ``warmup_requests`` untimed requests, then
 ``passes`` passes, each over every concurrency N in ``concurrency`` (``num_requests`` requests, at
-least N), then SIGTERM. The baseline config (non-speculative) runs first; its pass-1 outputs per
-(N, prompt) are the reference of every row's ``same_output``. A daemon that fails to start gives a
-row saying so; the other configs still run. Each daemon's stdout/stderr: ``<out_dir>/serve_logs/``.
+least N; or, with ``duration_s``, a timed closed loop: staggered start, ramp, window), then SIGTERM.
+The baseline config (non-speculative) runs first; its pass-1 outputs per (N, prompt) are the
+reference of every row's ``same_output``: full-length requests only (a timed pass's cut-short first
+requests are neither references nor compared), and its timed pass 1 goes on after the window until
+every client has sent each prompt of its sequence at full length, so every prompt a later config
+sends at that N has a reference. A daemon that fails to start gives a row saying so; the other
+configs still run. Each daemon's stdout/stderr: ``<out_dir>/serve_logs/``.
 """
 
 from __future__ import annotations
@@ -135,13 +139,22 @@ def write_oracle(path: Path, prompts: list[dict], reference: dict[int, dict[int,
 
 
 def same_output_share(res: PassResult, reference: dict[int, list[int]] | None) -> float | None:
-    """Share of the pass's requests whose token ids equal the reference's for the same prompt."""
+    """Share of the pass's full-length requests whose token ids equal the reference's for the same
+    prompt; a timed pass's cut-short first requests (``staggered``) are left out."""
     if reference is None:
         return None
-    ok = [r for r in res.requests if r.error is None and r.prompt_index in reference]
+    ok = [r for r in res.requests if r.error is None and not r.staggered and r.prompt_index in reference]
     if not ok:
         return None
     return sum(r.token_ids == reference[r.prompt_index] for r in ok) / len(ok)
+
+
+def add_references(reference_n: dict[int, list[int]], res: PassResult) -> None:
+    """The first full-length output per prompt of the pass (the baseline's pass 1 at one N) becomes
+    that prompt's reference; cut-short first requests (``staggered``) and failed ones never do."""
+    for r in res.requests:
+        if r.error is None and not r.staggered:
+            reference_n.setdefault(r.prompt_index, r.token_ids)
 
 
 def run_config(
@@ -170,12 +183,10 @@ def run_config(
             progress.set_postfix_str(f"{run.name} pass {p}")
             for n in cfg.concurrency:
                 res = run_pass(daemon.endpoint, prompts, max(cfg.num_requests, n), n, cfg.max_tokens,
-                               cfg.request_timeout_s, daemon.is_alive, cfg.duration_s)  # fmt: skip
+                               cfg.request_timeout_s, daemon.is_alive, cfg.duration_s, cfg.ramp_s,
+                               cover=fill and p == 1)  # fmt: skip
                 if fill and p == 1:
-                    ref_n = reference.setdefault(n, {})
-                    for r in res.requests:
-                        if r.error is None:
-                            ref_n.setdefault(r.prompt_index, r.token_ids)
+                    add_references(reference.setdefault(n, {}), res)
                 row = {"config": run.name, "kind": run.kind, "concurrency": n, "pass": p, **summarize(res)}
                 ref = None if reference is None or not reference else reference.get(n)
                 row["same_output"] = same_output_share(res, ref)

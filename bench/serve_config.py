@@ -46,10 +46,15 @@ class ServeConfig:
     prompt_len: int = 64  # ids only
     prompt_vocab: int = 256  # ids: token ids in [3, prompt_vocab)
     num_requests: int = 32  # per pass and concurrency (at least the concurrency); with duration_s: unused
-    # > 0: each (N, pass) is a closed loop of duration_s seconds (every client sends its next request
-    # as soon as one is done) and tok/s counts the tokens that arrived in that window (requests still
-    # running at its end are drained, outside it); 0: a pass is num_requests requests, wall-clocked
+    # > 0: each (N, pass) is a closed loop (every client sends its next request as soon as one is done;
+    # client c of N sends prompts c, c+N, ...; its first request cut to ceil(max_tokens*(c+1)/N) tokens:
+    # a staggered start) and tok/s counts the tokens that arrived in a window of duration_s seconds
+    # after the ramp (requests still running at its end are drained, outside it); 0: a pass is
+    # num_requests requests, wall-clocked
     duration_s: float = 0.0
+    # timed passes: the window opens when every client's first (staggered, cut-short) request is done,
+    # and not before ramp_s seconds after the first send (0: as soon as they are done)
+    ramp_s: float = 0.0
     pin_cpus: bool = (
         True  # Linux, >= 4 cores: daemons on the first half of the cores, the clients on the rest
     )
@@ -95,6 +100,8 @@ class ServeConfig:
             raise ValueError(
                 f"bench.serve.duration_s must be >= 0 (0: count requests), got {self.duration_s}"
             )
+        if self.ramp_s < 0:
+            raise ValueError(f"bench.serve.ramp_s must be >= 0, got {self.ramp_s}")
         if self.prompt_vocab < 4:
             raise ValueError(f"bench.serve.prompt_vocab must be >= 4, got {self.prompt_vocab}")
 

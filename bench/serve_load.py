@@ -1,10 +1,21 @@
 """The load generator of ``bench=serve``: N concurrent protocol clients (one ``AsyncClient``, i.e. one
-DEALER socket, each) take requests from one shared list until all are done; greedy, streaming.
+DEALER socket, each); greedy, streaming.
 
-A pass is either ``num_requests`` requests (tok/s over its wall time) or, with ``duration_s``, a closed
-loop of that many seconds: each client sends its next request as soon as its last one is done, and
-tok/s counts only the tokens that arrived inside the window (no ramp-down tail of a few stragglers
-at a lower batch, which dominates short passes); requests still running at its end finish outside it.
+A pass is either
+
+- counted (``duration_s`` = 0): ``num_requests`` requests taken from one shared list (request i takes
+  prompt i mod the list) until all are done; tok/s = output tokens / the pass's wall time; or
+- timed (``duration_s`` > 0): a closed loop measuring the steady state. Client c of N sends prompts c,
+  c+N, c+2N, ... (mod the list), each as soon as its last request is done, so both passes send the
+  same sequence per client. **Staggered start**: client c's first request has max_tokens
+  ceil(max_tokens * (c + 1) / N), every later one the full max_tokens, so the first requests finish
+  spread evenly over one request's length and the loop stays de-synchronized (no waves of N requests
+  that prefill, decode and finish together). **Ramp**: the window opens when every client's first
+  request is done (and not before ``ramp_s`` after the first send); it lasts ``duration_s``; tok/s
+  counts only the tokens that arrived inside it. Requests still running at its end finish outside it.
+  TTFT and the per-request columns come from the requests sent inside the window, ITL from the tokens
+  that arrived inside it. ``cover``: after the window, each client goes on until it has sent one
+  full-length request for every prompt of its sequence (the baseline's pass 1: the references).
 
 Per request: the token ids, TTFT (send -> first chunk with tokens) and the inter-token latencies, one
 sample per token: the gap between a chunk and the previous one divided by the chunk's tokens (a chunk
@@ -14,6 +25,7 @@ of 4 accepted tokens 10 ms after the previous one gives four samples of 2.5 ms).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,13 +41,36 @@ class RequestResult:
     token_ids: list[int] = field(default_factory=list)
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)  # one per token after the first chunk's
-    num_tokens_in_window: int = 0  # tokens that arrived before the pass's window closed
+    num_tokens_in_window: int = 0  # tokens that arrived inside the pass's window (timed passes)
     latency_s: float = 0.0
     proposed: int = 0
     accepted: int = 0
     steps: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    max_tokens: int = 0  # as sent
+    staggered: bool = False  # a timed pass's first request of a client, cut short (max_tokens < full)
+    client: int = 0  # which client sent it, and its number among that client's requests (timed passes)
+    seq: int = 0
+    sent_at: float = 0.0  # time.perf_counter() at the send
+    chunk_at: list[float] = field(default_factory=list)  # arrival of each chunk with tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # and its token count
+
+    def in_window(self, opens_at: float, closes_at: float) -> bool:
+        """Sent inside the window."""
+        return opens_at <= self.sent_at < closes_at
+
+    def tokens_between(self, opens_at: float, closes_at: float) -> int:
+        return sum(n for t, n in zip(self.chunk_at, self.chunk_tokens) if opens_at <= t <= closes_at)
+
+    def itl_between(self, opens_at: float, closes_at: float) -> list[float]:
+        """The ITL samples of the tokens that arrived inside [opens_at, closes_at]."""
+        out: list[float] = []
+        for k in range(1, len(self.chunk_at)):
+            t, n = self.chunk_at[k], self.chunk_tokens[k]
+            if opens_at <= t <= closes_at:
+                out += [(t - self.chunk_at[k - 1]) / n] * n
+        return out
 
 
 @dataclass
@@ -46,6 +81,10 @@ class PassResult:
     compiles_after: int | None = None
     error: str | None = None  # the pass itself failed (the daemon exited, ...)
     window_s: float | None = None  # a timed pass's window (tok/s = tokens in it / window_s)
+    ramp_s: float | None = None  # a timed pass: first send -> the window's opening
+    opens_at: float | None = None  # a timed pass's window, time.perf_counter()
+    closes_at: float | None = None
+    max_tokens: int | None = None  # the full max_tokens of the pass
 
     @property
     def compiles(self) -> int | None:
@@ -53,48 +92,75 @@ class PassResult:
             return None
         return self.compiles_after - self.compiles_before
 
+    @property
+    def timed(self) -> bool:
+        return self.opens_at is not None and self.closes_at is not None and bool(self.window_s)
+
 
 def percentile(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
 
+def stagger_plan(max_tokens: int, concurrency: int) -> list[int]:
+    """max_tokens of each client's first request in a timed pass: ceil(max_tokens * (c + 1) / N), so
+    the first requests finish spread evenly over one full request (client N-1's is a full one)."""
+    return [math.ceil(max_tokens * (c + 1) / concurrency) for c in range(concurrency)]
+
+
+def client_prompts(client: int, concurrency: int, num_prompts: int, count: int) -> list[int]:
+    """The prompt indices of a timed pass's client ``client`` of N: c, c+N, c+2N, ... mod the list."""
+    return [(client + j * concurrency) % num_prompts for j in range(count)]
+
+
+def cycle_length(concurrency: int, num_prompts: int) -> int:
+    """How many requests of one client cover its distinct prompts (the period of c + jN mod P)."""
+    return num_prompts // math.gcd(concurrency, num_prompts)
+
+
 def summarize(res: PassResult) -> dict:
-    """A pass's table cells: output tok/s over its wall time, TTFT/ITL p50/p99 in ms, acceptance."""
+    """A pass's table cells: output tok/s, TTFT/ITL p50/p99 in ms, acceptance. Timed passes: tok/s over
+    the window; TTFT, acceptance and tok/step from the requests sent inside it, ITL from its tokens."""
     ok = [r for r in res.requests if r.error is None]
     tokens = sum(len(r.token_ids) for r in res.requests)
-    if res.window_s:
-        rate = sum(r.num_tokens_in_window for r in res.requests) / res.window_s
+    if res.timed:
+        lo, hi = res.opens_at, res.closes_at
+        in_window = sum(r.num_tokens_in_window for r in res.requests)
+        rate = in_window / res.window_s
+        sent = [r for r in res.requests if r.in_window(lo, hi)]
+        picked = [r for r in sent if r.error is None]
+        itl = [x * 1e3 for r in ok for x in r.itl_between(lo, hi)]
     else:
         rate = tokens / res.wall_s if res.wall_s > 0 else float("nan")
-    ttft = [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]
-    itl = [x * 1e3 for r in ok for x in r.itl_s]
-    proposed, accepted = sum(r.proposed for r in ok), sum(r.accepted for r in ok)
-    steps = sum(r.steps for r in ok)
+        sent, picked = res.requests, ok
+        itl = [x * 1e3 for r in ok for x in r.itl_s]
+    ttft = [r.ttft_s * 1e3 for r in picked if r.ttft_s is not None]
+    proposed, accepted = sum(r.proposed for r in picked), sum(r.accepted for r in picked)
+    steps = sum(r.steps for r in picked)
     errors = [r.error for r in res.requests if r.error is not None]
     return {
         "num_requests": len(res.requests),
+        "requests_in_window": len(sent) if res.timed else None,
         "num_errors": len(errors),
         "first_error": errors[0] if errors else None,
         "output_tokens": tokens,
         "wall_s": res.wall_s,
         "tokens_per_s": rate,
         "window_s": res.window_s,
+        "ramp_s": res.ramp_s,
         "ttft_p50_ms": percentile(ttft, 50),
         "ttft_p99_ms": percentile(ttft, 99),
         "itl_p50_ms": percentile(itl, 50),
         "itl_p99_ms": percentile(itl, 99),
         "acceptance": accepted / proposed if proposed else None,
-        "tokens_per_step": sum(len(r.token_ids) for r in ok) / steps if steps else None,
+        "tokens_per_step": sum(len(r.token_ids) for r in picked) / steps if steps else None,
         "compiles": res.compiles,
         "error": res.error,
     }
 
 
-async def _one(
-    client: AsyncClient, index: int, prompt: dict, max_tokens: int, closes_at: float = float("inf")
-) -> RequestResult:
-    out = RequestResult(index)
-    t0 = last = time.perf_counter()
+async def _one(client: AsyncClient, index: int, prompt: dict, max_tokens: int) -> RequestResult:
+    out = RequestResult(index, max_tokens=max_tokens)
+    t0 = last = out.sent_at = time.perf_counter()
     stream = client.stream(**prompt, max_tokens=max_tokens, temperature=0.0)
     try:
         async for chunk in stream:
@@ -108,8 +174,8 @@ async def _one(
                 out.itl_s += [(now - last) / n] * n
             last = now
             out.token_ids += chunk.token_ids
-            if now <= closes_at:
-                out.num_tokens_in_window += n
+            out.chunk_at.append(now)
+            out.chunk_tokens.append(n)
     except Exception as e:
         out.error = f"{type(e).__name__}: {e}"[:300]
     finally:
@@ -136,6 +202,8 @@ async def _drive(
     timeout_s: float,
     is_alive: Callable[[], bool],
     duration_s: float = 0.0,
+    ramp_s: float = 0.0,
+    cover: bool = False,
 ) -> PassResult:
     clients = [AsyncClient(endpoint, timeout_s=timeout_s) for _ in range(concurrency)]
     try:
@@ -143,27 +211,46 @@ async def _drive(
         before = await _compiles(clients[0])
         results: list[RequestResult | None] = [] if duration_s else [None] * num_requests
         next_index = 0
-        closes_at = float("inf")
+        t0 = time.perf_counter()
+        window = {"opens_at": None, "closes_at": float("inf")}
+        firsts_left = concurrency
+        plan = stagger_plan(max_tokens, concurrency)
+        period = cycle_length(concurrency, len(prompts))
 
-        def more() -> bool:
-            return time.perf_counter() < closes_at if duration_s else next_index < num_requests
-
-        async def worker(c: AsyncClient) -> None:
+        async def counted(c: AsyncClient) -> None:
             nonlocal next_index
-            while more():
+            while next_index < num_requests:
                 i, next_index = next_index, next_index + 1  # one event loop: no lock needed
-                if duration_s:
-                    results.append(None)
-                results[i] = await _one(c, i % len(prompts), prompts[i % len(prompts)], max_tokens, closes_at)
+                results[i] = await _one(c, i % len(prompts), prompts[i % len(prompts)], max_tokens)
+
+        async def timed(ci: int, c: AsyncClient) -> None:
+            nonlocal firsts_left
+            mine = set(client_prompts(ci, concurrency, len(prompts), period))
+            full: set[int] = set()  # prompts this client has sent at full length, without error
+            j = 0
+            while time.perf_counter() < window["closes_at"] or (cover and j <= period and full != mine):
+                p = (ci + j * concurrency) % len(prompts)
+                r = await _one(c, p, prompts[p], plan[ci] if j == 0 else max_tokens)
+                r.client, r.seq, r.staggered = ci, j, r.max_tokens < max_tokens
+                results.append(r)
+                if r.error is None and not r.staggered:
+                    full.add(p)
+                if j == 0:
+                    firsts_left -= 1
+                    if not firsts_left:  # every first request is done: the ramp is over
+                        window["opens_at"] = max(time.perf_counter(), t0 + ramp_s)
+                        window["closes_at"] = window["opens_at"] + duration_s
+                j += 1
 
         async def watchdog() -> None:
             while is_alive():
                 await asyncio.sleep(0.25)
 
-        t0 = time.perf_counter()
         if duration_s:
-            closes_at = t0 + duration_s
-        work = asyncio.ensure_future(asyncio.gather(*(worker(c) for c in clients)))
+            coros = [timed(i, c) for i, c in enumerate(clients)]
+        else:
+            coros = [counted(c) for c in clients]
+        work = asyncio.ensure_future(asyncio.gather(*coros))
         guard = asyncio.ensure_future(watchdog())
         await asyncio.wait([work, guard], return_when=asyncio.FIRST_COMPLETED)
         wall = time.perf_counter() - t0
@@ -175,8 +262,14 @@ async def _drive(
         guard.cancel()
         work.result()
         after = await _compiles(clients[0])
-        window = duration_s or None
-        return PassResult(wall, [r for r in results if r is not None], before, after, window_s=window)
+        done = [r for r in results if r is not None]
+        if not duration_s:
+            return PassResult(wall, done, before, after, max_tokens=max_tokens)
+        lo, hi = window["opens_at"], window["closes_at"]
+        for r in done:
+            r.num_tokens_in_window = r.tokens_between(lo, hi)
+        return PassResult(wall, done, before, after, window_s=duration_s, ramp_s=lo - t0, opens_at=lo,
+                          closes_at=hi, max_tokens=max_tokens)  # fmt: skip
     finally:
         for c in clients:
             await c.close()
@@ -191,12 +284,18 @@ def run_pass(
     timeout_s: float,
     is_alive: Callable[[], bool] = lambda: True,
     duration_s: float = 0.0,
+    ramp_s: float = 0.0,
+    cover: bool = False,
 ) -> PassResult:
-    """One pass: ``num_requests`` requests over ``prompts`` (request i takes prompt i mod len), from
-    ``concurrency`` clients at once, or (``duration_s`` > 0) a closed loop for that many seconds.
-    ``is_alive`` is polled: a daemon that exits ends the pass."""
-    if concurrency < 1 or num_requests < 1 or not prompts:
-        raise ValueError(f"need concurrency >= 1, num_requests >= 1 and prompts; got {concurrency}, "
-                         f"{num_requests}, {len(prompts)} prompts")  # fmt: skip
-    coro = _drive(endpoint, prompts, num_requests, concurrency, max_tokens, timeout_s, is_alive, duration_s)
+    """One pass from ``concurrency`` clients at once: ``num_requests`` requests over ``prompts`` (request
+    i takes prompt i mod len), or (``duration_s`` > 0) a timed closed loop with a staggered start, a
+    ramp (until every client's first request is done, at least ``ramp_s``) and a window of
+    ``duration_s`` (the module's docstring); ``cover``: each client then goes on until it has sent every
+    prompt of its sequence at full length. ``is_alive`` is polled: a daemon that exits ends the pass."""
+    if concurrency < 1 or num_requests < 1 or not prompts or duration_s < 0 or ramp_s < 0:
+        raise ValueError(f"need concurrency >= 1, num_requests >= 1, prompts, duration_s and ramp_s >= 0; "
+                         f"got {concurrency}, {num_requests}, {len(prompts)} prompts, {duration_s}, "
+                         f"{ramp_s}")  # fmt: skip
+    coro = _drive(endpoint, prompts, num_requests, concurrency, max_tokens, timeout_s, is_alive, duration_s,
+                  ramp_s, cover)  # fmt: skip
     return asyncio.run(coro)

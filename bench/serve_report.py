@@ -41,6 +41,12 @@ def configs_table(res: dict) -> str:
     return text
 
 
+def _requests(r: dict) -> str:
+    """A counted pass's requests; a timed pass's requests sent inside the window."""
+    inside = r.get("requests_in_window")
+    return str(r["num_requests"] if inside is None else inside)
+
+
 def rows_table(rows: list[dict]) -> str:
     header = ["config", "N", "pass", "tok/s", "spread vs pass 1", "TTFT ms p50 / p99", "ITL ms p50 / p99",
               "compiles", "same output", "accept.", "tok/step", "requests", "errors"]  # fmt: skip
@@ -54,7 +60,7 @@ def rows_table(rows: list[dict]) -> str:
                     "–" if r["spread"] is None else f"{100 * r['spread']:.1f}%",
                     _ms(r["ttft_p50_ms"], r["ttft_p99_ms"]), _ms(r["itl_p50_ms"], r["itl_p99_ms"]),
                     _na(r["compiles"]), fmt(r["same_output"]), fmt(r["acceptance"]),
-                    fmt(r["tokens_per_step"]), str(r["num_requests"]), err])  # fmt: skip
+                    fmt(r["tokens_per_step"]), _requests(r), err])  # fmt: skip
     return table(header, out)
 
 
@@ -98,25 +104,40 @@ def targets_table(res: dict) -> str:
     return table(header, out) + "\n\n" + "\n".join(lines)
 
 
-def _pass_note(s: dict) -> str:
+def _ramps(rows: list[dict]) -> str:
+    ramps = [r["ramp_s"] for r in rows if r.get("ramp_s") is not None]
+    return f"{min(ramps):.2f}–{max(ramps):.2f} s" if ramps else "–"
+
+
+def _pass_note(s: dict, rows: list[dict] = ()) -> str:
     if s.get("duration_s"):
-        return (f"each pass a {s['duration_s']:g} s closed loop (each client sends its next streamed "
-                "request when one is done). tok/s = tokens that arrived in the window / its "
-                "length")  # fmt: skip
+        floor = f", at least {s['ramp_s']:g} s" if s.get("ramp_s") else ""
+        return (
+            "each pass a closed loop (each client sends its next streamed request when one is done; client "
+            "c of N sends prompts c, c+N, c+2N, … of the list, the same in both passes) with a staggered "
+            f"start (client c's first request has max_tokens ⌈{s.get('max_tokens')}·(c+1)/N⌉, later ones "
+            f"the full {s.get('max_tokens')}), a ramp until every client's first request is done "
+            f"({_ramps(rows)} over the rows{floor}), then a {s['duration_s']:g} s window. tok/s = tokens "
+            "that arrived in the window / its length; TTFT, accept., tok/step and requests from the "
+            "requests sent in the window, ITL from the tokens that arrived in it; requests still running "
+            "at its end finish outside it"
+        )
     return (f"max(N, {s.get('num_requests')}) streamed requests per pass. tok/s = output tokens / wall "
             "time of the pass")  # fmt: skip
 
 
 def serve_section(res: dict) -> str:
     s = res.get("settings", {})
+    passes = _pass_note(s, res["rows"])
     note = (
         f"Daemon subprocess per config (`model.source={s.get('source')}` "
         f"{' '.join(s.get('model_overrides') or [])}), N concurrent protocol clients, "
-        f"{s.get('prompts')} prompts, greedy, `max_tokens` {s.get('max_tokens')}, {_pass_note(s)}; "
+        f"{s.get('prompts')} prompts, greedy, `max_tokens` {s.get('max_tokens')}, {passes}; "
         "TTFT = send → first chunk with tokens; ITL = gap between chunks / tokens in the chunk "
         "(one sample per token); compiles = delta of the daemon's `num_compiles_after_start` over the "
-        "pass (n/a: not reported by this daemon); same output = share of requests whose token ids equal "
-        "the baseline's pass-1 output for the prompt at the same N; accept. = accepted / proposed."
+        "pass (n/a: not reported by this daemon); same output = share of the full-length requests (a "
+        "timed pass's cut-short first ones left out) whose token ids equal the baseline's pass-1 output "
+        "for the prompt at the same N; accept. = accepted / proposed."
     )
     return "\n".join([
         "### Serving benchmark (bench=serve)", "", note, "", configs_table(res), "",

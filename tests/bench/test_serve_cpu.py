@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -50,6 +51,7 @@ def test_serve_bench_tiny_hf_chat(tmp_path, tiny_hf_dir):
         "bench.serve.prompts=chat",
         "bench.serve.prompt_indices=[2,4,6,7]",  # the short prompts: the tiny model's context is 256
         f"bench.serve.log_dir={tmp_path / 'dblogs'}",
+        "bench.serve.duration_s=0.25",  # timed passes: staggered start, ramp, window; the baseline covers
     )
     res = cli.run_bench(cfg, "test")
     assert res["errors"] == {}
@@ -70,9 +72,11 @@ def test_serve_bench_tiny_hf_chat(tmp_path, tiny_hf_dir):
         mine = [r for r in rows if r["config"] == name]
         assert sorted((r["concurrency"], r["pass"]) for r in mine) == [(1, 1), (1, 2), (2, 1), (2, 2)]
     for r in rows:
-        assert r["num_requests"] == 6 and r["num_errors"] == 0 and r["error"] is None
-        assert 0 < r["output_tokens"] <= 6 * 8 and r["tokens_per_s"] > 0
-        assert r["same_output"] == 1.0  # float32 on CPU: speculation is exactly lossless
+        assert r["num_requests"] > r["requests_in_window"] > 0 and r["num_errors"] == 0 and r["error"] is None
+        assert r["output_tokens"] > 0 and r["tokens_per_s"] > 0 and r["window_s"] == 0.25
+        assert 0 < r["ramp_s"] < r["wall_s"] - 0.25
+        # float32 on CPU: speculation is exactly lossless; every prompt has a full-length reference
+        assert r["same_output"] == 1.0
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["ttft_max_s"] <= r["wall_s"]
         assert (r["spread"] is None) == (r["pass"] == 1)
     ngram = [r for r in rows if r["config"] == "ngram k=2 MQA"]
@@ -88,6 +92,7 @@ def test_serve_bench_tiny_hf_chat(tmp_path, tiny_hf_dir):
     text = (tmp_path / "tables.md").read_text()
     assert "### Serving benchmark (bench=serve)" in text and "exited with status" in text
     assert "Host ms per decode step by phase" in text
+    assert "staggered start" in text and "then a 0.25 s window" in text
     assert json.loads((tmp_path / "results.json").read_text())["serve"]["rows"] == json.loads(
         json.dumps(rows)
     )
@@ -118,6 +123,7 @@ def test_summarize_itl_is_per_token():
         ({"configs": [{"name": "x", "overrides": ["daemon.endpoint=tcp://x:1"]}]}, "set by the bench"),
         ({"concurrency": []}, "concurrency"),
         ({"prompts": "chat", "oracle_override": "+proposer.oracle"}, "needs prompts=ids"),
+        ({"ramp_s": -1}, "ramp_s must be >= 0"),
     ],
 )
 def test_serve_config_rejects(change, message):
@@ -125,29 +131,140 @@ def test_serve_config_rejects(change, message):
         ServeConfig(**{"configs": CONFIGS, **change})
 
 
-def test_timed_pass_counts_only_the_tokens_inside_its_window(tmp_path):
-    """duration_s: a closed loop against a real daemon; tok/s is the window's tokens / window."""
+@pytest.fixture(scope="module")
+def tiny_daemon(tmp_path_factory):
+    """One non-speculative daemon on the tiny preset (CPU, float32) for the timed-pass tests."""
     from specsched.bench.serve import Daemon
-    from specsched.bench.serve_load import run_pass
 
     overrides = ["model.source=tiny", "model.device=cpu", "model.dtype=float32", "cache.num_blocks=256",
                  "proposer=none", "policy=fixed", "policy.k=0", "policy.scorer=batch_expansion",
                  "scorer=batch_expansion", "log=none"]  # fmt: skip
-    daemon = Daemon(overrides, tmp_path / "d.log", {"OMP_NUM_THREADS": "1"})
+    daemon = Daemon(overrides, tmp_path_factory.mktemp("daemon") / "d.log", {"OMP_NUM_THREADS": "1"})
     try:
         daemon.wait_ready(120)
-        prompts = [{"prompt_ids": [5 + i, 7, 9, 11]} for i in range(3)]
-        res = run_pass(daemon.endpoint, prompts, 1, 2, 16, 60, daemon.is_alive, duration_s=1.5)
+        yield daemon
     finally:
         daemon.stop(20)
-    assert res.error is None and res.window_s == 1.5 and res.wall_s >= 1.5
+
+
+def id_prompts(n: int) -> list[dict]:
+    return [{"prompt_ids": [5 + i, 7, 9, 11]} for i in range(n)]
+
+
+def by_client(res) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for r in sorted(res.requests, key=lambda r: (r.client, r.seq)):
+        out.setdefault(r.client, []).append(r)
+    return out
+
+
+def test_timed_pass_staggers_the_first_requests(tiny_daemon):
+    """Client c of N's first request has max_tokens ceil(M (c+1) / N) and they finish one after the
+    other; every later request is a full one; the window opens when the last first request is done."""
+    from specsched.bench.serve_load import run_pass, stagger_plan
+
+    d = tiny_daemon
+    res = run_pass(d.endpoint, id_prompts(3), 1, 4, 16, 60, d.is_alive, duration_s=0.5)
+    assert res.error is None and all(r.error is None for r in res.requests)
+    assert stagger_plan(16, 4) == [4, 8, 12, 16] and stagger_plan(128, 64)[:2] == [2, 4]
+    assert stagger_plan(128, 1) == [128] and stagger_plan(128, 64)[-1] == 128
+    mine = by_client(res)
+    assert sorted(mine) == [0, 1, 2, 3]
+    firsts = [mine[c][0] for c in range(4)]
+    assert [r.max_tokens for r in firsts] == [4, 8, 12, 16]
+    assert [len(r.token_ids) for r in firsts] == [4, 8, 12, 16]  # the tiny model: no early EOS here
+    assert [r.staggered for r in firsts] == [True, True, True, False]
+    ends = [r.chunk_at[-1] for r in firsts]
+    assert ends == sorted(ends) and len(set(ends)) == 4  # spread out, in the clients' order
+    assert all(r.max_tokens == 16 and not r.staggered for c in mine for r in mine[c][1:])
+    assert all(len(mine[c]) >= 2 for c in mine)
+    assert max(ends) <= res.opens_at <= max(ends) + 0.5  # ramp: until the last first request is done
+    assert res.ramp_s == pytest.approx(res.opens_at - min(r.sent_at for r in firsts), abs=0.1)
+    assert res.closes_at == pytest.approx(res.opens_at + 0.5)
+
+
+def test_timed_pass_counts_only_the_tokens_inside_its_window(tiny_daemon):
+    """tok/s = the tokens that arrived inside [opens_at, closes_at] / window: not the ramp's, not the
+    drain's; TTFT and requests from the requests sent inside it."""
+    from specsched.bench.serve_load import run_pass
+
+    d = tiny_daemon
+    res = run_pass(d.endpoint, id_prompts(3), 1, 2, 16, 60, d.is_alive, duration_s=0.6, ramp_s=0.2)
+    assert res.error is None and res.window_s == 0.6 and res.wall_s >= 0.8
     assert all(r.error is None for r in res.requests)
-    assert len(res.requests) > 2  # both clients kept sending for the whole window (num_requests=1 unused)
-    inside = sum(r.num_tokens_in_window for r in res.requests)
-    total = sum(len(r.token_ids) for r in res.requests)
-    assert 0 < inside < total  # the requests running at the window's end finished outside it
-    assert summarize(res)["tokens_per_s"] == pytest.approx(inside / 1.5)
-    assert [r.prompt_index for r in res.requests[:4]] == [0, 1, 2, 0]
+    assert res.ramp_s >= 0.2 - 1e-6  # the floor: later than the first requests' end
+    lo, hi = res.opens_at, res.closes_at
+    at = [(t, n) for r in res.requests for t, n in zip(r.chunk_at, r.chunk_tokens)]
+    before = sum(n for t, n in at if t < lo)
+    inside = sum(n for t, n in at if lo <= t <= hi)
+    after = sum(n for t, n in at if t > hi)
+    assert before > 0 and after > 0 and inside > 0  # a ramp, a window, a drain
+    assert sum(r.num_tokens_in_window for r in res.requests) == inside
+    assert before + inside + after == sum(len(r.token_ids) for r in res.requests)
+    row = summarize(res)
+    assert row["tokens_per_s"] == pytest.approx(inside / 0.6) and row["ramp_s"] == res.ramp_s
+    sent = [r for r in res.requests if lo <= r.sent_at < hi]
+    assert row["requests_in_window"] == len(sent) > 0 and row["num_requests"] > len(sent)
+    assert row["ttft_p50_ms"] == pytest.approx(np.percentile([r.ttft_s * 1e3 for r in sent], 50))
+    itl = [x for r in res.requests for x in r.itl_between(lo, hi)]
+    assert row["itl_p50_ms"] == pytest.approx(1e3 * float(np.percentile(itl, 50)))
+
+
+def test_timed_pass_prompts_per_client_are_the_same_in_both_passes(tiny_daemon):
+    """Client c of N sends prompts c, c+N, c+2N, ... mod the list, in every pass."""
+    from specsched.bench.serve_load import client_prompts, run_pass
+
+    d = tiny_daemon
+    seqs = []
+    for _ in range(2):
+        res = run_pass(d.endpoint, id_prompts(4), 1, 3, 8, 60, d.is_alive, duration_s=0.3)
+        assert res.error is None
+        mine = by_client(res)
+        assert sorted(mine) == [0, 1, 2]
+        seq = {c: [r.prompt_index for r in rs] for c, rs in mine.items()}
+        assert all(s == client_prompts(c, 3, 4, len(s)) for c, s in seq.items())
+        assert all([r.seq for r in rs] == list(range(len(rs))) for rs in mine.values())
+        seqs.append(seq)
+    assert client_prompts(1, 3, 4, 5) == [1, 0, 3, 2, 1]
+    for c in range(3):  # the same sequence, as far as both passes went
+        k = min(len(seqs[0][c]), len(seqs[1][c]))
+        assert k >= 2 and seqs[0][c][:k] == seqs[1][c][:k]
+
+
+def test_timed_pass_cover_sends_every_prompt_of_each_client_at_full_length(tiny_daemon):
+    """cover (the baseline's pass 1): after a window too short for it, each client goes on until its
+    sequence's prompts all have a full-length output: the references of the later configs."""
+    from specsched.bench.serve import add_references
+    from specsched.bench.serve_load import cycle_length, run_pass
+
+    d = tiny_daemon
+    assert cycle_length(2, 5) == 5 and cycle_length(4, 8) == 2 and cycle_length(64, 8) == 1
+    res = run_pass(d.endpoint, id_prompts(5), 1, 2, 8, 60, d.is_alive, duration_s=0.001, cover=True)
+    assert res.error is None
+    for rs in by_client(res).values():
+        assert {r.prompt_index for r in rs if not r.staggered} == set(range(5))
+        assert len(rs) <= cycle_length(2, 5) + 1
+    assert any(r.sent_at >= res.closes_at for r in res.requests)  # sent after the window, to cover
+    ref: dict[int, list[int]] = {}
+    add_references(ref, res)
+    assert sorted(ref) == list(range(5)) and all(len(v) == 8 for v in ref.values())  # none cut short
+
+
+def test_cut_short_requests_are_neither_references_nor_compared():
+    """same output: a timed pass's staggered (cut-short) first requests are left out of the share, and
+    the baseline's never become references (its first full-length output per prompt does)."""
+    from specsched.bench.serve import add_references
+
+    short = RequestResult(0, [1, 2], max_tokens=2, staggered=True)
+    full = [RequestResult(0, [1, 2, 3, 4], max_tokens=4), RequestResult(1, [5, 6, 7, 8], max_tokens=4)]
+    ref: dict[int, list[int]] = {}
+    add_references(ref, PassResult(1.0, [short, *full]))
+    assert ref == {0: [1, 2, 3, 4], 1: [5, 6, 7, 8]}
+    other = [RequestResult(0, [9], max_tokens=1, staggered=True),  # not a prefix: not counted either
+             RequestResult(0, [1, 2, 3, 4], max_tokens=4),
+             RequestResult(1, [5, 6, 0, 0], max_tokens=4)]  # fmt: skip
+    assert same_output_share(PassResult(1.0, other), ref) == 0.5
+    assert same_output_share(PassResult(1.0, other[:1]), ref) is None  # nothing to compare
 
 
 def test_split_cpus_gives_daemons_and_clients_disjoint_halves(monkeypatch):
