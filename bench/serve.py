@@ -32,7 +32,7 @@ from specsched.bench.loopback import free_port
 from specsched.bench.prompts import PROMPTS
 from specsched.bench.serve_config import DaemonRun, ServeConfig
 from specsched.bench.serve_host import host_phase_rows
-from specsched.bench.serve_load import PassResult, run_pass, summarize
+from specsched.bench.serve_load import PassResult, run_pass, split_interleaved, summarize
 from specsched.client.sync_client import Client
 
 logger = logging.getLogger(__name__)
@@ -179,24 +179,17 @@ def run_config(
                             cfg.request_timeout_s, daemon.is_alive)  # fmt: skip
             if warm.error or any(r.error for r in warm.requests):
                 raise RuntimeError(f"warm-up failed: {warm.error or warm.requests[0].error}")
-        for p in range(1, cfg.passes + 1):
-            progress.set_postfix_str(f"{run.name} pass {p}")
-            for n in cfg.concurrency:
-                res = run_pass(daemon.endpoint, prompts, max(cfg.num_requests, n), n, cfg.max_tokens,
-                               cfg.request_timeout_s, daemon.is_alive, cfg.duration_s, cfg.ramp_s,
-                               cover=fill and p == 1)  # fmt: skip
-                if fill and p == 1:
-                    add_references(reference.setdefault(n, {}), res)
-                row = {"config": run.name, "kind": run.kind, "concurrency": n, "pass": p, **summarize(res)}
-                ref = None if reference is None or not reference else reference.get(n)
-                row["same_output"] = same_output_share(res, ref)
-                row["ttft_max_s"] = max(
-                    (r.ttft_s for r in res.requests if r.ttft_s is not None), default=None
-                )
-                rows.append(row)
-                if res.error:
-                    raise RuntimeError(f"pass {p}, concurrency {n}: {res.error}; see {daemon.log_file}")
-            progress.update(1)
+        for p, n, res, slice_rates in passes_of(cfg, daemon, prompts, fill, progress, run.name):
+            if fill and p == 1:
+                add_references(reference.setdefault(n, {}), res)
+            row = {"config": run.name, "kind": run.kind, "concurrency": n, "pass": p, **summarize(res)}
+            ref = None if reference is None or not reference else reference.get(n)
+            row["same_output"] = same_output_share(res, ref)
+            row["ttft_max_s"] = max((r.ttft_s for r in res.requests if r.ttft_s is not None), default=None)
+            row["slice_tok_s"] = slice_rates
+            rows.append(row)
+            if res.error:
+                raise RuntimeError(f"pass {p}, concurrency {n}: {res.error}; see {daemon.log_file}")
         with Client(daemon.endpoint, timeout_s=cfg.request_timeout_s) as c:
             info["compiles_total"] = getattr(c.stats(), "num_compiles_after_start", None)
     except Exception as e:
@@ -205,6 +198,34 @@ def run_config(
     finally:
         info["exit_status"] = daemon.stop(cfg.stop_timeout_s)
     return info, rows
+
+
+def passes_of(cfg: ServeConfig, daemon: Daemon, prompts: list[dict], fill: bool, progress, name: str):
+    """(pass, N, PassResult, slice tok/s or None) of every pass of one daemon: pass 1 at every N, then
+    pass 2, ...; or, with ``interleave_s``, per N one loop of passes x duration_s split into the passes'
+    interleaved slices (``cover`` then on the loop, which gives pass 1's references)."""
+    def loop(n: int, duration_s: float, cover: bool) -> PassResult:
+        return run_pass(daemon.endpoint, prompts, max(cfg.num_requests, n), n, cfg.max_tokens,
+                        cfg.request_timeout_s, daemon.is_alive, duration_s, cfg.ramp_s,
+                        cover=cover)  # fmt: skip
+
+    if cfg.interleave_s and cfg.duration_s:
+        progress.set_postfix_str(f"{name} passes 1-{cfg.passes} interleaved")
+        for n in cfg.concurrency:
+            res = loop(n, cfg.passes * cfg.duration_s, fill)
+            if res.error:  # the loop failed: no slices to split; report it as pass 1
+                yield 1, n, res, None
+                return
+            parts, rates = split_interleaved(res, cfg.passes, cfg.interleave_s)
+            for p, part in enumerate(parts, 1):
+                yield p, n, part, rates
+        progress.update(cfg.passes)
+        return
+    for p in range(1, cfg.passes + 1):
+        progress.set_postfix_str(f"{name} pass {p}")
+        for n in cfg.concurrency:
+            yield p, n, loop(n, cfg.duration_s, fill and p == 1), None
+        progress.update(1)
 
 
 def add_spread(rows: list[dict]) -> None:

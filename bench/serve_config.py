@@ -55,6 +55,11 @@ class ServeConfig:
     # timed passes: the window opens when every client's first (staggered, cut-short) request is done,
     # and not before ramp_s seconds after the first send (0: as soon as they are done)
     ramp_s: float = 0.0
+    # > 0 (with duration_s): the passes of each N are interleaved slices of one closed loop of
+    # passes x duration_s, slice j in pass j mod passes (bench/serve_load.py split_interleaved):
+    # both passes see the same host drift; each slice's tok/s is reported beside them. 0: one loop
+    # per pass, pass 1 of every N before pass 2
+    interleave_s: float = 0.0
     pin_cpus: bool = (
         True  # Linux, >= 4 cores: daemons on the first half of the cores, the clients on the rest
     )
@@ -102,6 +107,11 @@ class ServeConfig:
             )
         if self.ramp_s < 0:
             raise ValueError(f"bench.serve.ramp_s must be >= 0, got {self.ramp_s}")
+        if self.interleave_s < 0 or (self.interleave_s and not 0 < self.interleave_s <= self.duration_s):
+            raise ValueError(
+                f"bench.serve.interleave_s must be 0 or in (0, duration_s = {self.duration_s:g}], "
+                f"got {self.interleave_s:g}"
+            )
         if self.prompt_vocab < 4:
             raise ValueError(f"bench.serve.prompt_vocab must be >= 4, got {self.prompt_vocab}")
 

@@ -28,7 +28,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -60,17 +60,33 @@ class RequestResult:
         """Sent inside the window."""
         return opens_at <= self.sent_at < closes_at
 
+    def sent_in(self, windows: list[tuple[float, float]]) -> bool:
+        """Sent inside one of ``windows`` ([opens_at, closes_at) each)."""
+        return any(lo <= self.sent_at < hi for lo, hi in windows)
+
     def tokens_between(self, opens_at: float, closes_at: float) -> int:
-        return sum(n for t, n in zip(self.chunk_at, self.chunk_tokens) if opens_at <= t <= closes_at)
+        return self.tokens_in([(opens_at, closes_at)])
+
+    def tokens_in(self, windows: list[tuple[float, float]]) -> int:
+        """Tokens that arrived inside one of ``windows`` ([opens_at, closes_at] each)."""
+        return sum(n for t, n in zip(self.chunk_at, self.chunk_tokens) if _inside(t, windows))
 
     def itl_between(self, opens_at: float, closes_at: float) -> list[float]:
         """The ITL samples of the tokens that arrived inside [opens_at, closes_at]."""
+        return self.itl_in([(opens_at, closes_at)])
+
+    def itl_in(self, windows: list[tuple[float, float]]) -> list[float]:
+        """The ITL samples of the tokens that arrived inside one of ``windows``."""
         out: list[float] = []
         for k in range(1, len(self.chunk_at)):
             t, n = self.chunk_at[k], self.chunk_tokens[k]
-            if opens_at <= t <= closes_at:
+            if _inside(t, windows):
                 out += [(t - self.chunk_at[k - 1]) / n] * n
         return out
+
+
+def _inside(t: float, windows: list[tuple[float, float]]) -> bool:
+    return any(lo <= t <= hi for lo, hi in windows)
 
 
 @dataclass
@@ -85,6 +101,13 @@ class PassResult:
     opens_at: float | None = None  # a timed pass's window, time.perf_counter()
     closes_at: float | None = None
     max_tokens: int | None = None  # the full max_tokens of the pass
+    # interleaved passes (split_interleaved): this pass's slices of the loop's window; None: the window
+    slices: list[tuple[float, float]] | None = None
+
+    @property
+    def windows(self) -> list[tuple[float, float]]:
+        """What this pass counts: its slices, or its one window [opens_at, closes_at]."""
+        return self.slices if self.slices is not None else [(self.opens_at, self.closes_at)]
 
     @property
     def compiles(self) -> int | None:
@@ -123,12 +146,12 @@ def summarize(res: PassResult) -> dict:
     ok = [r for r in res.requests if r.error is None]
     tokens = sum(len(r.token_ids) for r in res.requests)
     if res.timed:
-        lo, hi = res.opens_at, res.closes_at
-        in_window = sum(r.num_tokens_in_window for r in res.requests)
+        windows = res.windows
+        in_window = sum(r.tokens_in(windows) for r in res.requests)
         rate = in_window / res.window_s
-        sent = [r for r in res.requests if r.in_window(lo, hi)]
+        sent = [r for r in res.requests if r.sent_in(windows)]
         picked = [r for r in sent if r.error is None]
-        itl = [x * 1e3 for r in ok for x in r.itl_between(lo, hi)]
+        itl = [x * 1e3 for r in ok for x in r.itl_in(windows)]
     else:
         rate = tokens / res.wall_s if res.wall_s > 0 else float("nan")
         sent, picked = res.requests, ok
@@ -273,6 +296,26 @@ async def _drive(
     finally:
         for c in clients:
             await c.close()
+
+
+def split_interleaved(res: PassResult, passes: int, slice_s: float) -> tuple[list[PassResult], list[float]]:
+    """One timed loop's window cut into slices of ``slice_s`` seconds, slice j given to pass
+    ``j mod passes`` (a remainder shorter than a slice is left out): interleaved passes, which see the
+    same host (a machine whose speed drifts over seconds slows both alike) and the same daemon state.
+    Returns the passes (sharing the loop's requests; each counts the tokens, sends and ITL samples
+    inside its own slices) and every slice's tok/s in time order (what one short pass would have
+    measured: the host's drift, shown beside the passes)."""
+    if not res.timed or passes < 1 or slice_s <= 0:
+        raise ValueError(f"need a timed pass, passes >= 1 and slice_s > 0; got {passes}, {slice_s}")
+    num = int(res.window_s / slice_s + 1e-9)
+    if num < passes:
+        raise ValueError(f"a {res.window_s:g} s window holds {num} slices of {slice_s:g} s, fewer than "
+                         f"{passes} passes")  # fmt: skip
+    num -= num % passes  # every pass gets as many slices
+    slices = [(res.opens_at + j * slice_s, res.opens_at + (j + 1) * slice_s) for j in range(num)]
+    rates = [sum(r.tokens_in([w]) for r in res.requests) / slice_s for w in slices]
+    out = [replace(res, slices=slices[p::passes], window_s=slice_s * (num // passes)) for p in range(passes)]
+    return out, rates
 
 
 def run_pass(

@@ -104,9 +104,33 @@ def targets_table(res: dict) -> str:
     return table(header, out) + "\n\n" + "\n".join(lines)
 
 
+def slices_table(rows: list[dict]) -> str:
+    """Interleaved passes: the tok/s of each loop's slices (what one slice-long pass would measure)."""
+    seen: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        if r.get("slice_tok_s"):
+            seen.setdefault((r["config"], r["concurrency"]), r["slice_tok_s"])
+    out = [[c, str(n), str(len(v)), fmt(min(v), 1), fmt(statistics.median(v), 1), fmt(max(v), 1),
+            f"{100 * (max(v) / min(v) - 1):.0f}%" if min(v) > 0 else "–"]
+           for (c, n), v in seen.items()]  # fmt: skip
+    if not out:
+        return ""
+    header = ["config", "N", "slices", "slice tok/s min", "median", "max", "max / min − 1"]
+    return table(header, out)
+
+
 def _ramps(rows: list[dict]) -> str:
     ramps = [r["ramp_s"] for r in rows if r.get("ramp_s") is not None]
     return f"{min(ramps):.2f}–{max(ramps):.2f} s" if ramps else "–"
+
+
+def _window(s: dict) -> str:
+    if not s.get("interleave_s"):
+        return f"a {s['duration_s']:g} s window"
+    passes = s.get("passes", 2)
+    return (f"one window of {passes} × {s['duration_s']:g} s per N, cut into {s['interleave_s']:g} s slices "
+            f"given to the passes in turn (slice j counts in pass j mod {passes}: interleaved passes, "
+            "which see the same host drift; each slice's tok/s is in the slices table)")  # fmt: skip
 
 
 def _pass_note(s: dict, rows: list[dict] = ()) -> str:
@@ -117,7 +141,7 @@ def _pass_note(s: dict, rows: list[dict] = ()) -> str:
             "c of N sends prompts c, c+N, c+2N, … of the list, the same in both passes) with a staggered "
             f"start (client c's first request has max_tokens ⌈{s.get('max_tokens')}·(c+1)/N⌉, later ones "
             f"the full {s.get('max_tokens')}), a ramp until every client's first request is done "
-            f"({_ramps(rows)} over the rows{floor}), then a {s['duration_s']:g} s window. tok/s = tokens "
+            f"({_ramps(rows)} over the rows{floor}), then {_window(s)}. tok/s = tokens "
             "that arrived in the window / its length; TTFT, accept., tok/step and requests from the "
             "requests sent in the window, ITL from the tokens that arrived in it; requests still running "
             "at its end finish outside it"
@@ -141,6 +165,9 @@ def serve_section(res: dict) -> str:
     )
     return "\n".join([
         "### Serving benchmark (bench=serve)", "", note, "", configs_table(res), "",
-        rows_table(res["rows"]), "", "Targets (issue 12):", "", targets_table(res), "",
+        rows_table(res["rows"]), "",
+        *(["Tok/s of each slice of the interleaved loops:", "", slices_table(res["rows"]), ""]
+          if slices_table(res["rows"]) else []),
+        "Targets (issue 12):", "", targets_table(res), "",
         *([host_note(), "", host_table(res["host_phases"]), ""] if res.get("host_phases") else []),
     ])  # fmt: skip

@@ -124,6 +124,8 @@ def test_summarize_itl_is_per_token():
         ({"concurrency": []}, "concurrency"),
         ({"prompts": "chat", "oracle_override": "+proposer.oracle"}, "needs prompts=ids"),
         ({"ramp_s": -1}, "ramp_s must be >= 0"),
+        ({"interleave_s": 0.5}, r"interleave_s must be 0 or in \(0, duration_s = 0\]"),
+        ({"interleave_s": 3, "duration_s": 2}, "interleave_s must be 0 or in"),
     ],
 )
 def test_serve_config_rejects(change, message):
@@ -276,3 +278,53 @@ def test_split_cpus_gives_daemons_and_clients_disjoint_halves(monkeypatch):
     assert split_cpus(False) == (None, None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert split_cpus(True) == (None, None)  # too few cores to split
+
+
+def timed_result(chunks: list[tuple[float, float, int]], opens_at: float, window_s: float) -> PassResult:
+    """A timed pass over plain (sent_at, arrival, tokens) triples, one request each."""
+    reqs = [RequestResult(0, [1] * n, ttft_s=at - sent, sent_at=sent, chunk_at=[at], chunk_tokens=[n])
+            for sent, at, n in chunks]  # fmt: skip
+    return PassResult(opens_at + window_s + 1, reqs, window_s=window_s, ramp_s=opens_at, opens_at=opens_at,
+                      closes_at=opens_at + window_s)  # fmt: skip
+
+
+def test_split_interleaved_gives_each_pass_every_other_slice():
+    from specsched.bench.serve_load import split_interleaved
+
+    # window [1, 5): slices of 1 s; tokens arriving at 1.5 (slice 0), 2.5 (1), 3.5 (2), 4.5 (3), 5.5 (out)
+    res = timed_result([(1.2, 1.5, 10), (2.1, 2.5, 20), (3.1, 3.5, 30), (4.1, 4.5, 40), (5.2, 5.5, 50)], 1, 4)
+    (p1, p2), rates = split_interleaved(res, 2, 1.0)
+    assert rates == [10, 20, 30, 40]
+    assert p1.slices == [(1, 2), (3, 4)] and p2.slices == [(2, 3), (4, 5)]
+    assert p1.window_s == p2.window_s == 2
+    r1, r2 = summarize(p1), summarize(p2)
+    assert r1["tokens_per_s"] == (10 + 30) / 2 and r2["tokens_per_s"] == (20 + 40) / 2
+    assert r1["requests_in_window"] == 2 and r2["requests_in_window"] == 2  # by send time
+    assert r1["ttft_p50_ms"] == pytest.approx(np.median([300, 400]))
+    # a 4.5 s window in 1 s slices: 4 full slices (2 per pass), the half slice left out
+    (q1, _), rates = split_interleaved(timed_result([(1.2, 1.5, 10)], 1, 4.5), 2, 1.0)
+    assert len(rates) == 4 and q1.window_s == 2
+    with pytest.raises(ValueError, match="holds 1 slices of 3 s, fewer than 2 passes"):
+        split_interleaved(res, 2, 3.0)
+    with pytest.raises(ValueError, match="need a timed pass"):
+        split_interleaved(PassResult(1.0, []), 2, 1.0)
+
+
+def test_interleaved_passes_run_one_loop_per_n_on_a_real_daemon(tiny_daemon):
+    """bench.serve.interleave_s: per N one loop of passes x duration_s, its slices alternating between
+    the passes; both rows from that one loop, with the slices' tok/s beside them."""
+    from types import SimpleNamespace
+
+    from specsched.bench.serve import passes_of
+
+    cfg = ServeConfig(configs=CONFIGS, duration_s=0.6, interleave_s=0.2, concurrency=[1, 2], max_tokens=16,
+                      num_requests=1, request_timeout_s=60)  # fmt: skip
+    bar = SimpleNamespace(set_postfix_str=lambda s: None, update=lambda n: None)
+    got = list(passes_of(cfg, tiny_daemon, id_prompts(3), False, bar, "tiny"))
+    assert [(p, n) for p, n, _, _ in got] == [(1, 1), (2, 1), (1, 2), (2, 2)]
+    for (_, _, a, rates), (_, _, b, rates_b) in zip(got[::2], got[1::2]):
+        assert a.requests is b.requests and rates == rates_b and len(rates) == 6
+        assert a.window_s == b.window_s == pytest.approx(0.6)
+        ra, rb = summarize(a), summarize(b)
+        assert ra["tokens_per_s"] > 0 and rb["tokens_per_s"] > 0
+        assert (ra["tokens_per_s"] + rb["tokens_per_s"]) / 2 == pytest.approx(sum(rates) / len(rates))
