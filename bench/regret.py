@@ -17,8 +17,10 @@ config sees the same mix of prompts) until it took at least ``min_steps`` decode
 
 Per cell: the *oracle* is the config other than goodput with the best median tok/s; goodput's ratio
 to it and to non-speculative per repeat (median and min-max over repeats); goodput's ``decide`` ms
-(p50/p99, from ``plan_info.decide_ms``); and the cost models' held-out score-ms error per scorer
-(:func:`specsched.policies.cost_error.held_out_error` over the cell's timed steps).
+(p50/p99 over the steps that decided, from ``plan_info.decide_ms``: a plan carried over by the
+engine's decide budget costs its step nothing, ``decides_per_step`` says how often it decided); and
+the cost models' held-out score-ms error per scorer (:func:`specsched.policies.cost_error.held_out_error`
+over the cell's timed steps).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class Sample:
     decide_ms_p50: float | None
     decide_ms_p99: float | None
     scorer_steps: dict = field(default_factory=dict)
+    decides_per_step: float | None = None  # steps that decided / decode steps (carried plans: none)
 
 
 def run_window(run: RunConfig, state, cell: Cell, min_steps: int, tokens: int | None = None):
@@ -120,7 +123,8 @@ def _passes(engine, cell: Cell, min_steps: int, tokens: int | None = None):
     sync(device)
     wall = time.perf_counter() - t0
     engine.flush_observations()
-    decide = [r.plan_info["decide_ms"] for r in records if "decide_ms" in r.plan_info]
+    decide = [r.plan_info["decide_ms"] for r in records  # the steps that decided (plan_age 0)
+              if "decide_ms" in r.plan_info and not r.plan_info.get("plan_age")]  # fmt: skip
     request_steps = sum(r.batch_size for r in records)
     fields = dict(
         tokens_per_s=num_tokens / wall, num_steps=len(records), num_passes=passes,
@@ -128,6 +132,7 @@ def _passes(engine, cell: Cell, min_steps: int, tokens: int | None = None):
         decide_ms_p50=float(np.percentile(decide, 50)) if decide else None,
         decide_ms_p99=float(np.percentile(decide, 99)) if decide else None,
         scorer_steps=dict(Counter(r.scorer for r in records)),
+        decides_per_step=len(decide) / len(records) if records else None,
     )  # fmt: skip
     return fields, records
 
