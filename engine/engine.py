@@ -223,7 +223,7 @@ class Engine:
             for r, c, e, k, b, o in zip(reqs, context, emitted, props.num_draft, match_bits, outputs)
         ]
         rec.batch_size, rec.num_tokens = len(reqs), props.num_tokens + len(reqs)
-        rec.num_emitted = sum(len(e) for e in emitted)
+        rec.num_emitted = sum(map(len, emitted))
         rec.scorer, rec.policy, rec.is_synthetic = plan.scorer, plan.policy, props.is_synthetic
         kinds = set(names)
         rec.proposer = names[0] if len(kinds) == 1 else "+".join(sorted(kinds))
@@ -320,8 +320,9 @@ class Engine:
             num_out = len(r.output_ids)
             num_tokens = len(r.prompt_ids) + num_out  # r.num_tokens (one property call less per request)
             cap = min(m, max_k, r.sampling.max_tokens - num_out - 1, max_len - num_tokens)
-            if r.spec.max_k is not None:
-                cap = min(cap, r.spec.max_k)
+            spec_max = r.spec.max_k
+            if spec_max is not None and spec_max < cap:
+                cap = spec_max
             mean, std = mean_std(r.request_id, n)
             views.append(
                 RequestView(r.request_id, num_tokens, n, max(cap, 0), mean, std, r.last_k, r.last_accepted)

@@ -40,15 +40,15 @@ class Proposals:
         """Build deterministic proposals (one-hot q) from plain lists (on the host by default:
         scorers and verification read host drafts without a device copy)."""
         num = [len(d) for d in drafts]
-        if not any(num):  # no drafts (a non-speculative step): zeros, without the numpy round trip
-            flat, cu_t = torch.zeros(0, dtype=torch.int64), torch.zeros(len(num) + 1, dtype=torch.int64)
+        cu = np.zeros(len(num) + 1, dtype=np.int64)
+        # numpy, not torch ops: a torch op releases the GIL, and in the daemon the IO thread (busy
+        # sending the last step's chunks) then holds the engine thread before its GPU launch
+        if not any(num):  # no drafts (a non-speculative step): the offsets are the zeros
+            flat = np.zeros(0, dtype=np.int64)
         else:
-            cu = np.zeros(len(num) + 1, dtype=np.int64)
             np.cumsum(num, out=cu[1:])
-            flat = torch.from_numpy(
-                np.fromiter(chain.from_iterable(drafts), dtype=np.int64, count=int(cu[-1]))
-            )
-            cu_t = torch.from_numpy(cu)
+            flat = np.fromiter(chain.from_iterable(drafts), dtype=np.int64, count=int(cu[-1]))
+        flat, cu_t = torch.from_numpy(flat), torch.from_numpy(cu)
         if device != "cpu" and torch.device(device).type != "cpu":
             flat, cu_t = flat.to(device), cu_t.to(device)
         return Proposals(draft_tokens=flat, cu_num_draft=cu_t, draft_probs=None, num_draft=num)
