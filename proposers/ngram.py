@@ -128,7 +128,7 @@ class NgramIndex:
         return None
 
 
-@dataclass
+@dataclass(slots=True)
 class _CachedTokens:
     owner: int  # id() of the Request whose tokens these are
     num_prompt: int
@@ -156,26 +156,27 @@ class NgramProposer(Proposer):
         self.device = torch.device(device)
         self._cache: dict[str, _CachedTokens] = {}  # request_id -> its tokens
 
-    def _cached(self, req: Request) -> _CachedTokens:
-        """The request's cache entry, its tokens brought up to ``req.token_ids``."""
+    def _match(self, req: Request) -> tuple[list[int], int | None]:
+        """The request's tokens (its cache entry's, brought up to ``req.token_ids``) and
+        :func:`ngram_match` over them (cached per token count). Runs for every request twice a step
+        (peek, propose): one call, the cache checks inline."""
         prompt, out = req.prompt_ids, req.output_ids
         num_prompt = len(prompt)
         c = self._cache.get(req.request_id)
         if c is not None and c.owner == id(req) and c.num_prompt == num_prompt:
-            toks = c.tokens
-            have = len(toks) - num_prompt  # output tokens copied so far
-            if 0 <= have <= len(out) and (have == 0 or toks[-1] == out[have - 1]):
+            tokens = c.tokens
+            have = len(tokens) - num_prompt  # output tokens copied so far
+            if 0 <= have <= len(out) and (have == 0 or tokens[-1] == out[have - 1]):
                 if have < len(out):
-                    toks += out[have:]
-                return c
-        c = _CachedTokens(id(req), num_prompt, prompt + out, NgramIndex(self.cfg.min_n, self.cfg.max_n))
-        self._cache[req.request_id] = c
-        return c
-
-    def _match(self, req: Request) -> tuple[list[int], int | None]:
-        """The request's tokens and :func:`ngram_match` over them (cached per token count)."""
-        c = self._cached(req)
-        tokens = c.tokens
+                    tokens += out[have:]
+            else:
+                c = None
+        else:
+            c = None
+        if c is None:  # first sight, or the tokens disagree with the copy: rebuild
+            c = _CachedTokens(id(req), num_prompt, prompt + out, NgramIndex(self.cfg.min_n, self.cfg.max_n))
+            self._cache[req.request_id] = c
+            tokens = c.tokens
         if c.match_at != len(tokens):
             c.match_start, c.match_at = c.index.match(tokens), len(tokens)
         return tokens, c.match_start
