@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
 from specsched.engine.components import EngineParts, build_parts, merge_proposals
 from specsched.engine.config import EngineConfig
-from specsched.engine.planning import MAX_JOINED, PlanReuse, carry_plan
+from specsched.engine.planning import Planner
 from specsched.engine.records import RequestOutput, StepRecord, StepRequestRecord
 from specsched.engine.request import FinishReason, Request, SamplingParams, SpecParams
 from specsched.engine.scheduler import ScheduledBatch, Scheduler
@@ -52,14 +51,9 @@ class Engine:
         self.stats = EngineStats()
         self.timer = StepTimer(self.device)  # phase times: perf_counter on the host, CUDA events on GPU
         self.is_overlapped_observe = self.timer.is_events  # see flush_observations
-        mode = cfg.scheduler.plan_ahead
-        self.is_plan_ahead = mode == "on" or (mode == "auto" and self.timer.is_events)  # see _decode
-        # the plan steps run now: (request ids it was decided for, plan, is it the one decided ahead
-        # and not used yet); carried to later steps as engine/planning.py allows
-        self._held: tuple[list[str], Plan, bool] | None = None
-        sc = cfg.scheduler
-        self.reuse = PlanReuse(sc.decide_budget, sc.max_plan_age)
-        self._ahead_ms: float | None = None  # the host ms of this step's decide ahead (view + decide)
+        mode, sc = cfg.scheduler.plan_ahead, cfg.scheduler
+        is_plan_ahead = mode == "on" or (mode == "auto" and self.timer.is_events)  # see _while_scoring
+        self.planner = Planner(sc.decide_budget, sc.max_plan_age, is_plan_ahead)  # engine/planning.py
         self._unobserved: list[StepRecord] = []
         self._last_end: float | None = None  # perf_counter at the end of the last step, while busy
         self.num_steps = 0
@@ -126,7 +120,7 @@ class Engine:
             outputs, rec = self._decode(batch.requests)
         timer.finish(rec)  # CUDA: read the phase events (the step's host read waited for them)
         if not batch.is_prefill:
-            self._observe_planning(rec, timer.host_ms)
+            self.planner.observe(rec.score_ms, timer.host_ms)
         if not batch.is_prefill and rec.batch_size:
             self._unobserved.append(rec)
             if not self.is_overlapped_observe:
@@ -183,13 +177,7 @@ class Engine:
         return outputs, rec
 
     def _decide(self, reqs: list[Request], view: BatchView) -> Plan:
-        plan = self._held_plan(view)
-        if plan is None:
-            plan = self._timed_decide(view)
-            self.reuse.record_decide(plan.info["decide_ms"])  # on the critical path: all of it
-            self.reuse.on_new_plan()
-            self._held = [r.request_id for r in reqs], plan, False
-        self.reuse.on_use()
+        plan = self.planner.plan(self.policy, self.costs, view)
         if plan.scorer not in self.scorers:
             raise ValueError(
                 f"policy {plan.policy!r} chose scorer {plan.scorer!r}, which is not built here; "
@@ -202,18 +190,7 @@ class Engine:
         costs, and decide the next step's plan ahead where the policy allows it."""
         if self._unobserved:
             self.flush_observations()
-        if self.is_plan_ahead and self.policy.is_plan_ahead_safe and self.reuse.is_due:
-            t0 = time.perf_counter()
-            ahead = self._timed_decide(self._view(reqs, names))
-            self._ahead_ms = (time.perf_counter() - t0) * 1e3
-            self.reuse.on_new_plan()
-            self._held = [r.request_id for r in reqs], ahead, True
-
-    def _timed_decide(self, view: BatchView) -> Plan:
-        """The policy's decide, its wall ms in ``plan.info["decide_ms"]`` (the log's plan_info)."""
-        t0 = time.perf_counter()
-        plan = self.policy.decide(view, self.costs)
-        return replace(plan, info={**plan.info, "decide_ms": (time.perf_counter() - t0) * 1e3})
+        self.planner.decide_ahead(self.policy, self.costs, lambda: self._view(reqs, names))
 
     def _record(self, rec, reqs, names, plan, props, context, emitted, match_bits, outputs, caps) -> None:
         """Fill the step's record (the decision log's ``steps`` and ``step_requests`` rows);
@@ -273,38 +250,6 @@ class Engine:
             return self.model(ids, pos, meta, self.kv_cache, last)
 
     # ---- helpers ------------------------------------------------------------------------------------
-    def _held_plan(self, view: BatchView) -> Plan | None:
-        """The held plan carried to this step's batch (engine/planning.py): the plan decided ahead
-        during the last step's scoring, or an earlier plan while the decide budget says it is not
-        due; None: decide now. The policy saw every outcome but those since the plan was decided."""
-        held = self._held
-        if held is None or not self.policy.is_plan_ahead_safe:
-            return None
-        ids, plan, is_ahead = held
-        if not (is_ahead or (self.reuse.budget is not None and not self.reuse.is_due)):
-            return None
-        carried = carry_plan(ids, plan, view, MAX_JOINED)
-        if carried is None:
-            return None
-        self._held = ids, plan, False
-        info = carried.info
-        info["plan_age"] = self.reuse.age  # steps that ran it before this one
-        if is_ahead:
-            info["is_planned_ahead"] = True
-        else:
-            info["decide_ms"] = 0.0  # this step did not decide (info["plan_age"] > 0 says so)
-        return carried
-
-    def _observe_planning(self, rec: StepRecord, host_ms: dict[str, float]) -> None:
-        """Feed engine/planning.py a decode step's wall ms and the ms of its decide ahead that the
-        step waited for: host time from the scoring launch to the verification read beyond the
-        forward's GPU time (``rec.score_ms`` on CUDA; on the CPU path the same sum is the decide)."""
-        self.reuse.observe_step(sum(host_ms.values()))  # the phases so far, the loop's "between" too
-        if self._ahead_ms is not None:
-            excess = host_ms.get("score", 0.0) + host_ms.get("overlap", 0.0) - rec.score_ms
-            self.reuse.record_decide(min(max(excess, 0.0), self._ahead_ms))
-            self._ahead_ms = None
-
     def _view(self, reqs: list[Request], names: list[str]) -> BatchView:
         by = self._by_proposer(names)
         if len(by) == 1:  # one proposer for the whole batch: its peek is in batch order
@@ -418,6 +363,11 @@ class Engine:
         return self.timer.phase(rec, field)
 
     # ---- status -------------------------------------------------------------------------------------
+    @property
+    def is_plan_ahead(self) -> bool:
+        """The next step's plan is decided while the GPU scores this one (``scheduler.plan_ahead``)."""
+        return self.planner.is_plan_ahead
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -24,9 +24,11 @@ at once when more than ``max_joined`` of the batch is new. Only policies that de
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import replace
 
-from specsched.policies.base import BatchView, Plan
+from specsched.policies.base import BatchView, Plan, Policy
 
 MAX_JOINED = 0.125  # a plan is carried to a batch of which at most this share (or 1 request) is new
 
@@ -89,3 +91,79 @@ class PlanReuse:
 
     def _ema(self, mean: float | None, x: float) -> float:
         return x if mean is None else (1.0 - self.smoothing) * mean + self.smoothing * x
+
+
+def timed_decide(policy: Policy, costs, view: BatchView) -> Plan:
+    """The policy's decide, its wall ms in ``plan.info["decide_ms"]`` (the log's plan_info)."""
+    t0 = time.perf_counter()
+    plan = policy.decide(view, costs)
+    return replace(plan, info={**plan.info, "decide_ms": (time.perf_counter() - t0) * 1e3})
+
+
+class Planner:
+    """The engine's decide (module docstring): :meth:`plan` on the step's critical path,
+    :meth:`decide_ahead` while the GPU scores, :meth:`observe` with each decode step's times. The
+    policy and cost models are passed in on every call (the engine's may be swapped between steps)."""
+
+    def __init__(self, budget: float | None, max_age: int, is_plan_ahead: bool) -> None:
+        self.reuse = PlanReuse(budget, max_age)
+        self.is_plan_ahead = is_plan_ahead
+        # the plan steps run now: (request ids it was decided for, plan, is it the one decided ahead
+        # and not used yet)
+        self.held: tuple[list[str], Plan, bool] | None = None
+        self._ahead_ms: float | None = None  # the host ms of this step's decide ahead (view + decide)
+
+    def plan(self, policy: Policy, costs, view: BatchView) -> Plan:
+        """This step's plan: the held one carried to the batch, or a decide now."""
+        plan = self.carried(policy, view)
+        if plan is None:
+            plan = timed_decide(policy, costs, view)
+            self.reuse.record_decide(plan.info["decide_ms"])  # on the critical path: all of it
+            self.reuse.on_new_plan()
+            self.held = [v.request_id for v in view.requests], plan, False
+        self.reuse.on_use()
+        return plan
+
+    def carried(self, policy: Policy, view: BatchView) -> Plan | None:
+        """The held plan carried to ``view``'s batch: the plan decided ahead during the last step's
+        scoring, or an earlier plan while the decide budget says it is not due; None: decide now.
+        The policy saw every outcome but those since the plan was decided."""
+        if self.held is None or not policy.is_plan_ahead_safe:
+            return None
+        ids, plan, is_ahead = self.held
+        if not (is_ahead or (self.reuse.budget is not None and not self.reuse.is_due)):
+            return None
+        carried = carry_plan(ids, plan, view, MAX_JOINED)
+        if carried is None:
+            return None
+        self.held = ids, plan, False
+        info = carried.info
+        info["plan_age"] = self.reuse.age  # steps that ran it before this one
+        if is_ahead:
+            info["is_planned_ahead"] = True
+        else:
+            info["decide_ms"] = 0.0  # this step did not decide (info["plan_age"] > 0 says so)
+        return carried
+
+    def decide_ahead(self, policy: Policy, costs, make_view: Callable[[], BatchView]) -> None:
+        """While the GPU scores: the next step's plan, for this step's requests (``make_view``), when
+        plan-ahead is on, the policy allows it and the held plan is due."""
+        if not (self.is_plan_ahead and policy.is_plan_ahead_safe and self.reuse.is_due):
+            return
+        t0 = time.perf_counter()
+        view = make_view()
+        ahead = timed_decide(policy, costs, view)
+        self._ahead_ms = (time.perf_counter() - t0) * 1e3
+        self.reuse.on_new_plan()
+        self.held = [v.request_id for v in view.requests], ahead, True
+
+    def observe(self, score_ms: float, host_ms: dict[str, float]) -> None:
+        """A decode step's wall ms (its host phases, the loop's ``between`` included) and the ms of
+        its decide ahead that it waited for: the host time from the scoring launch to the
+        verification read beyond the forward's GPU time (``score_ms``: CUDA events; on the CPU path
+        the same sum is the decide)."""
+        self.reuse.observe_step(sum(host_ms.values()))
+        if self._ahead_ms is not None:
+            excess = host_ms.get("score", 0.0) + host_ms.get("overlap", 0.0) - score_ms
+            self.reuse.record_decide(min(max(excess, 0.0), self._ahead_ms))
+            self._ahead_ms = None

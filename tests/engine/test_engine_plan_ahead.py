@@ -87,14 +87,15 @@ class _Req:
 def test_a_plan_decided_ahead_is_capped_now_and_carried_to_the_batch_by_request_id():
     engine = make_engine("on", {"name": "goodput"})
     plan = Plan([4, 3, 2], "mqa", "goodput", 1.0, 2.0, {"reason": "x"})
-    engine._held = (["a", "b", "c"], plan, True)
-    got = engine._held_plan(view_of(["a", "b", "c"], [1, 3, 0]))
+    engine.planner.held = (["a", "b", "c"], plan, True)
+    got = engine.planner.carried(engine.policy, view_of(["a", "b", "c"], [1, 3, 0]))
     assert got.k == [1, 3, 0] and got.scorer == "mqa" and got.info["is_planned_ahead"]
     assert plan.k == [4, 3, 2] and "is_planned_ahead" not in plan.info  # the original is untouched
     # used once as the plan decided ahead; with no budget (decide every step) it is not carried again
-    assert engine._held_plan(view_of(["a", "b", "c"], [4, 4, 4])) is None
-    engine._held = (["a", "b", "c"], plan, True)
-    got = engine._held_plan(view_of(["c", "a"], [4, 4]))  # b left, the order changed
+    assert engine.planner.carried(engine.policy, view_of(["a", "b", "c"], [4, 4, 4])) is None
+    engine.planner.held = (["a", "b", "c"], plan, True)
+    got = engine.planner.carried(engine.policy, view_of(["c", "a"], [4, 4]))  # b left, the order changed
     assert got.k == [2, 4] and got.info["num_left"] == 1 and got.info["num_joined"] == 0
-    engine._held = (["a", "b", "c"], plan, True)
-    assert engine._held_plan(view_of(["a", "d", "e"], [4, 4, 4])) is None  # 2 of 3 joined: decide
+    engine.planner.held = (["a", "b", "c"], plan, True)
+    # 2 of 3 joined: decide
+    assert engine.planner.carried(engine.policy, view_of(["a", "d", "e"], [4, 4, 4])) is None

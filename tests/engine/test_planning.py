@@ -105,7 +105,7 @@ def run(budget: float | None, policy=None, name: str = "goodput", reuse: PlanReu
     )
     engine = Engine(cfg, policy=policy)
     if reuse is not None:
-        engine.reuse = reuse
+        engine.planner.reuse = reuse
     records: list[StepRecord] = []
     engine.on_step = records.append
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
@@ -140,7 +140,7 @@ def test_policies_that_react_to_the_last_step_are_never_carried():
 
 def test_the_engine_feeds_the_budget_the_decides_and_steps_it_measured():
     _, records = run(0.05)
-    reuse = run.engine.reuse
+    reuse = run.engine.planner.reuse
     decided = [r.plan_info["decide_ms"] for r in records if not r.plan_info.get("plan_age")]
     assert reuse.step_ms is not None and reuse.step_ms > 0
     # on the CPU path every decide is on the critical path: the EMA lies within the decides' range
