@@ -118,17 +118,3 @@ def decode_host_inputs(
     return HostInputs(np.zeros(r, np.int64), positions, slots, np.arange(r + 1), positions + 1, block_tables,
                       min(r, 1), max_k)  # fmt: skip
 
-
-def build_chunk_inputs(
-    tokens: list[list[int]],
-    starts: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device | str,
-    logits_rows: list[int] | None = None,
-) -> tuple[ScoringInputs, torch.Tensor]:
-    """:func:`chunk_host_inputs` on ``device`` (one copy): the inputs and the logits indices [L].
-    On CUDA the tokens are padded to a :func:`~specsched.models.graph_buckets.token_bucket`."""
-    x = chunk_host_inputs(tokens, starts, block_tables, block_size, logits_rows)
-    ids, pos, meta, last = x.to_device(device, pad_tokens=torch.device(device).type == "cuda")
-    return ScoringInputs(input_ids=ids, positions=pos, meta=meta), last
