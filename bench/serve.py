@@ -31,7 +31,7 @@ from specsched.bench.common import random_prompts
 from specsched.bench.loopback import free_port
 from specsched.bench.prompts import PROMPTS
 from specsched.bench.serve_config import DaemonRun, ServeConfig
-from specsched.bench.serve_host import host_phase_rows
+from specsched.bench.serve_host import host_phase_rows, step_mix_row
 from specsched.bench.serve_load import PassResult, run_pass, split_interleaved, summarize
 from specsched.client.sync_client import Client
 
@@ -283,7 +283,9 @@ def _run_all(cfg: ServeConfig, prompts, out: Path, log_dir, reference, configs: 
             configs.append(info)
             rows += r
             if log_dir is not None:
-                host += host_phase_rows(log_dir / f"{safe_name(run.name)}.sqlite", run.name, cfg.concurrency)
+                path = log_dir / f"{safe_name(run.name)}.sqlite"
+                host += host_phase_rows(path, run.name, cfg.concurrency)
+                info["step_mix"] = step_mix_row(path, run.name)
             bar.n = (len(configs)) * cfg.passes  # a failed config skips its passes
             bar.refresh()
 

@@ -72,3 +72,50 @@ def host_note() -> str:
         "update + next step's decide while the GPU scores; verify includes the wait for the GPU. "
         "GPU-idle = between + step wall − (propose + score + verify) device ms."
     )
+
+
+def step_mix_row(log_path: str | Path, config: str) -> dict | None:
+    """Where a daemon's time went (its log's last run, every pass and N): decode and prefill steps,
+    their wall ms (the step's own plus the loop's ``between`` before it), the share in prefill, the
+    mean prefill step, and the share of decode steps that ran a fresh decide (``plan_info.plan_age``
+    0 or absent; a carried plan has plan_age > 0: engine/planning.py)."""
+    try:
+        db = open_log(log_path)
+    except LogFormatError:
+        return None
+    run = db.execute("select max(id) from runs").fetchone()[0]
+    rows = list(db.query("select kind, total_ms, score_ms, host_ms, plan_info from steps where run_id = ?",
+                         [run]))  # fmt: skip
+    if not rows:
+        return None
+    wall = {"decode": 0.0, "prefill": 0.0}
+    count = {"decode": 0, "prefill": 0}
+    prefill_score, decided = [], 0
+    for r in rows:
+        kind = r["kind"]
+        if kind not in wall:
+            continue
+        between = json.loads(r["host_ms"]).get("between", 0.0) if r["host_ms"] else 0.0
+        wall[kind] += (r["total_ms"] or 0.0) + between
+        count[kind] += 1
+        if kind == "prefill":
+            prefill_score.append(r["score_ms"] or 0.0)
+        elif not (json.loads(r["plan_info"]) if r["plan_info"] else {}).get("plan_age"):
+            decided += 1
+    total = wall["decode"] + wall["prefill"]
+    return {
+        "config": config, "num_decode_steps": count["decode"], "num_prefill_steps": count["prefill"],
+        "decode_s": wall["decode"] / 1e3, "prefill_s": wall["prefill"] / 1e3,
+        "prefill_share": wall["prefill"] / total if total else None,
+        "prefill_score_ms": statistics.fmean(prefill_score) if prefill_score else None,
+        "decides_per_step": decided / count["decode"] if count["decode"] else None,
+    }  # fmt: skip
+
+
+def step_mix_table(rows: list[dict]) -> str:
+    header = ["config", "decode steps", "prefill steps", "decode s", "prefill s", "share in prefill",
+              "prefill score ms (mean)", "decides / decode step"]  # fmt: skip
+    out = [[r["config"], str(r["num_decode_steps"]), str(r["num_prefill_steps"]), fmt(r["decode_s"], 2),
+            fmt(r["prefill_s"], 2), fmt(r["prefill_share"]), fmt(r["prefill_score_ms"], 3),
+            fmt(r["decides_per_step"])] for r in rows]  # fmt: skip
+    return table(header, out)

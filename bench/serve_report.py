@@ -8,7 +8,7 @@ import statistics
 from collections import defaultdict
 
 from specsched.bench.markdown import fmt, table
-from specsched.bench.serve_host import host_note, host_table
+from specsched.bench.serve_host import host_note, host_table, step_mix_table
 
 SPREAD_GOAL = 0.05  # the two passes of a row within 5%
 LEAD_GOAL = 0.03  # goodput >= the best fixed row - 3%
@@ -150,6 +150,10 @@ def _pass_note(s: dict, rows: list[dict] = ()) -> str:
             "time of the pass")  # fmt: skip
 
 
+def _step_mix(res: dict) -> list[dict]:
+    return [c["step_mix"] for c in res["configs"] if c.get("step_mix")]
+
+
 def serve_section(res: dict) -> str:
     s = res.get("settings", {})
     passes = _pass_note(s, res["rows"])
@@ -170,4 +174,6 @@ def serve_section(res: dict) -> str:
           if slices_table(res["rows"]) else []),
         "Targets (issue 12):", "", targets_table(res), "",
         *([host_note(), "", host_table(res["host_phases"]), ""] if res.get("host_phases") else []),
+        *(["Where each daemon's time went (decision logs, every pass and N; step wall ms + the loop's "
+           "time before it):", "", step_mix_table(mix), ""] if (mix := _step_mix(res)) else []),
     ])  # fmt: skip

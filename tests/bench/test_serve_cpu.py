@@ -89,9 +89,14 @@ def test_serve_bench_tiny_hf_chat(tmp_path, tiny_hf_dir):
         inside = sum(h[p] for p in PHASES if p != "between")  # medians of the parts: about the whole
         assert 0 < inside <= 1.5 * h["total_ms"]
     assert host[("ngram k=2 MQA", 1)]["view"] > 0
+    for c in info.values():  # where each daemon's time went, from its log
+        mix = c["step_mix"]
+        assert mix["num_decode_steps"] > 0 and mix["num_prefill_steps"] > 0 and 0 < mix["prefill_share"] < 1
+        assert mix["prefill_score_ms"] > 0 and mix["decode_s"] > 0
+        assert mix["decides_per_step"] == 1.0  # fixed k: never a carried plan
     text = (tmp_path / "tables.md").read_text()
     assert "### Serving benchmark (bench=serve)" in text and "exited with status" in text
-    assert "Host ms per decode step by phase" in text
+    assert "Host ms per decode step by phase" in text and "Where each daemon's time went" in text
     assert "staggered start" in text and "then a 0.25 s window" in text
     assert json.loads((tmp_path / "results.json").read_text())["serve"]["rows"] == json.loads(
         json.dumps(rows)
