@@ -4,7 +4,8 @@ It receives frames, decodes and validates them (bad input is answered here and n
 engine), rejects at once what its own counters can judge (admission.py: :func:`early_rejection`),
 answers ``stats`` / ``health`` from the engine thread's latest snapshot, forwards ``generate`` /
 ``cancel`` to the engine thread through the inbox, and sends what the engine thread puts in the outbox
-(it is woken through an inproc PAIR socket after every step, so replies leave as soon as a step ends).
+(lists of ``(client, message)``, one per step; it is woken through an inproc PAIR socket after every
+step, so replies leave as soon as a step ends).
 
 A client is considered gone when a send to its identity fails (``ROUTER_MANDATORY``: the peer's
 connection is closed, or its send queue is full); its requests are then aborted (:class:`DropClient`).
@@ -130,14 +131,16 @@ class IOThread:
         self._drain_outbox()
 
     def _drain_outbox(self) -> None:
+        """Send what the engine and log-writer threads posted: lists of (client, message), in order."""
         while True:
             try:
-                client, msg = self._outbox.get_nowait()
+                batch = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(msg, (Done, Error)):  # the request's last message
-                self._forget(client, msg.id)
-            self._send(client, msg)
+            for client, msg in batch:
+                if isinstance(msg, (Done, Error)):  # the request's last message
+                    self._forget(client, msg.id)
+                self._send(client, msg)
 
     def _forget(self, client: bytes, request_id: str | None) -> None:
         ids = self._inflight.get(client)

@@ -30,7 +30,7 @@ from specsched.daemon.auth import CurveServer, endpoint_host
 from specsched.daemon.commands import Shutdown
 from specsched.daemon.io_thread import IOThread
 from specsched.daemon.limits import DaemonConfig
-from specsched.daemon.protocol import HealthReply, Message, StartupStats, StatsReply
+from specsched.daemon.protocol import HealthReply, StartupStats, StatsReply
 from specsched.daemon.serving import Serving
 from specsched.engine.heap import FrozenHeap, freeze_heap
 from specsched.kernels.compile_watch import compile_watch
@@ -57,9 +57,9 @@ class Server:
         self.bound_endpoint: str | None = None
         self.started_at = time.monotonic()
         self._inbox: queue.Queue = queue.Queue()  # IO -> engine thread: serving commands
-        self._outbox: queue.Queue = queue.Queue()  # engine -> IO thread: (client, message)
+        self._outbox: queue.Queue = queue.Queue()  # engine -> IO thread: lists of (client, message)
         self._frozen: FrozenHeap | None = None  # set once listening
-        self._serving = Serving(engine, self.cfg, self._queue_send, self._wake, log)
+        self._serving = Serving(engine, self.cfg, self._outbox.put, self._wake, log)
         self._is_shutting_down = False
         self._engine_done = threading.Event()
         self._engine_error: BaseException | None = None
@@ -202,9 +202,6 @@ class Server:
         finally:
             self._engine_done.set()
             self._wake()
-
-    def _queue_send(self, client: bytes, msg: Message) -> None:
-        self._outbox.put((client, msg))
 
     def _wake(self) -> None:
         """Wake the IO thread (thread-safe: the lock serializes the socket's users, as zmq requires)."""

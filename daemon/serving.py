@@ -11,7 +11,9 @@ each request's deadline (``generate.timeout``, ``daemon.request_timeout_s``) and
 With a durable decision log (``log.durable``, the default), a request's last message (``done``, or the
 ``error`` of a failed step) is held in :class:`HeldReplies` until the log's writer thread has committed
 the request's row, and released from that thread; chunks stream as before. The engine thread never
-waits for the disk (only at shutdown, where it flushes the log so that every held reply leaves).
+waits for the disk (only at shutdown, where it flushes the log so that every held reply leaves). The
+outbox carries lists of ``(client, message)``: one per loop iteration from the engine thread (a step's
+chunks in one queue put), one per release from the writer thread.
 """
 
 from __future__ import annotations
@@ -35,17 +37,18 @@ from specsched.engine.stats import EngineStats
 from specsched.models.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
+Outgoing = tuple[bytes, Message]  # (client identity, message): the outbox carries lists of these
 __all__ = ["Admit", "CancelRequest", "Command", "DropClient", "Serving", "Shutdown"]
 
 
 class HeldReplies:
-    """Final replies waiting for their request's log row: ``send_after(seq, ...)`` holds a reply until
-    the log has settled record ``seq`` (committed it, or counted its failed write: durability then does
-    not hold, but the client is answered), then the writer thread puts it in the outbox (``send``) and
-    wakes the IO thread (``flush``). Both callables must be thread-safe."""
+    """Final replies waiting for their request's log row: ``send_after([(seq, client, msg), ...])`` holds
+    each reply until the log has settled record ``seq`` (committed it, or counted its failed write:
+    durability then does not hold, but the client is answered), then the writer thread posts them to the
+    outbox as one list (``post``) and wakes the IO thread (``wake``). Both callables must be thread-safe."""
 
-    def __init__(self, log, send: Callable[[bytes, Message], None], flush: Callable[[], None]) -> None:
-        self.log, self.send, self.flush = log, send, flush
+    def __init__(self, log, post: Callable[[list[Outgoing]], None], wake: Callable[[], None]) -> None:
+        self.log, self.post, self.wake = log, post, wake
         self._held: deque[tuple[int, bytes, Message]] = deque()  # ascending seq (one producer thread)
         self._lock = threading.Lock()
         log.on_settled(self.release)
@@ -53,36 +56,43 @@ class HeldReplies:
     def __len__(self) -> int:
         return len(self._held)
 
-    def send_after(self, seq: int, client: bytes, msg: Message) -> None:
+    def send_after(self, replies: list[tuple[int, bytes, Message]]) -> None:
+        """``replies`` in ascending seq; those already settled are posted at once (the caller wakes)."""
         with self._lock:  # the check and the append are one step: a release cannot slip in between
-            if seq > self.log.settled_seq:
-                self._held.append((seq, client, msg))
-                return
-            self.send(client, msg)
+            settled = self.log.settled_seq
+            ready = [(client, msg) for seq, client, msg in replies if seq <= settled]
+            self._held.extend(r for r in replies if r[0] > settled)
+            if ready:
+                self.post(ready)
 
     def release(self, settled_seq: float) -> None:
         """Send every held reply whose record is settled, in order (the writer thread calls this)."""
         with self._lock:
-            num = 0
+            ready = []
             while self._held and self._held[0][0] <= settled_seq:
                 _, client, msg = self._held.popleft()
-                self.send(client, msg)
-                num += 1
-        if num:
-            self.flush()
+                ready.append((client, msg))
+            if ready:
+                self.post(ready)
+        if ready:
+            self.wake()
 
     def release_all(self) -> None:
         self.release(float("inf"))
 
 
 class Serving:
-    """Runs on the engine thread; owns the engine. ``send(client, msg)`` queues a message for the IO
-    thread, ``flush()`` wakes it (called once per loop iteration, after the step's messages)."""
+    """Runs on the engine thread; owns the engine. ``send(client, msg)`` adds a message to this loop
+    iteration's list, ``flush()`` posts that list to the IO thread's outbox in one piece (``post``: one
+    queue put per step, not one per chunk; the IO thread sends the list in order) and wakes it
+    (``wake``); a request's last reply goes to :class:`HeldReplies` only after the list with its chunks."""
 
     def __init__(
-        self, engine, cfg, send: Callable[[bytes, Message], None], flush: Callable[[], None], log=None
+        self, engine, cfg, post: Callable[[list[Outgoing]], None], wake: Callable[[], None], log=None
     ) -> None:
-        self.engine, self.cfg, self.send, self.flush, self.log = engine, cfg, send, flush, log
+        self.engine, self.cfg, self.post, self.wake, self.log = engine, cfg, post, wake, log
+        self._out: list[Outgoing] = []  # this iteration's messages, in order
+        self._finals: list[tuple[int, bytes, Message]] = []  # last replies for HeldReplies, after _out
         self.streams: dict[str, RequestStream] = {}  # engine request id -> stream
         self.by_client: dict[bytes, set[str]] = defaultdict(set)
         self.step_stats = EngineStats(cfg.stats_window_s)
@@ -93,7 +103,23 @@ class Serving:
         self._is_log_broken = False
         self._chained_on_step = None  # an on_step callback the engine had before serving started
         is_durable = log is not None and getattr(log, "is_durable", False)
-        self.held = HeldReplies(log, send, flush) if is_durable else None
+        self.held = HeldReplies(log, post, wake) if is_durable else None
+
+    def send(self, client: bytes, msg: Message) -> None:
+        self._out.append((client, msg))
+
+    def flush(self) -> None:
+        """Post this iteration's messages, then hand its last replies to HeldReplies; wake the IO thread
+        when anything was posted."""
+        out, finals = self._out, self._finals
+        if out:
+            self._out = []
+            self.post(out)
+        if finals:
+            self._finals = []
+            self.held.send_after(finals)
+        if out or finals:
+            self.wake()
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self, inbox: queue.Queue) -> None:
@@ -109,6 +135,8 @@ class Serving:
                         self._handle_safely(inbox.get_nowait())
                 except queue.Empty:
                     pass
+                if self._out or self._finals:  # replies to commands (rejections...) leave before the step
+                    self.flush()
                 if self._deadline is not None and (
                     not self.engine.has_unfinished or time.monotonic() >= self._deadline
                 ):
@@ -121,8 +149,9 @@ class Serving:
                 self.publish()
                 self.flush()
         finally:
-            self.release_held()
             self.flush()
+            self.release_held()
+            self.wake()
 
     def release_held(self) -> None:
         """Shutdown (or a dying engine thread): commit the log, then let every held reply go, whether
@@ -301,7 +330,7 @@ class Serving:
         if last is None:
             return
         if self.held is not None and isinstance(seq, int):
-            self.held.send_after(seq, st.client, last)
+            self._finals.append((seq, st.client, last))  # held once the list with its chunks is posted
         else:  # no log, log.durable=false, or the row was dropped (counted): nothing to wait for
             self.send(st.client, last)
 
