@@ -204,6 +204,7 @@ def passes_of(cfg: ServeConfig, daemon: Daemon, prompts: list[dict], fill: bool,
     """(pass, N, PassResult, slice tok/s or None) of every pass of one daemon: pass 1 at every N, then
     pass 2, ...; or, with ``interleave_s``, per N one loop of passes x duration_s split into the passes'
     interleaved slices (``cover`` then on the loop, which gives pass 1's references)."""
+
     def loop(n: int, duration_s: float, cover: bool) -> PassResult:
         return run_pass(daemon.endpoint, prompts, max(cfg.num_requests, n), n, cfg.max_tokens,
                         cfg.request_timeout_s, daemon.is_alive, duration_s, cfg.ramp_s,
@@ -288,6 +289,8 @@ def _run_all(cfg: ServeConfig, prompts, out: Path, log_dir, reference, configs: 
                 info["step_mix"] = step_mix_row(path, run.name)
             bar.n = (len(configs)) * cfg.passes  # a failed config skips its passes
             bar.refresh()
+            # what is done so far, for a run stopped at a time limit before the part's results are written
+            (out / "partial.json").write_text(json.dumps({"configs": configs, "rows": rows}, default=str))
 
 
 def warm_start(cfg: ServeConfig, name: str, out: Path, daemon_cpus: set[int] | None = None) -> dict:

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Protocol
 
+import msgpack
 import zmq
 
 from specsched.daemon.admission import early_rejection
@@ -28,7 +29,9 @@ from specsched.daemon.commands import Admit, CancelRequest, DropClient
 from specsched.daemon.limits import DaemonConfig
 from specsched.daemon.log import LogWriter
 from specsched.daemon.protocol import (
+    PROTOCOL_VERSION,
     Cancel,
+    Chunk,
     Done,
     Error,
     ErrorCode,
@@ -47,6 +50,32 @@ from specsched.engine.stats import rss_bytes
 from specsched.kernels.compile_watch import compile_watch
 
 logger = logging.getLogger(__name__)
+# the fields a chunk is packed with directly (encode's order); another set (a changed Chunk): encode
+_IS_CHUNK_PACKED = tuple(f.name for f in dataclasses.fields(Chunk)) == (
+    "id", "token_ids", "text", "proposed", "accepted"
+)  # fmt: skip
+
+
+def encode_reply(msg: Message) -> bytes:
+    """``encode(msg)``; a chunk of plain values (str, int, a list of int) is packed directly into the
+    same bytes: ~1 instead of ~6 us, one per streaming request per step, on the IO thread, which holds
+    the interpreter lock while it encodes (the engine thread waits for it)."""
+    if _IS_CHUNK_PACKED and type(msg) is Chunk:
+        ids = msg.token_ids
+        if (
+            type(msg.id) is str
+            and type(msg.text) is str
+            and type(msg.proposed) is int
+            and type(msg.accepted) is int
+            and type(ids) is list
+            and all(type(i) is int for i in ids)
+        ):
+            return msgpack.packb(
+                {"v": PROTOCOL_VERSION, "type": "chunk", "id": msg.id, "token_ids": ids, "text": msg.text,
+                 "proposed": msg.proposed, "accepted": msg.accepted},
+                use_bin_type=True,
+            )  # fmt: skip
+    return encode(msg)
 
 
 class ServerView(Protocol):
@@ -152,7 +181,7 @@ class IOThread:
 
     def _send(self, client: bytes, msg: Message) -> None:
         try:
-            payload = encode(msg)
+            payload = encode_reply(msg)
         except Exception as e:  # noqa: BLE001 -- a bug; the client still gets an answer
             logger.exception("encoding a %s failed", msg.TYPE)
             payload = encode(

@@ -68,6 +68,9 @@ def test_serve_bench_tiny_hf_chat(tmp_path, tiny_hf_dir):
         assert pid_gone(c["pid"]), f"daemon of {c['name']} still runs"
     rows = serve["rows"]
     assert {r["config"] for r in rows} == set(info)
+    partial = json.loads((tmp_path / "serve_logs" / "partial.json").read_text())  # after the last config
+    assert [c["name"] for c in partial["configs"]] == [c["name"] for c in serve["configs"]]
+    assert len(partial["rows"]) == len(rows)
     for name in info:
         mine = [r for r in rows if r["config"] == name]
         assert sorted((r["concurrency"], r["pass"]) for r in mine) == [(1, 1), (1, 2), (2, 1), (2, 2)]

@@ -155,3 +155,46 @@ def test_a_final_reply_follows_the_list_with_its_chunks(tiny_tokenizer_dir):
         assert "".join(m.text for m in mine[:2]) == "hello 🚀"
     serving.flush()
     assert len(posts) == 3 and len(wakes) == 2  # nothing to post: no wake
+
+
+def test_chunks_are_packed_into_the_bytes_encode_gives(monkeypatch):
+    """The IO thread's direct packing of chunks: the bytes of ``encode``, for any text and ids; chunks
+    of other values (a tuple, bools, numpy ints) and other messages take ``encode`` itself."""
+    import random
+
+    import numpy as np
+
+    from specsched.daemon import io_thread
+    from specsched.daemon.protocol import encode
+
+    rng = random.Random(0)
+    texts = [
+        "",
+        " hello",
+        "Grüße aus Köln",
+        "🚀✨ 👨‍👩‍👧",
+        "\x00\ufffd\n\t",
+        "日本語のテキスト",
+        "x" * 70_000,
+    ]
+    for _ in range(500):
+        ids = [rng.choice([0, 1, 127, 128, 255, 65_535, 65_536, 2**31 - 1]) for _ in range(rng.randint(0, 6))]
+        chunk = Chunk(
+            f"id-{rng.randrange(10**9)}", ids, rng.choice(texts), rng.randint(0, 300), rng.randint(0, 9)
+        )
+        assert io_thread.encode_reply(chunk) == encode(chunk)
+    odd = [Chunk("a", (1, 2), "t"), Chunk("b", [True], "t"), Chunk("c", [1], "t", proposed=False)]
+    assert [io_thread.encode_reply(c) for c in odd] == [encode(c) for c in odd]
+    done = Done("d", "stop", None, None)
+    assert io_thread.encode_reply(done) == encode(done)
+    with pytest.raises(TypeError):
+        io_thread.encode_reply(Chunk("e", [np.int64(5)], "t"))  # as encode itself
+    monkeypatch.setattr(io_thread, "encode", lambda msg: pytest.fail("encode called"))
+    assert io_thread.encode_reply(Chunk("f", [5, 6], "ok", 2, 1)) == msgpack_chunk("f", [5, 6], "ok", 2, 1)
+
+
+def msgpack_chunk(id_: str, ids: list[int], text: str, proposed: int, accepted: int) -> bytes:
+    import msgpack
+
+    fields = {"id": id_, "token_ids": ids, "text": text, "proposed": proposed, "accepted": accepted}
+    return msgpack.packb({"v": 1, "type": "chunk", **fields}, use_bin_type=True)
