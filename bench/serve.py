@@ -32,7 +32,7 @@ from specsched.bench.loopback import free_port
 from specsched.bench.prompts import PROMPTS
 from specsched.bench.serve_config import DaemonRun, ServeConfig
 from specsched.bench.serve_host import host_phase_rows, step_mix_row
-from specsched.bench.serve_load import PassResult, run_pass, split_interleaved, summarize
+from specsched.bench.serve_load import PassResult, cycle_length, run_pass, split_interleaved, summarize
 from specsched.client.sync_client import Client
 
 logger = logging.getLogger(__name__)
@@ -202,8 +202,8 @@ def run_config(
 
 def passes_of(cfg: ServeConfig, daemon: Daemon, prompts: list[dict], fill: bool, progress, name: str):
     """(pass, N, PassResult, slice tok/s or None) of every pass of one daemon: pass 1 at every N, then
-    pass 2, ...; or, with ``interleave_s``, per N one loop of passes x duration_s split into the passes'
-    interleaved slices (``cover`` then on the loop, which gives pass 1's references)."""
+    pass 2, ...; or, with ``interleave_s``, per N one loop of passes x duration_s whose requests are dealt
+    to the passes in turn (``cover`` then on the loop, which gives pass 1's references)."""
 
     def loop(n: int, duration_s: float, cover: bool) -> PassResult:
         return run_pass(daemon.endpoint, prompts, max(cfg.num_requests, n), n, cfg.max_tokens,
@@ -217,7 +217,8 @@ def passes_of(cfg: ServeConfig, daemon: Daemon, prompts: list[dict], fill: bool,
             if res.error:  # the loop failed: no slices to split; report it as pass 1
                 yield 1, n, res, None
                 return
-            parts, rates = split_interleaved(res, cfg.passes, cfg.interleave_s)
+            period = cycle_length(n, len(prompts))
+            parts, rates = split_interleaved(res, cfg.passes, period, cfg.interleave_s)
             for p, part in enumerate(parts, 1):
                 yield p, n, part, rates
         progress.update(cfg.passes)

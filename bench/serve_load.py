@@ -64,6 +64,11 @@ class RequestResult:
         """Sent inside one of ``windows`` ([opens_at, closes_at) each)."""
         return any(lo <= self.sent_at < hi for lo, hi in windows)
 
+    def busy_in(self, opens_at: float, closes_at: float) -> float:
+        """Seconds of [opens_at, closes_at] between its send and its last chunk (or its end)."""
+        end = self.sent_at + self.latency_s
+        return max(0.0, min(end, closes_at) - max(self.sent_at, opens_at))
+
     def tokens_between(self, opens_at: float, closes_at: float) -> int:
         return self.tokens_in([(opens_at, closes_at)])
 
@@ -101,13 +106,15 @@ class PassResult:
     opens_at: float | None = None  # a timed pass's window, time.perf_counter()
     closes_at: float | None = None
     max_tokens: int | None = None  # the full max_tokens of the pass
-    # interleaved passes (split_interleaved): this pass's slices of the loop's window; None: the window
-    slices: list[tuple[float, float]] | None = None
+    # interleaved passes (split_interleaved): this pass holds its share of the loop's requests; tok/s
+    # is then concurrency x tokens in the window / their busy time in it
+    is_request_split: bool = False
+    concurrency: int = 0  # clients of the loop
 
     @property
     def windows(self) -> list[tuple[float, float]]:
-        """What this pass counts: its slices, or its one window [opens_at, closes_at]."""
-        return self.slices if self.slices is not None else [(self.opens_at, self.closes_at)]
+        """What this pass counts: its one window [opens_at, closes_at]."""
+        return [(self.opens_at, self.closes_at)]
 
     @property
     def compiles(self) -> int | None:
@@ -148,7 +155,11 @@ def summarize(res: PassResult) -> dict:
     if res.timed:
         windows = res.windows
         in_window = sum(r.tokens_in(windows) for r in res.requests)
-        rate = in_window / res.window_s
+        if res.is_request_split:
+            busy = sum(r.busy_in(res.opens_at, res.closes_at) for r in res.requests)
+            rate = res.concurrency * in_window / busy if busy > 0 else float("nan")
+        else:
+            rate = in_window / res.window_s
         sent = [r for r in res.requests if r.sent_in(windows)]
         picked = [r for r in sent if r.error is None]
         itl = [x * 1e3 for r in ok for x in r.itl_in(windows)]
@@ -292,29 +303,46 @@ async def _drive(
         for r in done:
             r.num_tokens_in_window = r.tokens_between(lo, hi)
         return PassResult(wall, done, before, after, window_s=duration_s, ramp_s=lo - t0, opens_at=lo,
-                          closes_at=hi, max_tokens=max_tokens)  # fmt: skip
+                          closes_at=hi, max_tokens=max_tokens, concurrency=concurrency)  # fmt: skip
     finally:
         for c in clients:
             await c.close()
 
 
-def split_interleaved(res: PassResult, passes: int, slice_s: float) -> tuple[list[PassResult], list[float]]:
-    """One timed loop's window cut into slices of ``slice_s`` seconds, slice j given to pass
-    ``j mod passes`` (a remainder shorter than a slice is left out): interleaved passes, which see the
-    same host (a machine whose speed drifts over seconds slows both alike) and the same daemon state.
-    Returns the passes (sharing the loop's requests; each counts the tokens, sends and ITL samples
-    inside its own slices) and every slice's tok/s in time order (what one short pass would have
-    measured: the host's drift, shown beside the passes)."""
-    if not res.timed or passes < 1 or slice_s <= 0:
-        raise ValueError(f"need a timed pass, passes >= 1 and slice_s > 0; got {passes}, {slice_s}")
+def pass_of(seq: int, period: int, passes: int) -> int:
+    """The pass (0-based) of a client's request number ``seq`` in an interleaved loop: consecutive
+    requests alternate between the passes, and each cycle of ``period`` requests (the client's prompt
+    sequence, :func:`cycle_length`) starts one pass later than the one before, so over ``passes``
+    cycles every prompt of the client lands once in each pass (with alternation alone, an even
+    period would give each pass half the prompts, always the same half)."""
+    return (seq % period + seq // period) % passes
+
+
+def split_interleaved(
+    res: PassResult, passes: int, period: int, slice_s: float
+) -> tuple[list[PassResult], list[float]]:
+    """One timed loop's requests dealt to ``passes`` interleaved passes (:func:`pass_of` of each
+    request's number; ``period``: the clients' prompt cycle), which see the same host (a machine whose
+    speed drifts over seconds slows both alike), the same daemon state and the same prompts. A pass's
+    tok/s is N x its tokens inside the window / its requests' busy time inside it (in a closed loop
+    the N clients are busy all the window: the passes together give the loop's tok/s). Returns the
+    passes and the loop's tok/s in slices of ``slice_s`` seconds, in time order (what one short pass
+    would have measured: the host's drift, shown beside the passes).
+
+    Passes by time slice (slice j to pass j mod passes) were tried first: a client's prompt cycle
+    whose length is near an even number of slices gives one pass the same prompts every time, and
+    on the H200 (2026-12-04) that alone made the passes of one loop differ by up to 26%."""
+    if not res.timed or passes < 1 or slice_s <= 0 or period < 1:
+        raise ValueError(f"need a timed pass, passes >= 1, period >= 1 and slice_s > 0; got {passes}, "
+                         f"{period}, {slice_s}")  # fmt: skip
     num = int(res.window_s / slice_s + 1e-9)
-    if num < passes:
-        raise ValueError(f"a {res.window_s:g} s window holds {num} slices of {slice_s:g} s, fewer than "
-                         f"{passes} passes")  # fmt: skip
-    num -= num % passes  # every pass gets as many slices
     slices = [(res.opens_at + j * slice_s, res.opens_at + (j + 1) * slice_s) for j in range(num)]
     rates = [sum(r.tokens_in([w]) for r in res.requests) / slice_s for w in slices]
-    out = [replace(res, slices=slices[p::passes], window_s=slice_s * (num // passes)) for p in range(passes)]
+    out = [
+        replace(res, requests=[r for r in res.requests if pass_of(r.seq, period, passes) == p],
+                is_request_split=True)
+        for p in range(passes)
+    ]  # fmt: skip
     return out, rates
 
 

@@ -128,9 +128,11 @@ def _window(s: dict) -> str:
     if not s.get("interleave_s"):
         return f"a {s['duration_s']:g} s window"
     passes = s.get("passes", 2)
-    return (f"one window of {passes} × {s['duration_s']:g} s per N, cut into {s['interleave_s']:g} s slices "
-            f"given to the passes in turn (slice j counts in pass j mod {passes}: interleaved passes, "
-            "which see the same host drift; each slice's tok/s is in the slices table)")  # fmt: skip
+    return (f"one window of {passes} × {s['duration_s']:g} s per N whose requests are dealt to the passes in "
+            "turn (each client's requests alternate between the passes, and each cycle of its prompts "
+            "starts on the other pass: both passes see the same host drift and the same prompts; a pass's "
+            f"tok/s = N × its tokens in the window / its requests' busy time in it); the loop's tok/s in "
+            f"{s['interleave_s']:g} s slices is in the slices table)")  # fmt: skip
 
 
 def _pass_note(s: dict, rows: list[dict] = ()) -> str:

@@ -296,31 +296,47 @@ def timed_result(chunks: list[tuple[float, float, int]], opens_at: float, window
                       closes_at=opens_at + window_s)  # fmt: skip
 
 
-def test_split_interleaved_gives_each_pass_every_other_slice():
+@pytest.mark.parametrize("passes", [2, 3])
+@pytest.mark.parametrize("period", [1, 2, 3, 4, 12])
+def test_pass_of_alternates_and_gives_every_pass_every_prompt(period, passes):
+    from specsched.bench.serve_load import pass_of
+
+    got = [pass_of(j, period, passes) for j in range(passes * period * 3)]
+    # consecutive requests of one cycle go to other passes
+    assert all(got[j] != got[j + 1] for j in range(len(got) - 1) if (j + 1) % period)
+    for start in range(0, len(got), passes * period):  # every passes cycles: each prompt once per pass
+        block = got[start : start + passes * period]
+        for slot in range(period):
+            assert sorted(block[slot::period]) == list(range(passes)), (slot, block)
+
+
+def test_split_interleaved_deals_the_requests_and_weights_by_busy_time():
     from specsched.bench.serve_load import split_interleaved
 
-    # window [1, 5): slices of 1 s; tokens arriving at 1.5 (slice 0), 2.5 (1), 3.5 (2), 4.5 (3), 5.5 (out)
-    res = timed_result([(1.2, 1.5, 10), (2.1, 2.5, 20), (3.1, 3.5, 30), (4.1, 4.5, 40), (5.2, 5.5, 50)], 1, 4)
-    (p1, p2), rates = split_interleaved(res, 2, 1.0)
+    # one client (N = 1), window [1, 5): requests 1..4 back to back, 1 s each, prompt cycle of 2
+    reqs = [
+        RequestResult(0, [1] * n, ttft_s=0.1, latency_s=1.0, sent_at=sent, chunk_at=[sent + 0.5],
+                      chunk_tokens=[n], seq=seq)
+        for seq, (sent, n) in enumerate([(0.0, 5), (1.0, 10), (2.0, 20), (3.0, 30), (4.0, 40)])
+    ]  # fmt: skip
+    res = PassResult(6.0, reqs, window_s=4, ramp_s=1, opens_at=1, closes_at=5, concurrency=1)
+    (p1, p2), rates = split_interleaved(res, 2, 2, 1.0)
+    # pass_of with period 2: seq 0 -> 0, 1 -> 1, 2 -> 1, 3 -> 0, 4 -> 0
+    assert [r.seq for r in p1.requests] == [0, 3, 4] and [r.seq for r in p2.requests] == [1, 2]
     assert rates == [10, 20, 30, 40]
-    assert p1.slices == [(1, 2), (3, 4)] and p2.slices == [(2, 3), (4, 5)]
-    assert p1.window_s == p2.window_s == 2
     r1, r2 = summarize(p1), summarize(p2)
-    assert r1["tokens_per_s"] == (10 + 30) / 2 and r2["tokens_per_s"] == (20 + 40) / 2
-    assert r1["requests_in_window"] == 2 and r2["requests_in_window"] == 2  # by send time
-    assert r1["ttft_p50_ms"] == pytest.approx(np.median([300, 400]))
-    # a 4.5 s window in 1 s slices: 4 full slices (2 per pass), the half slice left out
-    (q1, _), rates = split_interleaved(timed_result([(1.2, 1.5, 10)], 1, 4.5), 2, 1.0)
-    assert len(rates) == 4 and q1.window_s == 2
-    with pytest.raises(ValueError, match="holds 1 slices of 3 s, fewer than 2 passes"):
-        split_interleaved(res, 2, 3.0)
+    assert r1["tokens_per_s"] == pytest.approx((30 + 40) / 2) and r2["tokens_per_s"] == pytest.approx(15)
+    assert r1["requests_in_window"] == 2 and r2["requests_in_window"] == 2  # seq 0 was sent before it
+    # four clients: N x tokens / busy seconds
+    res4 = PassResult(6.0, reqs, window_s=4, ramp_s=1, opens_at=1, closes_at=5, concurrency=4)
+    assert summarize(split_interleaved(res4, 2, 2, 1.0)[0][1])["tokens_per_s"] == pytest.approx(4 * 15)
     with pytest.raises(ValueError, match="need a timed pass"):
-        split_interleaved(PassResult(1.0, []), 2, 1.0)
+        split_interleaved(PassResult(1.0, []), 2, 2, 1.0)
 
 
 def test_interleaved_passes_run_one_loop_per_n_on_a_real_daemon(tiny_daemon):
-    """bench.serve.interleave_s: per N one loop of passes x duration_s, its slices alternating between
-    the passes; both rows from that one loop, with the slices' tok/s beside them."""
+    """bench.serve.interleave_s: per N one loop of passes x duration_s, its requests dealt to the
+    passes; both rows from that one loop, with the slices' tok/s beside them."""
     from types import SimpleNamespace
 
     from specsched.bench.serve import passes_of
@@ -330,9 +346,15 @@ def test_interleaved_passes_run_one_loop_per_n_on_a_real_daemon(tiny_daemon):
     bar = SimpleNamespace(set_postfix_str=lambda s: None, update=lambda n: None)
     got = list(passes_of(cfg, tiny_daemon, id_prompts(3), False, bar, "tiny"))
     assert [(p, n) for p, n, _, _ in got] == [(1, 1), (2, 1), (1, 2), (2, 2)]
-    for (_, _, a, rates), (_, _, b, rates_b) in zip(got[::2], got[1::2]):
-        assert a.requests is b.requests and rates == rates_b and len(rates) == 6
-        assert a.window_s == b.window_s == pytest.approx(0.6)
+    for (_, n, a, rates), (_, _, b, rates_b) in zip(got[::2], got[1::2]):
+        ids_a, ids_b = {id(r) for r in a.requests}, {id(r) for r in b.requests}
+        assert not ids_a & ids_b and len(ids_a | ids_b) > 2 * n and rates == rates_b and len(rates) == 6
+        assert a.window_s == b.window_s == pytest.approx(1.2) and a.concurrency == b.concurrency == n
         ra, rb = summarize(a), summarize(b)
         assert ra["tokens_per_s"] > 0 and rb["tokens_per_s"] > 0
-        assert (ra["tokens_per_s"] + rb["tokens_per_s"]) / 2 == pytest.approx(sum(rates) / len(rates))
+        # the passes together: the loop's tok/s (the clients' gaps between requests aside)
+        lo, hi = a.opens_at, a.closes_at
+        tokens = sum(r.tokens_in([(lo, hi)]) for r in a.requests + b.requests)
+        busy = sum(r.busy_in(lo, hi) for r in a.requests + b.requests)
+        assert n * tokens / busy == pytest.approx(sum(rates) / len(rates), rel=0.25)
+        assert busy == pytest.approx(n * (hi - lo), rel=0.25)
