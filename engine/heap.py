@@ -24,9 +24,7 @@ class FrozenHeap:
 
     @property
     def description(self) -> str:
-        return (
-            f"{self.num_frozen} start-up objects frozen out of the GC's passes in {self.seconds:.2f} s"
-        )
+        return f"{self.num_frozen} start-up objects frozen out of the GC's passes in {self.seconds:.2f} s"
 
 
 def freeze_heap() -> FrozenHeap:

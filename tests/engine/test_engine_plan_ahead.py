@@ -97,5 +97,9 @@ def test_a_plan_decided_ahead_is_capped_now_and_carried_to_the_batch_by_request_
     got = engine.planner.carried(engine.policy, view_of(["c", "a"], [4, 4]))  # b left, the order changed
     assert got.k == [2, 4] and got.info["num_left"] == 1 and got.info["num_joined"] == 0
     engine.planner.held = (["a", "b", "c"], plan, True)
-    # 2 of 3 joined: decide
-    assert engine.planner.carried(engine.policy, view_of(["a", "d", "e"], [4, 4, 4])) is None
+    # 2 of 3 joined: carried (they draft like a), and the next plan is due at once (decided ahead)
+    got = engine.planner.carried(engine.policy, view_of(["a", "d", "e"], [4, 4, 4]))
+    assert got.k == [4, 4, 4] and got.info["num_joined"] == 2 and engine.planner.reuse.is_due
+    engine.planner.held = (["a", "b", "c"], plan, True)
+    # none of the plan's requests left: decide
+    assert engine.planner.carried(engine.policy, view_of(["d", "e"], [4, 4])) is None

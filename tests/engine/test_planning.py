@@ -13,17 +13,27 @@ from specsched.policies.base import BatchView, Plan, RequestView
 from specsched.policies.goodput import GoodputPolicy
 
 
-def view_of(ids: list[str], caps: list[int]) -> BatchView:
-    reqs = [RequestView(i, 10, "ngram", c, 0.5, 0.1, 0, 0) for i, c in zip(ids, caps)]
+def view_of(ids: list[str], caps: list[int], accs: list[float] | None = None, proposers=None) -> BatchView:
+    accs = accs or [0.5] * len(ids)
+    proposers = proposers or ["ngram"] * len(ids)
+    reqs = [RequestView(i, 10, p, c, a, 0.1, 0, 0) for i, c, a, p in zip(ids, caps, accs, proposers)]
     return BatchView(reqs, 100, 4, ["batch_expansion", "mqa"], 0)
 
 
-def test_carry_plan_maps_by_id_caps_and_gives_joined_requests_no_drafts():
+def test_carry_plan_maps_by_id_caps_and_gives_joined_requests_their_nearest_kept_k():
     plan = Plan([5, 3, 2, 1], "mqa", "goodput", 1.0, 2.0, {"reason": "x"})
-    got = carry_plan(["a", "b", "c", "d"], plan, view_of(["d", "b", "e", "a"], [9, 1, 9, 9]), 0.25)
-    assert got.k == [1, 1, 0, 5]
+    # kept: d (a 0.2, k 1), b (a 0.6, k 3 capped to 1 now), a (a 0.9, k 5); e joined with a 0.55
+    view = view_of(["d", "b", "e", "a"], [9, 1, 9, 9], [0.2, 0.6, 0.55, 0.9])
+    got = carry_plan(["a", "b", "c", "d"], plan, view, 0.25)
+    assert got.k == [1, 1, 3, 5]  # e takes b's planned k (3), its own cap 9 allows it
     assert got.info == {"reason": "x", "num_joined": 1, "num_left": 1}
     assert plan.k == [5, 3, 2, 1] and plan.info == {"reason": "x"}
+    # nearest is a: 5, capped by the joined request's own max_k
+    assert carry_plan(["a", "d"], Plan([5, 1], "mqa", "goodput"), view_of(["a", "d", "f"], [9, 9, 2],
+                      [0.9, 0.2, 0.8]), 0.5).k == [5, 1, 2]  # fmt: skip
+    # only requests of its own proposer count; none: no drafts
+    mixed = view_of(["a", "g"], [9, 9], [0.9, 0.9], ["ngram", "draft"])
+    assert carry_plan(["a"], Plan([4], "mqa", "goodput"), mixed, 1.0).k == [4, 0]
 
 
 def test_carry_plan_refuses_a_batch_that_is_mostly_new():
@@ -32,7 +42,33 @@ def test_carry_plan_refuses_a_batch_that_is_mostly_new():
     new = ids[:6] + ["x", "y"]
     assert carry_plan(ids, plan, view_of(new, [4] * 8), 0.25) is not None  # 2 of 8 joined: at the share
     assert carry_plan(ids, plan, view_of(ids[:5] + ["x", "y", "z"], [4] * 8), 0.25) is None  # 3 of 8
-    assert carry_plan(ids[:1], plan, view_of(["q"], [4]), 0.0) is not None  # one request may always join
+    assert carry_plan(ids[:2], plan, view_of(["r0", "q"], [4, 4]), 0.0) is not None  # one may always join
+    # no limit (plan-ahead): carried while one request of the plan is left, not when none is
+    assert carry_plan(ids, plan, view_of(ids[:1] + ["x", "y", "z"], [4] * 4), None).k == [1, 1, 1, 1]
+    assert carry_plan(ids[:1], plan, view_of(["q"], [4]), None) is None
+
+
+def test_plan_ahead_carries_a_changed_batch_and_decides_the_next_plan_ahead():
+    """Plan-ahead: a batch of which more than MAX_JOINED is new runs the plan decided ahead (the
+    newcomers drafting like their nearest kept requests), no decide on the critical path, and the
+    next plan is due at once (decided during this step's scoring)."""
+    from specsched.engine.planning import Planner
+
+    policy = CountingGoodput()
+    planner = Planner(budget=0.05, max_age=8, is_plan_ahead=True)
+    planner.reuse.observe_step(2.0)
+    planner.reuse.record_decide(5.0)  # an expensive decide: interval 8
+    ids = [f"r{i}" for i in range(8)]
+    planner.held = ids, Plan([3] * 8, "mqa", "goodput", info={"reason": "ahead"}), True
+    changed = view_of(ids[:4] + ["x", "y", "z", "w"], [8] * 8)  # half the batch is new
+    plan = planner.plan(policy, None, changed)
+    assert policy.num_decides == 0 and plan.k == [3] * 8 and plan.info["num_joined"] == 4
+    assert planner.reuse.is_due  # despite the interval of 8
+    # without plan-ahead the same batch is decided now
+    planner = Planner(budget=0.05, max_age=8, is_plan_ahead=False)
+    planner.held = ids, Plan([3] * 8, "mqa", "goodput"), False
+    with pytest.raises(ValueError, match="needs cost models"):
+        planner.plan(policy, None, changed)
 
 
 def test_interval_spends_the_budget_and_is_capped():
