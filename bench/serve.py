@@ -256,7 +256,10 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
         logger.info("serve: daemons on cores %s, clients on %s", sorted(daemon_cpus), sorted(client_cpus))
         os.sched_setaffinity(0, client_cpus)
     try:
-        _run_all(cfg, prompts, out, log_dir, reference, configs, rows, extra, daemon_cpus, host)
+        if cfg.rounds:
+            _run_in_rounds(cfg, prompts, out, log_dir, reference, configs, rows, daemon_cpus, host)
+        else:
+            _run_all(cfg, prompts, out, log_dir, reference, configs, rows, extra, daemon_cpus, host)
     finally:
         if own_cpus:
             os.sched_setaffinity(0, own_cpus)
@@ -292,6 +295,25 @@ def _run_all(cfg: ServeConfig, prompts, out: Path, log_dir, reference, configs: 
             bar.refresh()
             # what is done so far, for a run stopped at a time limit before the part's results are written
             (out / "partial.json").write_text(json.dumps({"configs": configs, "rows": rows}, default=str))
+
+
+def _run_in_rounds(cfg: ServeConfig, prompts, out: Path, log_dir, reference, configs: list, rows: list,
+                   daemon_cpus: set[int] | None, host: list) -> None:  # fmt: skip
+    from tqdm import tqdm
+
+    from specsched.bench.serve_rounds import run_rounds
+
+    desc = f"serve: N x {cfg.rounds} rounds of every config"
+    with tqdm(total=len(cfg.concurrency), desc=desc, unit="N") as bar:
+        infos, got = run_rounds(cfg, prompts, out, log_dir, reference, bar, daemon_cpus)
+    configs += infos
+    rows += got
+    for info in infos:
+        if log_dir is not None and info["startup_s"] is not None:
+            path = log_dir / f"{safe_name(info['name'])}.sqlite"
+            host += host_phase_rows(path, info["name"], cfg.concurrency)
+            info["step_mix"] = step_mix_row(path, info["name"])
+    (out / "partial.json").write_text(json.dumps({"configs": configs, "rows": rows}, default=str))
 
 
 def warm_start(cfg: ServeConfig, name: str, out: Path, daemon_cpus: set[int] | None = None) -> dict:

@@ -60,6 +60,14 @@ class ServeConfig:
     # same host drift and the same prompts; the loop's tok/s in slices of interleave_s seconds is
     # reported beside them. 0: one loop per pass, pass 1 of every N before pass 2
     interleave_s: float = 0.0
+    # > 0 (with duration_s): every config's daemon up at once and, per N, this many rounds, each one
+    # timed loop of duration_s per config in a fresh seeded order (bench/serve_rounds.py): every
+    # config measured across the same stretch of host time; round r is pass r of the table (passes
+    # and interleave_s are then unused). 0: one daemon at a time
+    rounds: int = 0
+    # every daemon's extra overrides in rounds mode: a fixed KV cache (a share of the memory still
+    # free at its start would shrink from daemon to daemon)
+    round_overrides: list[str] = field(default_factory=lambda: ["cache.num_blocks=4096"])
     pin_cpus: bool = (
         True  # Linux, >= 4 cores: daemons on the first half of the cores, the clients on the rest
     )
@@ -112,6 +120,13 @@ class ServeConfig:
                 f"bench.serve.interleave_s must be 0 or in (0, duration_s = {self.duration_s:g}], "
                 f"got {self.interleave_s:g}"
             )
+        if self.rounds < 0 or (self.rounds and not self.duration_s):
+            raise ValueError(f"bench.serve.rounds must be 0 or >= 1 with duration_s > 0, got {self.rounds} "
+                             f"(duration_s {self.duration_s:g})")  # fmt: skip
+        if self.rounds and self.oracle_override is not None:
+            raise ValueError("bench.serve.rounds needs oracle_override null: the oracle comes from the "
+                             "baseline's outputs, which rounds mode has only after every daemon "
+                             "started")  # fmt: skip
         if self.prompt_vocab < 4:
             raise ValueError(f"bench.serve.prompt_vocab must be >= 4, got {self.prompt_vocab}")
 

@@ -125,6 +125,10 @@ def _ramps(rows: list[dict]) -> str:
 
 
 def _window(s: dict) -> str:
+    if s.get("rounds"):
+        return (f"a {s['duration_s']:g} s window; every config's daemon up at once and, per N, {s['rounds']} "
+                "rounds, each one loop per config in a fresh seeded order (pass r = round r: every config "
+                "measured across the same stretch of the host's time; bench/serve_rounds.py)")  # fmt: skip
     if not s.get("interleave_s"):
         return f"a {s['duration_s']:g} s window"
     passes = s.get("passes", 2)

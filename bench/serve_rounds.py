@@ -1,0 +1,134 @@
+"""``bench.serve.rounds`` > 0: every config's daemon up at once, the load moved between them in rounds.
+
+Configs measured one after another are minutes apart, and the H200 host's speed drifts by more than
+the margins the serving targets ask for: on 2026-12-04 the same tree and grid gave the
+non-speculative row 5,712 tok/s at N = 16 at 07:40 and 4,593 at 08:14, so a few percent between
+two rows of one run said nothing about the two configs. Here every daemon is started first (one at
+a time, so each start-up time is its own), then for each N there are ``rounds`` rounds, and each
+round runs one timed closed loop (bench/serve_load.py ``run_pass``: staggered start, ramp, window of
+``duration_s``) per config, the configs in a fresh seeded order: the daemons not under load wait in
+their poll and take no GPU or core time, so every config is measured across the same stretch of the
+host's time, and a drift hits each config's rounds alike. Round r is pass r of the table; the
+baseline's first round at each N also covers every prompt of every client (its outputs are the
+references of ``same_output``, computed once all rounds are done). Every daemon gets
+``round_overrides`` (by default a fixed KV cache: a share of the GPU memory still free at its start
+would shrink from daemon to daemon).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+from specsched.bench.serve import (
+    Daemon,
+    add_references,
+    daemon_overrides,
+    safe_name,
+    same_output_share,
+)
+from specsched.bench.serve_config import DaemonRun, ServeConfig
+from specsched.bench.serve_load import PassResult, run_pass, summarize
+from specsched.client.sync_client import Client
+
+logger = logging.getLogger(__name__)
+
+
+def round_order(names: list[str], n: int, r: int, seed: int) -> list[str]:
+    """The configs' order in round ``r`` at concurrency ``n``: a shuffle seeded by (seed, n, r)."""
+    order = list(names)
+    random.Random(f"{seed}:{n}:{r}").shuffle(order)
+    return order
+
+
+def run_rounds(
+    cfg: ServeConfig, prompts: list[dict], out: Path, log_dir: Path | None,
+    reference: dict[int, dict[int, list[int]]] | None, progress, daemon_cpus: set[int] | None = None,
+) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """Every config of ``cfg`` in rounds (module docstring). Returns (config rows, table rows) as
+    :func:`specsched.bench.serve.run_config` does for one daemon; fills ``reference`` (N -> prompt ->
+    ids) from the baseline's first round when it is an empty dict."""
+    runs = cfg.ordered
+    infos: dict[str, dict] = {}
+    daemons: dict[str, Daemon] = {}
+    results: dict[tuple[str, int], list[PassResult]] = {}
+    try:
+        for run in runs:  # one at a time: each start-up is measured alone
+            infos[run.name], daemon = _start(cfg, run, prompts, out, log_dir, daemon_cpus)
+            if daemon is not None:
+                daemons[run.name] = daemon
+        kinds = {run.name: run.kind for run in runs}
+        fill = reference is not None and not reference
+        for n in cfg.concurrency:
+            for r in range(cfg.rounds):
+                for name in round_order([run.name for run in runs if run.name in daemons], n, r, cfg.seed):
+                    progress.set_postfix_str(f"N={n} round {r + 1}: {name}")
+                    _one_loop(cfg, name, daemons, infos, results, prompts, n,
+                              cover=fill and r == 0 and kinds[name] == "baseline")  # fmt: skip
+            progress.update(1)
+        for name, daemon in daemons.items():
+            if daemon.is_alive():
+                with Client(daemon.endpoint, timeout_s=cfg.request_timeout_s) as c:
+                    infos[name]["compiles_total"] = getattr(c.stats(), "num_compiles_after_start", None)
+    finally:
+        for name, daemon in daemons.items():
+            infos[name]["exit_status"] = daemon.stop(cfg.stop_timeout_s)
+    baseline = next((run.name for run in runs if run.kind == "baseline"), None)
+    if reference is not None and not reference and baseline is not None:
+        for n in cfg.concurrency:
+            first = results.get((baseline, n), [])
+            if first:
+                add_references(reference.setdefault(n, {}), first[0])
+    rows = []
+    for run in runs:
+        for n in cfg.concurrency:
+            for p, res in enumerate(results.get((run.name, n), []), 1):
+                row = {"config": run.name, "kind": run.kind, "concurrency": n, "pass": p, **summarize(res)}
+                ref = None if reference is None or not reference else reference.get(n)
+                row["same_output"] = same_output_share(res, ref)
+                ttfts = [x.ttft_s for x in res.requests if x.ttft_s is not None]
+                row["ttft_max_s"] = max(ttfts, default=None)
+                row["slice_tok_s"] = None
+                rows.append(row)
+    return [infos[run.name] for run in runs], rows
+
+
+def _start(
+    cfg: ServeConfig, run: DaemonRun, prompts: list[dict], out: Path, log_dir: Path | None,
+    daemon_cpus: set[int] | None,
+) -> tuple[dict, Daemon | None]:  # fmt: skip
+    info: dict = {"name": run.name, "kind": run.kind, "overrides": run.overrides, "startup_s": None,
+                  "exit_status": None, "error": None, "pid": None, "compiles_total": None}  # fmt: skip
+    overrides = daemon_overrides(cfg, run, log_dir, cfg.round_overrides)
+    daemon = Daemon(overrides, out / f"{safe_name(run.name)}.log", cfg.env, daemon_cpus)
+    info.update(pid=daemon.pid, daemon_log=str(daemon.log_file), argv=daemon.argv[3:])
+    try:
+        info["startup_s"] = daemon.wait_ready(cfg.startup_timeout_s)
+        logger.info("serve %s: up in %.1f s (pid %d)", run.name, info["startup_s"], daemon.pid)
+        if cfg.warmup_requests:
+            warm = run_pass(daemon.endpoint, prompts, cfg.warmup_requests, 1, cfg.max_tokens,
+                            cfg.request_timeout_s, daemon.is_alive)  # fmt: skip
+            if warm.error or any(r.error for r in warm.requests):
+                raise RuntimeError(f"warm-up failed: {warm.error or warm.requests[0].error}")
+        return info, daemon
+    except Exception as e:
+        logger.error("serve %s failed: %s", run.name, e)
+        info["error"] = f"{type(e).__name__}: {e}"[:1000]
+        info["exit_status"] = daemon.stop(cfg.stop_timeout_s)
+        return info, None
+
+
+def _one_loop(cfg: ServeConfig, name: str, daemons: dict[str, Daemon], infos: dict[str, dict],
+              results: dict, prompts: list[dict], n: int, cover: bool) -> None:  # fmt: skip
+    """One timed loop of ``name`` at concurrency ``n``; a daemon that fails is reported and dropped."""
+    daemon = daemons[name]
+    if infos[name]["error"] is not None:
+        return
+    res = run_pass(daemon.endpoint, prompts, max(cfg.num_requests, n), n, cfg.max_tokens,
+                   cfg.request_timeout_s, daemon.is_alive, cfg.duration_s, cfg.ramp_s,
+                   cover=cover)  # fmt: skip
+    results.setdefault((name, n), []).append(res)
+    if res.error:
+        infos[name]["error"] = f"RuntimeError: concurrency {n}: {res.error}; see {daemon.log_file}"[:1000]
+        logger.error("serve %s failed: %s", name, res.error)

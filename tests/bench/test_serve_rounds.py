@@ -1,0 +1,87 @@
+"""bench.serve.rounds: every config's daemon up at once, per N rounds of one timed loop per config in
+a seeded order; real daemons (tiny preset, CPU) on loopback, real decision logs."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import specsched.bench.cli as cli
+from specsched.bench.serve_config import ServeConfig
+from specsched.bench.serve_rounds import round_order
+
+CONF_DIR = str(Path(cli.__file__).parent / "conf")
+CONFIGS = [
+    {"name": "non-speculative", "kind": "baseline",
+     "overrides": ["proposer=none", "policy=fixed", "policy.k=0", "policy.scorer=batch_expansion"]},
+    {"name": "broken", "kind": "policy", "overrides": ["proposer.max_k=-1"]},  # exits at config check
+    {"name": "ngram k=2 MQA", "kind": "fixed",
+     "overrides": ["proposer=ngram", "policy=fixed", "policy.k=2", "policy.scorer=mqa"]},
+    {"name": "ngram goodput", "kind": "default", "overrides": ["proposer=ngram", "policy=goodput"]},
+]  # fmt: skip
+
+
+def test_round_order_is_a_seeded_shuffle_that_changes_from_round_to_round():
+    names = [f"c{i}" for i in range(6)]
+    orders = [round_order(names, 4, r, seed=0) for r in range(5)]
+    assert all(sorted(o) == names for o in orders)
+    assert len({tuple(o) for o in orders}) > 1  # not one fixed order
+    assert round_order(names, 4, 2, seed=0) == orders[2]  # reproducible
+    assert round_order(names, 4, 2, seed=1) != orders[2] or round_order(names, 16, 2, seed=0) != orders[2]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rounds": 2}, "rounds must be 0 or >= 1 with duration_s > 0"),
+        ({"rounds": -1, "duration_s": 1}, "rounds must be 0 or >= 1"),
+        ({"rounds": 2, "duration_s": 1, "prompts": "ids", "oracle_override": "+proposer.oracle"},
+         "rounds needs oracle_override null"),
+    ],
+)  # fmt: skip
+def test_serve_config_rejects_bad_rounds(change, message):
+    with pytest.raises(ValueError, match=message):
+        ServeConfig(**{"configs": CONFIGS, **change})
+
+
+@pytest.mark.slow
+def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("bench", overrides=[
+            "bench=serve_tiny", f"bench.out_dir={tmp_path}", f"bench.serve.log_dir={tmp_path / 'dblogs'}",
+            "bench.serve.duration_s=0.3", "bench.serve.rounds=2", "bench.serve.round_overrides=[]",
+        ]).bench  # fmt: skip
+    cfg.serve.configs = OmegaConf.create(CONFIGS)
+    res = cli.run_bench(cfg, "test")
+    assert res["errors"] == {}
+    serve = res["serve"]
+    info = {c["name"]: c for c in serve["configs"]}
+    assert list(info) == [c["name"] for c in CONFIGS]
+    assert info["broken"]["startup_s"] is None and "proposer.max_k" in info["broken"]["error"]
+    live = [n for n in info if n != "broken"]
+    for name in live:
+        assert info[name]["error"] is None and info[name]["exit_status"] == 0 and info[name]["startup_s"] > 0
+        mine = [r for r in serve["rows"] if r["config"] == name]
+        assert sorted((r["concurrency"], r["pass"]) for r in mine) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+        for r in mine:
+            assert r["tokens_per_s"] > 0 and r["error"] is None and r["num_errors"] == 0
+            assert r["same_output"] == 1.0  # float32 on CPU: lossless, every prompt has a reference
+    assert {r["config"] for r in serve["rows"]} == set(live)
+    # the configs' decode steps interleave in time: each daemon served between the others' loops
+    spans = {}
+    for name in live:
+        db = sqlite3.connect(tmp_path / "dblogs" / f"{name.replace(' ', '_').replace('=', '_')}.sqlite")
+        times = [t for (t,) in db.execute("select start_time from steps where kind = 'decode' order by 1")]
+        db.close()
+        assert times, name
+        spans[name] = (times[0], times[-1])
+    for a in live:
+        for b in live:
+            if a != b:  # every pair of time ranges overlaps (one daemon at a time would not)
+                assert spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1], (a, b, spans)
+    text = (tmp_path / "tables.md").read_text()
+    assert "2 rounds, each one loop per config in a fresh seeded order" in text
