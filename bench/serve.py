@@ -18,21 +18,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from specsched.bench.common import random_prompts
-from specsched.bench.loopback import free_port
 from specsched.bench.prompts import PROMPTS
 from specsched.bench.serve_config import DaemonRun, ServeConfig
+from specsched.bench.serve_daemon import Daemon, daemon_overrides, prepare_weights, safe_name, split_cpus
 from specsched.bench.serve_host import host_phase_rows, step_mix_row
 from specsched.bench.serve_load import PassResult, cycle_length, run_pass, split_interleaved, summarize
+from specsched.bench.serve_outputs import add_references, same_output_share
 from specsched.client.sync_client import Client
 
 logger = logging.getLogger(__name__)
@@ -47,87 +43,6 @@ def make_prompts(cfg: ServeConfig) -> list[dict]:
     return [{"messages": PROMPTS[i % len(PROMPTS)]} for i in indices]
 
 
-def safe_name(name: str) -> str:
-    return re.sub(r"[^\w.+-]+", "_", name).strip("_") or "config"
-
-
-class Daemon:
-    """``python -m specsched.daemon <overrides>`` on a free loopback port, output to ``log_file``."""
-
-    def __init__(
-        self, overrides: list[str], log_file: Path, env: dict[str, str], cpus: set[int] | None = None
-    ) -> None:
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.argv = [sys.executable, "-m", "specsched.daemon", *overrides, f"daemon.endpoint={self.endpoint}"]
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        self.log_file = log_file
-        self._out = log_file.open("w")
-        self._out.write(" ".join(self.argv) + "\n")
-        self._out.flush()
-        self.t0 = time.perf_counter()
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        self.proc = subprocess.Popen(self.argv, stdout=self._out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **env}, preexec_fn=pin)  # fmt: skip
-        self.pid = self.proc.pid
-
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def wait_ready(self, timeout_s: float) -> float:
-        """Seconds from process start until ``health`` answered ok; raises when it exits or times out."""
-        deadline = self.t0 + timeout_s
-        with Client(self.endpoint, timeout_s=1.0) as c:
-            while True:
-                if not self.is_alive():
-                    raise RuntimeError(f"daemon exited with status {self.proc.returncode} during start-up; "
-                                       f"last lines of {self.log_file}:\n{self.tail()}")  # fmt: skip
-                if time.perf_counter() > deadline:
-                    raise TimeoutError(f"daemon not healthy after {timeout_s:.0f} s; see {self.log_file}")
-                try:
-                    if c.health().status == "ok":
-                        return time.perf_counter() - self.t0
-                except Exception:  # not bound yet (the request times out) or still starting
-                    time.sleep(0.2)
-
-    def stop(self, timeout_s: float) -> int | None:
-        """SIGTERM, wait; SIGKILL when it does not exit within ``timeout_s``. Returns the exit status."""
-        try:
-            if self.is_alive():
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    logger.warning("daemon %d ignored SIGTERM for %.0f s: killed", self.pid, timeout_s)
-                    self.proc.kill()
-                    self.proc.wait(30)
-            return self.proc.returncode
-        finally:
-            self._out.close()
-
-    def tail(self, n: int = 15) -> str:
-        self._out.flush()
-        return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
-
-
-def split_cpus(enabled: bool) -> tuple[set[int] | None, set[int] | None]:
-    """(daemon cores, client cores): the first and second half of this process's cores, so the load
-    generator does not take the daemon's (Linux, >= 4 cores, ``enabled``); else (None, None)."""
-    if not enabled or not hasattr(os, "sched_getaffinity"):
-        return None, None
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 4:
-        return None, None
-    half = len(cores) // 2
-    return set(cores[:half]), set(cores[half:])
-
-
-def daemon_overrides(
-    cfg: ServeConfig, run: DaemonRun, log_dir: Path | None, extra: list[str] = ()
-) -> list[str]:
-    log = [f"log.path={log_dir / (safe_name(run.name) + '.sqlite')}"] if log_dir else ["log=none"]
-    return [f"model.source={cfg.source}", *cfg.model_overrides, *run.overrides, *extra, *log]
-
-
 def write_oracle(path: Path, prompts: list[dict], reference: dict[int, dict[int, list[int]]]) -> Path:
     """The baseline's greedy outputs (at the lowest N) for the synthetic proposer:
     ``{"prompts": [[ids]], "outputs": [[ids]]}``."""
@@ -136,25 +51,6 @@ def write_oracle(path: Path, prompts: list[dict], reference: dict[int, dict[int,
     path.write_text(json.dumps({"prompts": [prompts[i]["prompt_ids"] for i in idx],
                                 "outputs": [ref[i] for i in idx]}))  # fmt: skip
     return path
-
-
-def same_output_share(res: PassResult, reference: dict[int, list[int]] | None) -> float | None:
-    """Share of the pass's full-length requests whose token ids equal the reference's for the same
-    prompt; a timed pass's cut-short first requests (``staggered``) are left out."""
-    if reference is None:
-        return None
-    ok = [r for r in res.requests if r.error is None and not r.staggered and r.prompt_index in reference]
-    if not ok:
-        return None
-    return sum(r.token_ids == reference[r.prompt_index] for r in ok) / len(ok)
-
-
-def add_references(reference_n: dict[int, list[int]], res: PassResult) -> None:
-    """The first full-length output per prompt of the pass (the baseline's pass 1 at one N) becomes
-    that prompt's reference; cut-short first requests (``staggered``) and failed ones never do."""
-    for r in res.requests:
-        if r.error is None and not r.staggered:
-            reference_n.setdefault(r.prompt_index, r.token_ids)
 
 
 def run_config(
@@ -246,6 +142,7 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
     log_dir = Path(cfg.log_dir).resolve() if cfg.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
+    weights = prepare_weights(cfg) if cfg.prepare_weights else None
     prompts = make_prompts(cfg)
     has_baseline = any(c.kind == "baseline" for c in cfg.configs)
     reference: dict | None = {} if has_baseline else None
@@ -264,7 +161,7 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
         if own_cpus:
             os.sched_setaffinity(0, own_cpus)
     add_spread(rows)
-    result = {"configs": configs, "rows": rows, "warm_start": None, "host_phases": host,
+    result = {"configs": configs, "rows": rows, "warm_start": None, "host_phases": host, "weights": weights,
               "cpus": {"daemon": sorted(daemon_cpus or []), "clients": sorted(client_cpus or [])},
               "settings": {k: v for k, v in OmegaConf.to_container(section, resolve=True).items()
                            if k != "configs"}}  # fmt: skip

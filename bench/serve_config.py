@@ -79,6 +79,9 @@ class ServeConfig:
     request_timeout_s: float = 300.0
     stop_timeout_s: float = 60.0
     warm_start: bool = True  # restart the first config at the end: warm start-up time
+    # convert the source's weights (python -m specsched.models.prepare) before the first daemon, timed
+    # apart: the first daemon's start-up is then the kernels' cold start, not the one-time conversion
+    prepare_weights: bool = True
     log_dir: str | None = None  # decision logs <log_dir>/<config>.sqlite (specsched-replay); None: log=none
     oracle_override: str | None = None  # ids prompts: later daemons get <this>=<oracle.json> (synthetic)
     env: dict[str, str] = field(default_factory=dict)  # extra environment of the daemons

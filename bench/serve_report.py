@@ -37,6 +37,15 @@ def configs_table(res: dict) -> str:
         if warm:
             line += f", warm (restarted at the end) {fmt(warm['startup_s'], 1)} s"
             line += f" ({warm['error']})" if warm["error"] else ""
+        prep = res.get("weights")
+        if prep and prep.get("conversion") == "built":
+            line += (f"; the weights were converted before it (once, {fmt(prep['seconds'], 1)} s: "
+                     "`python -m specsched.models.prepare`), so its start-up is the kernels' cold "
+                     "one")  # fmt: skip
+        elif prep and prep.get("conversion") == "hit":
+            line += "; the converted weights were already cached"
+        elif prep and prep.get("error"):
+            line += f"; preparing the weights failed ({prep['error']})"
         text += "\n\n" + line + "."
     return text
 

@@ -21,15 +21,10 @@ import logging
 import random
 from pathlib import Path
 
-from specsched.bench.serve import (
-    Daemon,
-    add_references,
-    daemon_overrides,
-    safe_name,
-    same_output_share,
-)
 from specsched.bench.serve_config import DaemonRun, ServeConfig
+from specsched.bench.serve_daemon import Daemon, daemon_overrides, safe_name
 from specsched.bench.serve_load import PassResult, run_pass, summarize
+from specsched.bench.serve_outputs import add_references, same_output_share
 from specsched.client.sync_client import Client
 
 logger = logging.getLogger(__name__)

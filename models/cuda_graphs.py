@@ -376,7 +376,6 @@ class GraphRunner:
         self.note_fallback(reason, detail)
         return self.model(input_ids, positions, meta, self.kv_cache, logits_indices, self.num_layers)
 
-
     def note_fallback(self, reason: str, detail: str) -> None:
         """Count (and log, the first time per reason) a forward that ran eagerly outside the buckets;
         for callers that run their own eager path (the engine's padded prefill)."""

@@ -232,6 +232,18 @@ def _load_safetensors(
 # --- HF folders and the conversion cache ---------------------------------------------------------
 
 
+def prepare_weights(
+    source: str, cache_dir: str | None = None, progress: bool | None = None
+) -> tuple[Path | None, str]:
+    """Bring ``source``'s weights into the conversion cache (what :func:`load_model` does first):
+    (the folder holding its safetensors, ``hit`` | ``built`` | ``none``); (None, ``none``) for a preset."""
+    if source in PRESETS:
+        return None, "none"
+    cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    entry, _, conversion = _source_entry(source, cache_root, progress)
+    return entry, conversion
+
+
 def _source_entry(src: str, cache_root: Path, progress: bool | None) -> tuple[Path, str, str]:
     """The folder holding ``src``'s safetensors (converting GGUF / .bin into the cache), a name, and
     the conversion cache's outcome (hit | built | none)."""

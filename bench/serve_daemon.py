@@ -1,0 +1,124 @@
+"""The daemons of ``bench=serve``: one ``python -m specsched.daemon`` subprocess per config on a free
+loopback port (:class:`Daemon`), its overrides, the cores it runs on, and the one-time weight
+conversion before the first of them (:func:`prepare_weights`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from specsched.bench.loopback import free_port
+from specsched.bench.serve_config import DaemonRun, ServeConfig
+from specsched.client.sync_client import Client
+
+logger = logging.getLogger(__name__)
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^\w.+-]+", "_", name).strip("_") or "config"
+
+
+class Daemon:
+    """``python -m specsched.daemon <overrides>`` on a free loopback port, output to ``log_file``."""
+
+    def __init__(
+        self, overrides: list[str], log_file: Path, env: dict[str, str], cpus: set[int] | None = None
+    ) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.argv = [sys.executable, "-m", "specsched.daemon", *overrides, f"daemon.endpoint={self.endpoint}"]
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        self.log_file = log_file
+        self._out = log_file.open("w")
+        self._out.write(" ".join(self.argv) + "\n")
+        self._out.flush()
+        self.t0 = time.perf_counter()
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self.proc = subprocess.Popen(self.argv, stdout=self._out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **env}, preexec_fn=pin)  # fmt: skip
+        self.pid = self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds from process start until ``health`` answered ok; raises when it exits or times out."""
+        deadline = self.t0 + timeout_s
+        with Client(self.endpoint, timeout_s=1.0) as c:
+            while True:
+                if not self.is_alive():
+                    raise RuntimeError(f"daemon exited with status {self.proc.returncode} during start-up; "
+                                       f"last lines of {self.log_file}:\n{self.tail()}")  # fmt: skip
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"daemon not healthy after {timeout_s:.0f} s; see {self.log_file}")
+                try:
+                    if c.health().status == "ok":
+                        return time.perf_counter() - self.t0
+                except Exception:  # not bound yet (the request times out) or still starting
+                    time.sleep(0.2)
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM, wait; SIGKILL when it does not exit within ``timeout_s``. Returns the exit status."""
+        try:
+            if self.is_alive():
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    logger.warning("daemon %d ignored SIGTERM for %.0f s: killed", self.pid, timeout_s)
+                    self.proc.kill()
+                    self.proc.wait(30)
+            return self.proc.returncode
+        finally:
+            self._out.close()
+
+    def tail(self, n: int = 15) -> str:
+        self._out.flush()
+        return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+
+
+def prepare_weights(cfg: ServeConfig) -> dict:
+    """``python -m specsched.models.prepare <source>`` before the first daemon, timed: the one-time
+    weight conversion (GGUF: ~30 s for SmolLM2) then is not in the first daemon's start-up, which is
+    the kernels' cold start. Returns {conversion: built | hit | none, seconds, error}."""
+    cache = [o.split("=", 1)[1] for o in cfg.model_overrides if o.startswith("model.cache_dir=")]
+    argv = [sys.executable, "-m", "specsched.models.prepare", cfg.source]
+    argv += ["--cache-dir", cache[-1]] if cache else []
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(argv, env={**os.environ, **cfg.env}, capture_output=True, text=True,
+                              timeout=cfg.startup_timeout_s)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"conversion": None, "seconds": time.perf_counter() - t0, "error": "timed out"}
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["?"]
+        return {"conversion": None, "seconds": seconds, "error": f"exit {done.returncode}: {tail[0]}"[:300]}
+    words = done.stdout.split()
+    conversion = words[1] if len(words) > 1 and words[1] in ("built", "hit", "none") else None
+    logger.info("serve: weights of %s %s in %.1f s", cfg.source, conversion, seconds)
+    return {"conversion": conversion, "seconds": seconds, "error": None}
+
+
+def split_cpus(enabled: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(daemon cores, client cores): the first and second half of this process's cores, so the load
+    generator does not take the daemon's (Linux, >= 4 cores, ``enabled``); else (None, None)."""
+    if not enabled or not hasattr(os, "sched_getaffinity"):
+        return None, None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 4:
+        return None, None
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
+def daemon_overrides(
+    cfg: ServeConfig, run: DaemonRun, log_dir: Path | None, extra: list[str] = ()
+) -> list[str]:
+    log = [f"log.path={log_dir / (safe_name(run.name) + '.sqlite')}"] if log_dir else ["log=none"]
+    return [f"model.source={cfg.source}", *cfg.model_overrides, *run.overrides, *extra, *log]
