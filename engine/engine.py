@@ -190,7 +190,7 @@ class Engine:
         costs, and decide the next step's plan ahead where the policy allows it."""
         if self._unobserved:
             self.flush_observations()
-        self.planner.decide_ahead(self.policy, self.costs, lambda: self._view(reqs, names))
+        self.planner.decide_ahead(self.policy, self.costs, lambda: self._view(reqs, names, is_ahead=True))
 
     def _record(self, rec, reqs, names, plan, props, context, emitted, match_bits, outputs, caps) -> None:
         """Fill the step's record (the decision log's ``steps`` and ``step_requests`` rows);
@@ -250,9 +250,16 @@ class Engine:
             return self.model(ids, pos, meta, self.kv_cache, last)
 
     # ---- helpers ------------------------------------------------------------------------------------
-    def _view(self, reqs: list[Request], names: list[str]) -> BatchView:
+    def _view(self, reqs: list[Request], names: list[str], is_ahead: bool = False) -> BatchView:
+        """What the policy sees. ``is_ahead`` (the view of a plan decided during this step's scoring,
+        for the next step): this step's tokens are not committed yet, so a proposer's peek would be a
+        step old (an n-gram match they bring would be missed: k = 0 for a request that can draft);
+        every request is offered the full ``spec.max_k`` instead, and carrying the plan to the next
+        step caps each k by that step's own peek (:func:`~specsched.engine.planning.carry_plan`)."""
         by = self._by_proposer(names)
-        if len(by) == 1:  # one proposer for the whole batch: its peek is in batch order
+        if is_ahead:
+            peek = [self.cfg.spec.max_k] * len(reqs)
+        elif len(by) == 1:  # one proposer for the whole batch: its peek is in batch order
             peek = self.proposers[names[0]].peek(reqs).max_k
         else:
             peek = [0] * len(reqs)

@@ -6,7 +6,10 @@ cost models it reads change little from one step to the next. So the engine trea
 cost as part of the step's cost and decides only as often as that cost allows:
 
 - **Planned ahead** (``scheduler.plan_ahead``): on CUDA the next step's plan is decided while the GPU
-  scores this step. That hides the decide only while it is shorter than the scoring forward;
+  scores this step, from a view that offers every request the full ``spec.max_k`` (this step's
+  tokens are not committed yet, so a proposer's peek would be a step old: on the H200 on 2026-12-04
+  a third of goodput's draftable steps at N = 1 ran k = 0 because the n-gram match came with the
+  step before); carrying the plan caps each k by the step's own peek. That hides the decide only while it is shorter than the scoring forward;
   :class:`PlanReuse` measures the part it does not hide (*exposed* ms: the host time from the
   scoring launch to the verification read beyond the forward's GPU time, at most the planning ms).
 - **Carried over** (``scheduler.decide_budget``): a plan is used again for up to

@@ -103,3 +103,35 @@ def test_a_plan_decided_ahead_is_capped_now_and_carried_to_the_batch_by_request_
     engine.planner.held = (["a", "b", "c"], plan, True)
     # none of the plan's requests left: decide
     assert engine.planner.carried(engine.policy, view_of(["d", "e"], [4, 4])) is None
+
+
+class DraftAll:
+    """Plan-ahead-safe test policy: every request drafts its whole cap, on mqa."""
+
+    name = "draft_all"
+    is_plan_ahead_safe = True
+
+    def decide(self, view: BatchView, costs) -> Plan:
+        return Plan([r.max_k for r in view.requests], "mqa", self.name)
+
+    def observe(self, plan, accepted) -> None:
+        pass
+
+
+def test_a_plan_decided_ahead_does_not_keep_a_request_from_a_match_found_after_it():
+    """The plan decided during step t's scoring sees the tokens before step t's output; an n-gram
+    match that this output brings must still be drafted at step t + 1 (the ahead view plans every
+    request with the proposer's full k, and carrying caps it by step t + 1's own peek). Before: a
+    request without a match when the plan was decided got k = 0 although step t + 1 could draft
+    (H200 2026-12-04: 619 of 1,768 draftable goodput steps at N = 1)."""
+    engine = make_engine("on", {"name": "fixed", "k": 0, "scorer": "mqa"})
+    engine.policy = DraftAll()
+    prompts = [[20, 21, 22, 23, 24, 25, 26, 27], [30, 31, 32, 33, 34] * 3]  # the first has no match at first
+    records: list[StepRecord] = []
+    engine.on_step = records.append
+    engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    decode = [r for r in records if r.kind == "decode" and r.plan_info.get("is_planned_ahead")]
+    rows = [q for r in decode for q in r.requests]
+    assert any(q.max_k > 0 for q in rows) and any(q.max_k == 0 for q in rows)
+    stale = [(q.request_id, q.k, q.max_k) for q in rows if q.k < q.max_k]
+    assert not stale, stale[:5]
