@@ -9,9 +9,10 @@ cost as part of the step's cost and decides only as often as that cost allows:
   scores this step, from a view that offers every request the full ``spec.max_k`` (this step's
   tokens are not committed yet, so a proposer's peek would be a step old: on the H200 on 2026-12-04
   a third of goodput's draftable steps at N = 1 ran k = 0 because the n-gram match came with the
-  step before); carrying the plan caps each k by the step's own peek. That hides the decide only while it is shorter than the scoring forward;
-  :class:`PlanReuse` measures the part it does not hide (*exposed* ms: the host time from the
-  scoring launch to the verification read beyond the forward's GPU time, at most the planning ms).
+  step before); carrying the plan caps each k by the step's own peek. That hides the decide only
+  while it is shorter than the scoring forward; :class:`PlanReuse` measures the part it does not
+  hide (*exposed* ms: the host time from the scoring launch to the verification read beyond the
+  forward's GPU time, at most the planning ms).
 - **Carried over** (``scheduler.decide_budget``): a plan is used again for up to
   ``interval - 1`` more steps, ``interval = ceil(exposed / (budget · step ms))``, so that deciding
   costs about ``budget`` of the step time on average (1 = decide every step, which is what a cheap
@@ -40,33 +41,42 @@ from specsched.policies.base import BatchView, Plan, Policy
 MAX_JOINED = 0.125  # a plan is carried to a batch of which at most this share (or 1 request) is new
 
 
-def carry_plan(ids: list[str], plan: Plan, view: BatchView, max_joined: float | None) -> Plan | None:
-    """``plan`` (decided for requests ``ids``) for the batch of ``view``; None when no request of the
-    batch was in the plan, or (``max_joined`` not None) more than ``max_joined`` of it (a share of the
-    batch, at least one request) joined since. Every k is capped by its request's ``max_k`` now; a
-    joined request takes the planned k of the kept request of the same proposer whose acceptance
-    estimate is nearest its own (``view``'s estimates: a fresh request's is its proposer's pooled
-    prior), so a plan carried through a request's first steps drafts for it about as the policy
-    drafts for requests like it. The plan's ``info`` is copied with ``num_joined`` / ``num_left``
-    added (the original is not changed)."""
+def carry_plan(
+    ids: list[str], plan: Plan, view: BatchView, max_joined: float | None, caps: dict[str, int] | None = None
+) -> Plan | None:
+    """``plan`` (decided for requests ``ids``; ``caps``: their max_k in the view it was decided on) for
+    the batch of ``view``; None when no request of the batch was in the plan, or (``max_joined`` not
+    None) more than ``max_joined`` of it (a share of the batch, at least one request) joined since.
+    Every k is capped by its request's ``max_k`` now. A joined request, and a *reopened* one (planned
+    at k = 0 because it could not draft then: cap 0 in ``caps``, and it can now: an n-gram match came
+    since), takes the planned k of the kept request of the same proposer, able to draft at the
+    decide, whose acceptance estimate is nearest its own (``view``'s estimates: a fresh request's is
+    its proposer's pooled prior), so a carried plan drafts for it about as the policy drafts for
+    requests like it. The plan's ``info`` is copied with ``num_joined`` / ``num_left`` /
+    ``num_reopened`` added (the original is not changed)."""
     index = {rid: i for i, rid in enumerate(ids)}
     old_k = plan.k
+    caps = caps or {}
     kept = [(v, old_k[index[v.request_id]]) for v in view.requests if v.request_id in index]
     if not kept:
         return None
     num_joined = len(view.requests) - len(kept)
     if max_joined is not None and num_joined > max(1, int(max_joined * len(view.requests))):
         return None
-    k = []
+    able = [(u, uk) for u, uk in kept if caps.get(u.request_id, 1) > 0]
+    k, num_reopened = [], 0
     for v in view.requests:
         i = index.get(v.request_id)
-        if i is None:
-            like = [(abs(u.acceptance - v.acceptance), uk) for u, uk in kept if u.proposer == v.proposer]
+        is_reopened = i is not None and old_k[i] == 0 and caps.get(v.request_id, 1) == 0 and v.max_k > 0
+        if i is None or is_reopened:
+            num_reopened += is_reopened
+            like = [(abs(u.acceptance - v.acceptance), uk) for u, uk in able if u.proposer == v.proposer]
             k.append(min(min(like)[1], v.max_k) if like else 0)
         else:
             k.append(min(old_k[i], v.max_k))
     num_left = len(ids) - len(kept)
-    return replace(plan, k=k, info={**plan.info, "num_joined": num_joined, "num_left": num_left})
+    info = {**plan.info, "num_joined": num_joined, "num_left": num_left, "num_reopened": num_reopened}
+    return replace(plan, k=k, info=info)
 
 
 class PlanReuse:
@@ -131,6 +141,7 @@ class Planner:
         # the plan steps run now: (request ids it was decided for, plan, is it the one decided ahead
         # and not used yet)
         self.held: tuple[list[str], Plan, bool] | None = None
+        self.held_caps: dict[str, int] | None = None  # the held plan's requests' max_k when decided
         self._ahead_ms: float | None = None  # the host ms of this step's decide ahead (view + decide)
 
     def plan(self, policy: Policy, costs, view: BatchView) -> Plan:
@@ -141,6 +152,7 @@ class Planner:
             self.reuse.record_decide(plan.info["decide_ms"])  # on the critical path: all of it
             self.reuse.on_new_plan()
             self.held = [v.request_id for v in view.requests], plan, False
+            self.held_caps = {v.request_id: v.max_k for v in view.requests}
         self.reuse.on_use()
         return plan
 
@@ -156,7 +168,7 @@ class Planner:
         # with plan-ahead a batch that changed much still runs the held plan (joined requests
         # drafting like their nearest kept ones) and the next plan is decided ahead during this
         # step's scoring, instead of a decide on this step's critical path
-        carried = carry_plan(ids, plan, view, None if self.is_plan_ahead else MAX_JOINED)
+        carried = carry_plan(ids, plan, view, None if self.is_plan_ahead else MAX_JOINED, self.held_caps)
         if carried is None:
             return None
         if self.is_plan_ahead and carried.info["num_joined"] > max(1, int(MAX_JOINED * len(view.requests))):
@@ -181,6 +193,7 @@ class Planner:
         self._ahead_ms = (time.perf_counter() - t0) * 1e3
         self.reuse.on_new_plan()
         self.held = [v.request_id for v in view.requests], ahead, True
+        self.held_caps = {v.request_id: v.max_k for v in view.requests}
 
     def observe(self, score_ms: float, host_ms: dict[str, float]) -> None:
         """A decode step's wall ms (its host phases, the loop's ``between`` included) and the ms of

@@ -26,7 +26,7 @@ def test_carry_plan_maps_by_id_caps_and_gives_joined_requests_their_nearest_kept
     view = view_of(["d", "b", "e", "a"], [9, 1, 9, 9], [0.2, 0.6, 0.55, 0.9])
     got = carry_plan(["a", "b", "c", "d"], plan, view, 0.25)
     assert got.k == [1, 1, 3, 5]  # e takes b's planned k (3), its own cap 9 allows it
-    assert got.info == {"reason": "x", "num_joined": 1, "num_left": 1}
+    assert got.info == {"reason": "x", "num_joined": 1, "num_left": 1, "num_reopened": 0}
     assert plan.k == [5, 3, 2, 1] and plan.info == {"reason": "x"}
     # nearest is a: 5, capped by the joined request's own max_k
     assert carry_plan(["a", "d"], Plan([5, 1], "mqa", "goodput"), view_of(["a", "d", "f"], [9, 9, 2],
@@ -34,6 +34,20 @@ def test_carry_plan_maps_by_id_caps_and_gives_joined_requests_their_nearest_kept
     # only requests of its own proposer count; none: no drafts
     mixed = view_of(["a", "g"], [9, 9], [0.9, 0.9], ["ngram", "draft"])
     assert carry_plan(["a"], Plan([4], "mqa", "goodput"), mixed, 1.0).k == [4, 0]
+
+
+def test_carry_plan_reopens_a_request_that_could_not_draft_when_the_plan_was_decided():
+    """b had no n-gram match at the decide (cap 0, so k 0); now it has one: it drafts like the request
+    nearest its acceptance among those that could draft then (a). c's k 0 was a choice: kept."""
+    plan = Plan([4, 0, 0], "mqa", "goodput")
+    caps = {"a": 8, "b": 0, "c": 6}
+    view = view_of(["a", "b", "c"], [8, 5, 6], [0.5, 0.45, 0.1])
+    got = carry_plan(["a", "b", "c"], plan, view, None, caps)
+    assert got.k == [4, 4, 0] and got.info["num_reopened"] == 1
+    # without the decide-time caps (or with b still unable to draft) nothing is reopened
+    assert carry_plan(["a", "b", "c"], plan, view, None).k == [4, 0, 0]
+    still = view_of(["a", "b", "c"], [8, 0, 6], [0.5, 0.45, 0.1])
+    assert carry_plan(["a", "b", "c"], plan, still, None, caps).k == [4, 0, 0]
 
 
 def test_carry_plan_refuses_a_batch_that_is_mostly_new():
