@@ -52,8 +52,10 @@ def carry_plan(
     since), takes the planned k of the kept request of the same proposer, able to draft at the
     decide, whose acceptance estimate is nearest its own (``view``'s estimates: a fresh request's is
     its proposer's pooled prior), so a carried plan drafts for it about as the policy drafts for
-    requests like it. The plan's ``info`` is copied with ``num_joined`` / ``num_left`` /
-    ``num_reopened`` added (the original is not changed)."""
+    requests like it. A carry that leaves every k at 0 runs on the plan's ``info["k0_scorer"]`` when
+    it names one of the run's scorers (the policy's scorer for a plain decode step: the decode graph,
+    not the MQA graph the speculative plan chose). The plan's ``info`` is copied with ``num_joined`` /
+    ``num_left`` / ``num_reopened`` added (the original is not changed)."""
     index = {rid: i for i, rid in enumerate(ids)}
     old_k = plan.k
     caps = caps or {}
@@ -76,7 +78,10 @@ def carry_plan(
             k.append(min(old_k[i], v.max_k))
     num_left = len(ids) - len(kept)
     info = {**plan.info, "num_joined": num_joined, "num_left": num_left, "num_reopened": num_reopened}
-    return replace(plan, k=k, info=info)
+    scorer = plan.scorer
+    if not any(k) and info.get("k0_scorer") in view.scorers:  # a plain decode: the policy's scorer for one
+        scorer = info["k0_scorer"]
+    return replace(plan, k=k, scorer=scorer, info=info)
 
 
 class PlanReuse:

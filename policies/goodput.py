@@ -200,12 +200,15 @@ class GoodputPolicy(Policy):
         is_decode = is_decode_try = False
         k_list = prob.as_list(k)
         is_spec = any(k_list)
-        if not is_spec and len(scorers) > 1:  # a plain decode step
+        k0_scorer = scorers[chosen]
+        if len(scorers) > 1:  # a plain decode step's scorer (also the hint for a carry that drafts nothing)
             ctx = [r.context_len for r in reqs]
-            chosen, is_decode_try = decode_scorer(
+            k0, is_try = decode_scorer(
                 costs, scorers, prob.goodput_k0, ctx, cfg.min_scorer_steps, cfg.decode_try_tolerance
             )
-            is_decode = True
+            k0_scorer = scorers[k0]
+            if not is_spec:
+                chosen, is_decode_try, is_decode = k0, is_try, True
 
         cost = prob.components(k, chosen)
         g_plan = prob.goodput(k, chosen) if is_probe or is_dither or num_cuts or is_decode else g
@@ -229,6 +232,7 @@ class GoodputPolicy(Policy):
             "explore_error": error,
             "is_decode_scorer": is_decode,
             "is_decode_try": is_decode_try,
+            "k0_scorer": k0_scorer,  # engine/planning.carry_plan: the scorer if a carry drafts nothing
         }
         for name in ("propose_ms", "score_ms", "verify_ms", "overhead_ms"):
             info[f"predicted_{name}"] = cost[name]

@@ -50,6 +50,16 @@ def test_carry_plan_reopens_a_request_that_could_not_draft_when_the_plan_was_dec
     assert carry_plan(["a", "b", "c"], plan, still, None, caps).k == [4, 0, 0]
 
 
+def test_carry_plan_that_drafts_nothing_runs_on_the_policy_s_decode_scorer():
+    plan = Plan([3, 2], "mqa", "goodput", info={"k0_scorer": "batch_expansion"})
+    none_left = carry_plan(["a", "b"], plan, view_of(["a", "b"], [0, 0]), None)
+    assert none_left.k == [0, 0] and none_left.scorer == "batch_expansion"
+    some = carry_plan(["a", "b"], plan, view_of(["a", "b"], [0, 1]), None)
+    assert some.k == [0, 1] and some.scorer == "mqa"  # still speculating: the plan's scorer
+    unknown = Plan([3], "mqa", "goodput", info={"k0_scorer": "mqa_graph"})  # not built in this run
+    assert carry_plan(["a"], unknown, view_of(["a"], [0]), None).scorer == "mqa"
+
+
 def test_carry_plan_refuses_a_batch_that_is_mostly_new():
     plan = Plan([1] * 8, "mqa", "goodput")
     ids = [f"r{i}" for i in range(8)]
