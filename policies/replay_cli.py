@@ -23,7 +23,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specsched.engine.log_schema import LogFormatError
 from specsched.policies.registry import build_policy
-from specsched.policies.replay import PolicyResult, ReplayOptions, ReplayReport, replay
+from specsched.policies.replay import PolicyResult, ReplayOptions, ReplayReport, default_policies, replay
 from specsched.policies.replay_log import ReplayError, load_run
 
 CONFIG_NAME = "specsched_replay"
@@ -53,6 +53,9 @@ class ReplayConfig:
     seed: int = 0  # of the imputed match bits
     scorers: list[str] | None = None  # scorers the policies may pick; None: the run's
     forgetting: float = 1.0  # of the refitted cost model (1: all steps weigh the same)
+    # a bench=serve log (N clients at a time, N = 1, 4, 16, 64 in turn): replay each concurrency's
+    # segments apart, max_num_seqs = N (policies/replay_segments.py)
+    by_concurrency: bool = False
 
     def __post_init__(self) -> None:
         if self.run_id is not None and self.run_id < 1:
@@ -213,6 +216,16 @@ def _run(cfg: DictConfig) -> None:
         opts = ReplayOptions(seed=app.seed, scorers=app.scorers, forgetting=app.forgetting)
     except ValueError as e:
         sys.exit(f"{PROG}: invalid config: {e}")
+    if app.by_concurrency:
+        from specsched.policies.replay_segments import format_levels, replay_by_level
+
+        try:
+            run = load_run(app.db, app.run_id)
+            recorded = [run.settings.policy] if run.settings.policy else []
+            print(format_levels(replay_by_level(run, recorded + list(configs or default_policies()), opts)))
+        except (LogFormatError, ReplayError) as e:
+            sys.exit(f"{PROG}: {e}")
+        return
     try:
         report = replay(load_run(app.db, app.run_id), configs, opts)
     except (LogFormatError, ReplayError) as e:

@@ -200,3 +200,13 @@ def test_rewrite_args_and_config_validation():
         ReplayConfig(db="x", run_id=0)
     with pytest.raises(ValueError, match="need the policy they are for"):
         ReplayConfig(db="x", policy_options={"k": 2})
+
+
+def test_by_concurrency_prints_a_row_per_level_and_policy(log_path, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert run_main(monkeypatch, f"db={log_path}", "by_concurrency=true", "policy=goodput") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["N", "segments", "requests", "policy"]
+    rows = [re.split(r"\s{2,}", line.strip()) for line in lines[1:]]
+    want = [["fixed k=2", "recorded"], ["fixed k=2", "replayed"], ["goodput", "replayed"]]
+    assert [r[3:5] for r in rows[:3]] == want

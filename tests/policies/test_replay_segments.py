@@ -1,0 +1,64 @@
+"""Replaying a serving log by concurrency: segments where the engine ran dry, each level replayed
+with max_num_seqs = its concurrency (a real LogWriter log, hand-built steps)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from specsched.policies.replay import ReplayOptions, replay
+from specsched.policies.replay_log import load_run
+from specsched.policies.replay_segments import format_levels, level_of, replay_by_level
+
+_spec = importlib.util.spec_from_file_location("replay_helpers", Path(__file__).with_name("test_replay.py"))
+_helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_helpers)
+CONFIG, decode_step, write_log = _helpers.CONFIG, _helpers.decode_step, _helpers.write_log
+
+
+def loop(step: int, ids: list[str], length: int, n: int) -> tuple[list, int]:
+    """Decode steps of requests ``ids`` (``length`` output tokens each, every draft rejected) with at
+    most ``n`` running at once, joining in order."""
+    steps, queue, live, pos = [], list(ids), [], {}
+    while queue or live:
+        while queue and len(live) < n:
+            r = queue.pop(0)
+            live.append(r)
+            pos[r] = 0
+        steps.append(decode_step(step, [(r, 10 + pos[r], 1, 0) for r in live]))
+        step += 1
+        for r in live:
+            pos[r] += 1
+        live = [r for r in live if pos[r] < length - 1]
+    return steps, step
+
+
+def test_levels_round_a_batch_up():
+    assert [level_of(b) for b in (1, 2, 4, 5, 16, 17, 64, 99)] == [1, 4, 4, 16, 16, 64, 64, 64]
+
+
+def test_a_serving_log_replays_each_concurrency_apart(tmp_path):
+    # N = 1: three requests one after the other (each its own segment); then N = 4: eight requests
+    singles = []
+    step = 0
+    for r in ("s0", "s1", "s2"):
+        steps, step = loop(step, [r], 5, 1)
+        singles += steps
+    quads, step = loop(step, [f"q{i}" for i in range(8)], 5, 4)
+    requests = [(r, 10, 5) for r in ("s0", "s1", "s2")] + [(f"q{i}", 10, 5) for i in range(8)]
+    write_log(
+        tmp_path / "serve.sqlite", {**CONFIG, "scheduler": {"max_num_seqs": 64}}, singles + quads, requests
+    )
+    run = load_run(tmp_path / "serve.sqlite")
+    levels = replay_by_level(run, [{"name": "fixed", "k": 2, "scorer": "mqa"}], ReplayOptions())
+    # N = 4 ran in two waves of four here (equal lengths): two segments of one level
+    assert [(lv.level, lv.num_segments, lv.num_requests) for lv in levels] == [(1, 3, 3), (4, 2, 8)]
+    one, four = levels
+    # every draft rejected: one token per request per step; N = 1 runs each request alone
+    assert one.rows[0].source == "recorded" and one.rows[0].num_steps == 12
+    assert [t.batch_size for t in one.rows[1].trace] == [1] * 12
+    assert four.rows[1].num_steps == 8 and {t.batch_size for t in four.rows[1].trace} == {4}
+    # the plain replay batches all eleven requests up to the log's max_num_seqs of 64
+    assert replay(run, [{"name": "fixed", "k": 2, "scorer": "mqa"}]).rows[1].trace[0].batch_size == 11
+    table = format_levels(levels)
+    assert "fixed k=2 " in table and table.count("\n") == 4  # a header, 2 levels x (recorded, fixed)
