@@ -162,21 +162,41 @@ def simulate(
     costs: CostModels,
     label: str,
     scorers: Sequence[str] | None = None,
+    closed_loop: bool = False,
 ) -> PolicyResult:
-    """Replay the run's requests under ``policy`` (see the module docstring). Raises ``ValueError``
-    when the policy cannot run here (e.g. it names a scorer that ``scorers`` lacks)."""
+    """Replay the run's requests under ``policy`` (see the module docstring). ``closed_loop``: a
+    client (``RecordedRequest.client``) has one request running at a time, its next one joining when
+    the last finished, as the clients of ``bench=serve`` send them (requests without a client join in
+    order, as always). Raises ``ValueError`` when the policy cannot run here (e.g. it names a scorer
+    that ``scorers`` lacks)."""
     st = run.settings
     scorers = list(scorers or st.scorers)
     res = _base_result(run, label, "replayed")
     acceptance = AcceptanceEstimator()
-    waiting, running = deque(range(len(run.requests))), []
-    while waiting or running:
-        while waiting and len(running) < st.max_num_seqs:
-            i = waiting.popleft()
-            live = _Live(i, run.requests[i])
-            res.num_tokens += min(live.req.output_len, 1)
-            if live.req.output_len > 1:
-                running.append(live)
+    queues: dict[str | None, deque[int]] = {}  # by client (closed loop), else one queue
+    for i, r in enumerate(run.requests):
+        queues.setdefault(r.client if closed_loop else None, deque()).append(i)
+    running: list[_Live] = []
+    busy: set[str] = set()  # clients with a request running
+
+    def admit() -> None:
+        is_admitted = True
+        while is_admitted and len(running) < st.max_num_seqs:
+            is_admitted = False
+            for client, queue in queues.items():
+                if not queue or len(running) >= st.max_num_seqs or client in busy:
+                    continue
+                i = queue.popleft()
+                live = _Live(i, run.requests[i])
+                res.num_tokens += min(live.req.output_len, 1)
+                if live.req.output_len > 1:
+                    running.append(live)
+                    if client is not None:
+                        busy.add(client)
+                is_admitted = True
+
+    while any(queues.values()) or running:
+        admit()
         if not running:
             continue
         ctx = [live.req.prompt_len + live.s + 1 for live in running]
@@ -226,6 +246,7 @@ def simulate(
         res.trace.append(StepTrace(len(ks), sum(ks) / len(ks), plan.scorer, pred))
         for live in [x for x in running if x.s >= x.req.output_len - 1]:
             running.remove(live)
+            busy.discard(live.req.client if closed_loop else None)
             acceptance.forget(live.req.key)
     return res
 

@@ -109,6 +109,7 @@ class RecordedRequest:
     # start index s -> the cap recorded there: the step's max_k (schema >= 3), else its k (a lower bound)
     recorded_k: dict[int, int] = field(default_factory=dict)
     is_finished: bool = True  # False: no `requests` row (still running when the log ended)
+    client: str | None = None  # the `requests` row's client (the daemon's ZeroMQ peer), when logged
 
     @property
     def num_draftable(self) -> int:
@@ -193,7 +194,7 @@ def _load(db, path: str, run_id: int | None) -> RecordedRun:
         rows.setdefault(q.request_id, []).append((r["step"], q))
     finished = list(
         db.query(
-            "select request_id, arrival, finish_time, prompt_tokens, output_tokens"
+            "select request_id, client, arrival, finish_time, prompt_tokens, output_tokens"
             " from requests where run_id = ? order by arrival",
             [run_id],
         )
@@ -254,7 +255,8 @@ def _requests(rows, finished, steps) -> tuple[list[RecordedRequest], int]:
                     conflicts += bits[m] is not None and bits[m] != b
                     bits[m] = b if bits[m] is None else bits[m]
         first = recs[0][0] if recs else None
-        out.append(RecordedRequest(key, prompt, length, first, bits, recorded_k, f is not None))
+        client = f.get("client") if f is not None else None
+        out.append(RecordedRequest(key, prompt, length, first, bits, recorded_k, f is not None, client))
     out.sort(key=lambda r: (r.first_step is None, r.first_step or 0))
     return out, conflicts
 

@@ -91,9 +91,13 @@ def replay_by_level(
     policies: Sequence[Mapping],
     options: ReplayOptions | None = None,
     levels: Sequence[int] = LEVELS,
+    closed_loop: bool = True,
 ) -> list[LevelReplay]:
     """Per level: the recorded row and each policy replayed (one cost model refitted on the whole run;
-    a fresh policy per level). A policy that cannot run gets a row with its ``error``."""
+    a fresh policy per level). ``closed_loop``: each client's requests one at a time, in its recorded
+    order (:func:`~specsched.policies.replay.simulate`), so the replay ramps and drains as the loop
+    did; else every request of the level queued at once. A policy that cannot run gets a row with
+    its ``error``."""
     opts = options or ReplayOptions()
     bits = complete_bits(run, opts.seed)
     costs = refit_costs(run, opts.forgetting)
@@ -103,7 +107,10 @@ def replay_by_level(
         for cfg in policies:
             label = policy_label(cfg)
             try:
-                rows.append(simulate(sub, sub_bits, build_policy(dict(cfg)), costs, label, opts.scorers))
+                policy = build_policy(dict(cfg))
+                rows.append(
+                    simulate(sub, sub_bits, policy, costs, label, opts.scorers, closed_loop=closed_loop)
+                )
             except ValueError as e:
                 rows.append(PolicyResult(label, "replayed", error=str(e)))
         out.append(LevelReplay(level, num_segments, len(sub.requests), rows))

@@ -62,3 +62,36 @@ def test_a_serving_log_replays_each_concurrency_apart(tmp_path):
     assert replay(run, [{"name": "fixed", "k": 2, "scorer": "mqa"}]).rows[1].trace[0].batch_size == 11
     table = format_levels(levels)
     assert "fixed k=2 " in table and table.count("\n") == 4  # a header, 2 levels x (recorded, fixed)
+
+
+def test_closed_loop_replay_keeps_one_request_per_client():
+    """Two clients of three requests each (a: 5 tokens, b: 3): with ``closed_loop`` a client's next
+    request joins only when its last one finished, so at most two run, each client's in its order;
+    without, the replay fills max_num_seqs with all six at once."""
+    import dataclasses
+
+    from specsched.policies.registry import build_policy
+    from specsched.policies.replay import refit_costs, simulate
+    from specsched.policies.replay_log import MatchBits, RecordedRequest, RecordedRun, RunSettings
+
+    reqs = [
+        RecordedRequest(f"{c}{i}", 10, n, i, [None] * n, {}, True, client=c)
+        for i in range(3)
+        for c, n in (("a", 5), ("b", 3))
+    ]
+    settings = RunSettings("draft", 8, 64, ["mqa"], 4, None, {"name": "fixed", "k": 0, "scorer": "mqa"})
+    run = RecordedRun("mem", 1, "m", "cpu", "t", settings, [], reqs)
+    none = [[False] * r.output_len for r in reqs]
+    bits = MatchBits(none, none, 0.0, 0, 0)
+    costs = refit_costs(run)
+    policy = {"name": "fixed", "k": 0, "scorer": "mqa"}
+    closed = simulate(run, bits, build_policy(policy), costs, "x", closed_loop=True)
+    sizes = [t.batch_size for t in closed.trace]
+    assert max(sizes) == 2 and closed.num_decode_tokens == sum(r.output_len - 1 for r in reqs)
+    # a's three requests take 4 steps each, b's 2 each: b runs out after step 6, a goes on alone
+    assert sizes == [2] * 6 + [1] * 6
+    open_ = simulate(run, bits, build_policy(policy), costs, "x")
+    assert [t.batch_size for t in open_.trace][0] == 6
+    no_clients = dataclasses.replace(run, requests=[dataclasses.replace(r, client=None) for r in reqs])
+    assert [t.batch_size for t in simulate(no_clients, bits, build_policy(policy), costs, "x",
+                                           closed_loop=True).trace][0] == 6  # fmt: skip
