@@ -88,7 +88,7 @@ def total_error(records: Sequence[StepRecord], device: str, fit_fraction: float 
         costs.observe(rec)
     out = {}
     for key, recs in held.items():
-        errs = [abs(_total(costs, r) - r.total_ms) / r.total_ms for r in recs if r.total_ms > 0]
+        errs = [abs(_total(costs, r) - r.cost_ms) / r.cost_ms for r in recs if r.total_ms > 0]
         if errs:
             out[key] = float(np.median(errs))
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -41,6 +42,14 @@ class StepRecord:
     # verify (with its wait for the GPU), commit, record, stats, other (engine.step_timer)
     host_ms: dict[str, float] = field(default_factory=dict)
     requests: list[StepRequestRecord] = field(default_factory=list)
+
+    @property
+    def cost_ms(self) -> float:
+        """What the step cost the serving loop: ``total_ms`` plus the caller's time before it
+        (``host_ms["between"]``, e.g. the daemon streaming the last step's outputs; 0 when absent).
+        The cost models predict this (policies/cost_model.py)."""
+        between = self.host_ms.get("between", 0.0) if self.host_ms and self.total_ms > 0 else 0.0
+        return self.total_ms + between if math.isfinite(between) and between > 0 else self.total_ms
 
     @property
     def num_proposed(self) -> int:

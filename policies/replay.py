@@ -102,19 +102,19 @@ class PolicyResult:
 def _base_result(run: RecordedRun, label: str, source: str) -> PolicyResult:
     prefill = run.prefill_steps
     return PolicyResult(
-        label, source, num_prefill_steps=len(prefill), predicted_ms=sum(s.total_ms for s in prefill)
+        label, source, num_prefill_steps=len(prefill), predicted_ms=sum(s.cost_ms for s in prefill)
     )
 
 
 def recorded_result(run: RecordedRun, costs: CostModels) -> PolicyResult:
     """The log as it is: measured total, and the refitted model's prediction for the same steps."""
     res = _base_result(run, policy_label(run.settings.policy) if run.settings.policy else "?", "recorded")
-    res.measured_ms = sum(s.total_ms for s in run.steps)
+    res.measured_ms = sum(s.cost_ms for s in run.steps)
     for rec in run.decode_steps:
         ks, ctx = [q.k for q in rec.requests], [q.context_len + 1 for q in rec.requests]
         pred = costs.predict(rec.scorer, rec.proposer or run.settings.proposer, StepShape(ks, ctx)).total_ms
         res.predicted_ms += pred
-        res.trace.append(StepTrace(len(ks), sum(ks) / len(ks), rec.scorer, pred, rec.total_ms))
+        res.trace.append(StepTrace(len(ks), sum(ks) / len(ks), rec.scorer, pred, rec.cost_ms))
         res.num_steps += 1
         res.num_request_steps += len(ks)
         res.num_drafts += sum(ks)

@@ -166,7 +166,7 @@ def format_report(report: ReplayReport) -> str:
         f"proposer {st.proposer}, max_k {st.max_k}, max_num_seqs {st.max_num_seqs}, "
         f"scorers {', '.join(st.scorers)}",
         f"{len(decode)} decode + {len(prefill)} prefill steps; the prefills' measured "
-        f"{sum(s.total_ms for s in prefill):.1f} ms are in every row; {len(run.requests)} requests, "
+        f"{sum(s.cost_ms for s in prefill):.1f} ms are in every row; {len(run.requests)} requests, "
         f"{sum(r.output_len for r in run.requests)} output tokens",
     ]
     notes = [
@@ -179,7 +179,7 @@ def format_report(report: ReplayReport) -> str:
         ks = [q.k for s in decode for q in s.requests]
         batches = [len(s.requests) for s in decode]
         err = sum(abs(t.predicted_ms - (t.measured_ms or 0.0)) for t in recorded.trace) / len(recorded.trace)
-        mean_ms = sum(s.total_ms for s in decode) / len(decode)
+        mean_ms = sum(s.cost_ms for s in decode) / len(decode)
         fit = ", ".join(f"{n} {c}" for n, c in sorted(report.fit_steps.items()))
         notes.append(
             f"cost model: refit on {len(decode)} decode steps ({fit}; batch {min(batches)}-{max(batches)}, "

@@ -172,12 +172,14 @@ def _load(db, path: str, run_id: int | None) -> RecordedRun:
     except json.JSONDecodeError as e:
         raise ReplayError(f"{path}: run {run_id} has an unreadable config ({e})") from e
     steps: dict[int, StepRecord] = {}
+    host = ", host_ms" if "host_ms" in db["steps"].columns_dict else ""  # schema >= 3
     for row in db.query(
-        f"select {', '.join(_STEP_COLUMNS)} from steps where run_id = ? order by step", [run_id]
+        f"select {', '.join(_STEP_COLUMNS)}{host} from steps where run_id = ? order by step", [run_id]
     ):
         for name in _MEASURED:  # NULL measured times count as 0 ms
             row[name] = row[name] or 0.0
         row["is_synthetic"] = bool(row["is_synthetic"])
+        row["host_ms"] = _host_ms(row.pop("host_ms", None))
         steps[row["step"]] = StepRecord(**row)
     rows: dict[str, list[tuple[int, StepRequestRecord]]] = {}
     max_k = ", max_k" if "max_k" in db["step_requests"].columns_dict else ""  # schema >= 3
@@ -214,6 +216,18 @@ def _load(db, path: str, run_id: int | None) -> RecordedRun:
         requests,
         conflicts,
     )
+
+
+def _host_ms(text: str | None) -> dict[str, float]:
+    """A step's ``host_ms`` JSON (its ``between`` is part of what the cost models learn); {} if absent
+    or unreadable."""
+    try:
+        got = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {}
+    if not isinstance(got, dict):
+        return {}
+    return {str(k): float(v) for k, v in got.items() if isinstance(v, (int, float))}
 
 
 def _saved_buckets(db, run_id: int) -> dict[str, list[int]]:

@@ -68,7 +68,7 @@ def plot_predicted_vs_measured(report: ReplayReport, path: str) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 5.5))
     measured = [t.measured_ms for t in recorded.trace]
     ax.scatter([t.predicted_ms for t in recorded.trace], measured, s=10, label="refitted model")
-    online = [(s.predicted_ms, s.total_ms) for s in report.run.decode_steps if s.predicted_ms is not None]
+    online = [(s.predicted_ms, s.cost_ms) for s in report.run.decode_steps if s.predicted_ms is not None]
     if online:
         ax.scatter(*zip(*online, strict=True), s=10, marker="x", alpha=0.6, label="online model (as logged)")
     top = max([*measured, *(p for p, _ in online), *(t.predicted_ms for t in recorded.trace), 1e-3])

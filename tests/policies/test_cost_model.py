@@ -219,3 +219,26 @@ def test_load_errors_are_clear(tmp_path):
     conn.close()
     with pytest.raises(ValueError, match="malformed 'cost_models' row"):
         CostModels.load(tmp_path / "broken.sqlite")
+
+
+def test_overhead_learns_the_callers_time_between_steps():
+    """``host_ms["between"]`` (the daemon streaming the last step's outputs) is part of what a step
+    costs: the overhead model learns it, and the prequential error compares against it."""
+
+    def rec(step: int, between: float | None) -> StepRecord:
+        reqs = [StepRequestRecord(f"r{i}", 100, 2, 1, "10") for i in range(4)]
+        host = {"between": between} if between is not None else {}
+        return StepRecord(step, "decode", 0.0, 4, 12, "mqa", "fixed", "ngram", propose_ms=0.1,
+                          score_ms=1.0, verify_ms=0.1, total_ms=1.5, num_emitted=8, requests=reqs,
+                          host_ms=host)  # fmt: skip
+
+    assert rec(0, 0.7).cost_ms == pytest.approx(2.2) and rec(0, None).cost_ms == 1.5
+    assert rec(0, float("nan")).cost_ms == 1.5
+    with_between, without = CostModels(device="cpu"), CostModels(device="cpu")
+    for i in range(64):
+        with_between.observe(rec(i, 0.7))
+        without.observe(rec(i, None))
+    shape = StepShape([2] * 4, [100] * 4)
+    gap = with_between.predict("mqa", "ngram", shape).total_ms
+    gap -= without.predict("mqa", "ngram", shape).total_ms
+    assert gap == pytest.approx(0.7, abs=0.05)
