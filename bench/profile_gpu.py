@@ -6,7 +6,8 @@ For the scorer shapes of the issue's targets and for a small model's engine step
   graph replays too), and the top kernels by total time — the list to fuse next;
 - for the engine step: the host's share (cProfile, top functions by cumulative time).
 
-    python -m specsched.bench.profile_gpu [--parts scorers draft engine] [--top 12]
+    python -m specsched.bench.profile_gpu [--parts scorers draft engine phases] [--top 12]
+        [--batches 1 16 64]   (phases: host ms per step phase, fixed k vs goodput, and their profiles)
 
 Timing/profiling only: random bf16 weights (``llama2-7b``, ``llama-68m``, ``smollm2-135m`` presets).
 """
@@ -152,11 +153,89 @@ def profile_engine(top: int, tokens: int) -> None:
         print("\n".join(s.getvalue().splitlines()[: top + 20]))
 
 
+PHASE_CONFIGS = {  # label: (scorers, policy)
+    "fixed k=5 mqa_graph [mqa_graph]": (["mqa_graph"], {"name": "fixed", "k": 5, "scorer": "mqa_graph"}),
+    "fixed k=5 mqa_graph [all]": (["batch_expansion", "mqa", "mqa_graph"],
+                                  {"name": "fixed", "k": 5, "scorer": "mqa_graph"}),
+    "goodput [all]": (["batch_expansion", "mqa", "mqa_graph"], {"name": "goodput"}),
+}  # fmt: skip
+
+
+def phase_prompts(batch: int, seed: int = 0) -> list[list[int]]:
+    """Random text with a repeated motif at its end: n-gram matches, not a random model's echo alone."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(batch):
+        motif = [rng.randrange(3, 2000) for _ in range(rng.randint(3, 12))]
+        out.append([rng.randrange(3, 2000) for _ in range(40)] + (motif * 20)[:60])
+    return out
+
+
+def profile_phases(top: int, tokens: int, batches: list[int]) -> None:
+    """The engine's host time per phase on CUDA (``StepRecord.host_ms``, medians over the decode
+    steps at the full batch) for a fixed k on one scorer, the same with every scorer built, and
+    goodput; SmolLM2's shape, random bf16 weights, n-gram, plan-ahead as on the daemon (auto). Then a
+    cProfile of each config's decode loop at the largest batch (top functions by own time): which
+    host work one config does that another does not (H200, 2026-12-04: goodput's score phase
+    0.06-0.3 ms longer than fixed k=5's, not seen on the CPU)."""
+    import statistics
+
+    from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+    from specsched.engine.engine import Engine
+
+    for batch in batches:
+        for label, (scorers, policy) in PHASE_CONFIGS.items():
+            cfg = EngineConfig(
+                model=ModelConfig(source="smollm2-135m", device="cuda", dtype="bfloat16", max_model_len=2048),
+                cache=CacheConfig(block_size=16, num_blocks=8192),
+                scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=4096),
+                spec=SpecConfig(proposer="ngram", scorers=scorers, max_k=8),
+                policy=policy,
+            )  # fmt: skip
+            engine = Engine.from_config(cfg)
+            prompts = phase_prompts(batch)
+            engine.generate(prompts[:2], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
+            recs: list = []
+
+            def keep(r, b=batch, out=recs) -> None:
+                if r.kind == "decode" and r.batch_size == b:
+                    out.append(r)
+
+            engine.on_step = keep
+            pr = cProfile.Profile() if batch == max(batches) else None
+            if pr is not None:
+                pr.enable()
+            engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+            if pr is not None:
+                pr.disable()
+            phases: dict[str, list[float]] = defaultdict(list)
+            for r in recs:
+                for k, v in r.host_ms.items():
+                    phases[k].append(v)
+            ks = [q.k for r in recs for q in r.requests] or [0]
+            step_ms = median([r.total_ms for r in recs]) if recs else float("nan")
+            gpu_ms = median([r.score_ms for r in recs]) if recs else float("nan")
+            tok = statistics.fmean(r.num_tokens for r in recs) if recs else float("nan")
+            mean_k = statistics.fmean(ks)
+            print(f"\n## phases, batch {batch}, {label}: {len(recs)} steps, step ms {step_ms:.3f}, "
+                  f"score GPU ms {gpu_ms:.3f}, tokens {tok:.1f}, mean k {mean_k:.2f}")  # fmt: skip
+            print("   host ms: " + ", ".join(f"{k} {median(v):.3f}" for k, v in sorted(phases.items())))
+            if pr is not None:
+                out = io.StringIO()
+                pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
+                print("\n".join(out.getvalue().splitlines()[: top + 12]))
+            del engine
+            torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", default=["scorers", "draft", "engine"])
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="batches of --parts phases")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_gpu needs a CUDA device")
@@ -168,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
             profile_engine(args.top, args.tokens)
         if "scorers" in args.parts:
             profile_scorers(args.top)
+        if "phases" in args.parts:
+            profile_phases(args.top, args.tokens, args.batches)
 
 
 if __name__ == "__main__":
