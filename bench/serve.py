@@ -27,8 +27,9 @@ from specsched.bench.prompts import PROMPTS
 from specsched.bench.serve_config import DaemonRun, ServeConfig
 from specsched.bench.serve_daemon import Daemon, daemon_overrides, prepare_weights, safe_name, split_cpus
 from specsched.bench.serve_host import host_phase_rows, step_mix_row
-from specsched.bench.serve_load import PassResult, cycle_length, run_pass, split_interleaved, summarize
+from specsched.bench.serve_load import cycle_length, run_pass
 from specsched.bench.serve_outputs import add_references, same_output_share
+from specsched.bench.serve_results import PassResult, split_interleaved, summarize
 from specsched.client.sync_client import Client
 
 logger = logging.getLogger(__name__)

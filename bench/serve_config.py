@@ -56,7 +56,7 @@ class ServeConfig:
     # and not before ramp_s seconds after the first send (0: as soon as they are done)
     ramp_s: float = 0.0
     # > 0 (with duration_s): the passes of each N share one closed loop of passes x duration_s, its
-    # requests dealt to them in turn (bench/serve_load.py split_interleaved): both passes see the
+    # requests dealt to them in turn (bench/serve_results.py split_interleaved): both passes see the
     # same host drift and the same prompts; the loop's tok/s in slices of interleave_s seconds is
     # reported beside them. 0: one loop per pass, pass 1 of every N before pass 2
     interleave_s: float = 0.0

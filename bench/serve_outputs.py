@@ -3,7 +3,7 @@ share of a pass's requests whose greedy output equals them."""
 
 from __future__ import annotations
 
-from specsched.bench.serve_load import PassResult
+from specsched.bench.serve_results import PassResult
 
 
 def same_output_share(res: PassResult, reference: dict[int, list[int]] | None) -> float | None:

@@ -23,8 +23,9 @@ from pathlib import Path
 
 from specsched.bench.serve_config import DaemonRun, ServeConfig
 from specsched.bench.serve_daemon import Daemon, daemon_overrides, safe_name
-from specsched.bench.serve_load import PassResult, run_pass, summarize
+from specsched.bench.serve_load import run_pass
 from specsched.bench.serve_outputs import add_references, same_output_share
+from specsched.bench.serve_results import PassResult, summarize
 from specsched.client.sync_client import Client
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import specsched.bench.cli as cli
 from specsched.bench.serve import same_output_share
 from specsched.bench.serve_config import ServeConfig
 from specsched.bench.serve_host import PHASES
-from specsched.bench.serve_load import PassResult, RequestResult, summarize
+from specsched.bench.serve_results import PassResult, RequestResult, summarize
 
 CONF_DIR = str(Path(cli.__file__).parent / "conf")
 CONFIGS = [
@@ -299,7 +299,7 @@ def timed_result(chunks: list[tuple[float, float, int]], opens_at: float, window
 @pytest.mark.parametrize("passes", [2, 3])
 @pytest.mark.parametrize("period", [1, 2, 3, 4, 12])
 def test_pass_of_alternates_and_gives_every_pass_every_prompt(period, passes):
-    from specsched.bench.serve_load import pass_of
+    from specsched.bench.serve_results import pass_of
 
     got = [pass_of(j, period, passes) for j in range(passes * period * 3)]
     # consecutive requests of one cycle go to other passes
@@ -311,7 +311,7 @@ def test_pass_of_alternates_and_gives_every_pass_every_prompt(period, passes):
 
 
 def test_split_interleaved_deals_the_requests_and_weights_by_busy_time():
-    from specsched.bench.serve_load import split_interleaved
+    from specsched.bench.serve_results import split_interleaved
 
     # one client (N = 1), window [1, 5): requests 1..4 back to back, 1 s each, prompt cycle of 2
     reqs = [

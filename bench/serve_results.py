@@ -1,0 +1,186 @@
+"""What a pass of ``bench=serve`` measured (:class:`RequestResult`, :class:`PassResult`) and its table
+cells (:func:`summarize`, :func:`summarize_many`); interleaved passes (:func:`split_interleaved`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+
+@dataclass
+class RequestResult:
+    prompt_index: int
+    token_ids: list[int] = field(default_factory=list)
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # one per token after the first chunk's
+    num_tokens_in_window: int = 0  # tokens that arrived inside the pass's window (timed passes)
+    latency_s: float = 0.0
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    max_tokens: int = 0  # as sent
+    staggered: bool = False  # a timed pass's first request of a client, cut short (max_tokens < full)
+    client: int = 0  # which client sent it, and its number among that client's requests (timed passes)
+    seq: int = 0
+    sent_at: float = 0.0  # time.perf_counter() at the send
+    chunk_at: list[float] = field(default_factory=list)  # arrival of each chunk with tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # and its token count
+
+    def in_window(self, opens_at: float, closes_at: float) -> bool:
+        """Sent inside the window."""
+        return opens_at <= self.sent_at < closes_at
+
+    def sent_in(self, windows: list[tuple[float, float]]) -> bool:
+        """Sent inside one of ``windows`` ([opens_at, closes_at) each)."""
+        return any(lo <= self.sent_at < hi for lo, hi in windows)
+
+    def busy_in(self, opens_at: float, closes_at: float) -> float:
+        """Seconds of [opens_at, closes_at] between its send and its last chunk (or its end)."""
+        end = self.sent_at + self.latency_s
+        return max(0.0, min(end, closes_at) - max(self.sent_at, opens_at))
+
+    def tokens_between(self, opens_at: float, closes_at: float) -> int:
+        return self.tokens_in([(opens_at, closes_at)])
+
+    def tokens_in(self, windows: list[tuple[float, float]]) -> int:
+        """Tokens that arrived inside one of ``windows`` ([opens_at, closes_at] each)."""
+        return sum(n for t, n in zip(self.chunk_at, self.chunk_tokens) if _inside(t, windows))
+
+    def itl_between(self, opens_at: float, closes_at: float) -> list[float]:
+        """The ITL samples of the tokens that arrived inside [opens_at, closes_at]."""
+        return self.itl_in([(opens_at, closes_at)])
+
+    def itl_in(self, windows: list[tuple[float, float]]) -> list[float]:
+        """The ITL samples of the tokens that arrived inside one of ``windows``."""
+        out: list[float] = []
+        for k in range(1, len(self.chunk_at)):
+            t, n = self.chunk_at[k], self.chunk_tokens[k]
+            if _inside(t, windows):
+                out += [(t - self.chunk_at[k - 1]) / n] * n
+        return out
+
+
+def _inside(t: float, windows: list[tuple[float, float]]) -> bool:
+    return any(lo <= t <= hi for lo, hi in windows)
+
+
+@dataclass
+class PassResult:
+    wall_s: float
+    requests: list[RequestResult]
+    compiles_before: int | None = None  # the daemon's num_compiles_after_start before / after the pass
+    compiles_after: int | None = None
+    error: str | None = None  # the pass itself failed (the daemon exited, ...)
+    window_s: float | None = None  # a timed pass's window (tok/s = tokens in it / window_s)
+    ramp_s: float | None = None  # a timed pass: first send -> the window's opening
+    opens_at: float | None = None  # a timed pass's window, time.perf_counter()
+    closes_at: float | None = None
+    max_tokens: int | None = None  # the full max_tokens of the pass
+    # interleaved passes (split_interleaved): this pass holds its share of the loop's requests; tok/s
+    # is then concurrency x tokens in the window / their busy time in it
+    is_request_split: bool = False
+    concurrency: int = 0  # clients of the loop
+
+    @property
+    def windows(self) -> list[tuple[float, float]]:
+        """What this pass counts: its one window [opens_at, closes_at]."""
+        return [(self.opens_at, self.closes_at)]
+
+    @property
+    def compiles(self) -> int | None:
+        if self.compiles_before is None or self.compiles_after is None:
+            return None
+        return self.compiles_after - self.compiles_before
+
+    @property
+    def timed(self) -> bool:
+        return self.opens_at is not None and self.closes_at is not None and bool(self.window_s)
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def summarize(res: PassResult) -> dict:
+    """A pass's table cells: output tok/s, TTFT/ITL p50/p99 in ms, acceptance. Timed passes: tok/s over
+    the window; TTFT, acceptance and tok/step from the requests sent inside it, ITL from its tokens."""
+    ok = [r for r in res.requests if r.error is None]
+    tokens = sum(len(r.token_ids) for r in res.requests)
+    if res.timed:
+        windows = res.windows
+        in_window = sum(r.tokens_in(windows) for r in res.requests)
+        if res.is_request_split:
+            busy = sum(r.busy_in(res.opens_at, res.closes_at) for r in res.requests)
+            rate = res.concurrency * in_window / busy if busy > 0 else float("nan")
+        else:
+            rate = in_window / res.window_s
+        sent = [r for r in res.requests if r.sent_in(windows)]
+        picked = [r for r in sent if r.error is None]
+        itl = [x * 1e3 for r in ok for x in r.itl_in(windows)]
+    else:
+        rate = tokens / res.wall_s if res.wall_s > 0 else float("nan")
+        sent, picked = res.requests, ok
+        itl = [x * 1e3 for r in ok for x in r.itl_s]
+    ttft = [r.ttft_s * 1e3 for r in picked if r.ttft_s is not None]
+    proposed, accepted = sum(r.proposed for r in picked), sum(r.accepted for r in picked)
+    steps = sum(r.steps for r in picked)
+    errors = [r.error for r in res.requests if r.error is not None]
+    return {
+        "num_requests": len(res.requests),
+        "requests_in_window": len(sent) if res.timed else None,
+        "num_errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "output_tokens": tokens,
+        "wall_s": res.wall_s,
+        "tokens_per_s": rate,
+        "window_s": res.window_s,
+        "ramp_s": res.ramp_s,
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "itl_p50_ms": percentile(itl, 50),
+        "itl_p99_ms": percentile(itl, 99),
+        "acceptance": accepted / proposed if proposed else None,
+        "tokens_per_step": sum(len(r.token_ids) for r in picked) / steps if steps else None,
+        "compiles": res.compiles,
+        "error": res.error,
+    }
+
+
+def pass_of(seq: int, period: int, passes: int) -> int:
+    """The pass (0-based) of a client's request number ``seq`` in an interleaved loop: consecutive
+    requests alternate between the passes, and each cycle of ``period`` requests (the client's prompt
+    sequence, :func:`cycle_length`) starts one pass later than the one before, so over ``passes``
+    cycles every prompt of the client lands once in each pass (with alternation alone, an even
+    period would give each pass half the prompts, always the same half)."""
+    return (seq % period + seq // period) % passes
+
+
+def split_interleaved(
+    res: PassResult, passes: int, period: int, slice_s: float
+) -> tuple[list[PassResult], list[float]]:
+    """One timed loop's requests dealt to ``passes`` interleaved passes (:func:`pass_of` of each
+    request's number; ``period``: the clients' prompt cycle), which see the same host (a machine whose
+    speed drifts over seconds slows both alike), the same daemon state and the same prompts. A pass's
+    tok/s is N x its tokens inside the window / its requests' busy time inside it (in a closed loop
+    the N clients are busy all the window: the passes together give the loop's tok/s). Returns the
+    passes and the loop's tok/s in slices of ``slice_s`` seconds, in time order (what one short pass
+    would have measured: the host's drift, shown beside the passes).
+
+    Passes by time slice (slice j to pass j mod passes) were tried first: a client's prompt cycle
+    whose length is near an even number of slices gives one pass the same prompts every time, and
+    on the H200 (2026-12-04) that alone made the passes of one loop differ by up to 26%."""
+    if not res.timed or passes < 1 or slice_s <= 0 or period < 1:
+        raise ValueError(f"need a timed pass, passes >= 1, period >= 1 and slice_s > 0; got {passes}, "
+                         f"{period}, {slice_s}")  # fmt: skip
+    num = int(res.window_s / slice_s + 1e-9)
+    slices = [(res.opens_at + j * slice_s, res.opens_at + (j + 1) * slice_s) for j in range(num)]
+    rates = [sum(r.tokens_in([w]) for r in res.requests) / slice_s for w in slices]
+    out = [
+        replace(res, requests=[r for r in res.requests if pass_of(r.seq, period, passes) == p],
+                is_request_split=True)
+        for p in range(passes)
+    ]  # fmt: skip
+    return out, rates
