@@ -61,9 +61,10 @@ class ServeConfig:
     # reported beside them. 0: one loop per pass, pass 1 of every N before pass 2
     interleave_s: float = 0.0
     # > 0 (with duration_s): every config's daemon up at once and, per N, this many rounds, each one
-    # timed loop of duration_s per config in a fresh seeded order (bench/serve_rounds.py): every
-    # config measured across the same stretch of host time; round r is pass r of the table (passes
-    # and interleave_s are then unused). 0: one daemon at a time
+    # timed loop per config in a fresh seeded order (bench/serve_rounds.py): every config measured
+    # across the same stretch of host time; round r is pass r of the table, or with interleave_s each
+    # loop (passes x duration_s) is dealt to the passes, each pooled over the rounds. 0: one daemon at
+    # a time
     rounds: int = 0
     # every daemon's extra overrides in rounds mode: a fixed KV cache (a share of the memory still
     # free at its start would shrink from daemon to daemon)

@@ -113,18 +113,19 @@ def targets_table(res: dict) -> str:
     return table(header, out) + "\n\n" + "\n".join(lines)
 
 
-def slices_table(rows: list[dict]) -> str:
-    """Interleaved passes: the tok/s of each loop's slices (what one slice-long pass would measure)."""
+def slices_table(rows: list[dict], key: str = "slice_tok_s", what: str = "slice") -> str:
+    """Interleaved passes: the tok/s of each loop's slices (what one slice-long pass would measure), or
+    (``key`` round_tok_s) of each round's whole loop."""
     seen: dict[tuple[str, int], list[float]] = {}
     for r in rows:
-        if r.get("slice_tok_s"):
-            seen.setdefault((r["config"], r["concurrency"]), r["slice_tok_s"])
+        if r.get(key):
+            seen.setdefault((r["config"], r["concurrency"]), r[key])
     out = [[c, str(n), str(len(v)), fmt(min(v), 1), fmt(statistics.median(v), 1), fmt(max(v), 1),
             f"{100 * (max(v) / min(v) - 1):.0f}%" if min(v) > 0 else "–"]
            for (c, n), v in seen.items()]  # fmt: skip
     if not out:
         return ""
-    header = ["config", "N", "slices", "slice tok/s min", "median", "max", "max / min − 1"]
+    header = ["config", "N", f"{what}s", f"{what} tok/s min", "median", "max", "max / min − 1"]
     return table(header, out)
 
 
@@ -134,6 +135,14 @@ def _ramps(rows: list[dict]) -> str:
 
 
 def _window(s: dict) -> str:
+    if s.get("rounds") and s.get("interleave_s"):
+        window = f"{s.get('passes', 2)} × {s['duration_s']:g} s"
+        return (f"every config's daemon up at once and, per N, {s['rounds']} rounds, each one loop per "
+                "config in a fresh seeded order (every config measured across the same stretch of the "
+                f"host's time; bench/serve_rounds.py), each loop's window {window} with its requests "
+                "dealt to the passes in turn, each pass pooled over the rounds (a pass's tok/s = N × its "
+                "tokens in the windows / its requests' busy time there); every round's tok/s in the "
+                "rounds table")  # fmt: skip
     if s.get("rounds"):
         return (f"a {s['duration_s']:g} s window; every config's daemon up at once and, per N, {s['rounds']} "
                 "rounds, each one loop per config in a fresh seeded order (pass r = round r: every config "
@@ -185,6 +194,9 @@ def serve_section(res: dict) -> str:
     return "\n".join([
         "### Serving benchmark (bench=serve)", "", note, "", configs_table(res), "",
         rows_table(res["rows"]), "",
+        *(["Tok/s of each round's loop (every config's rounds interleaved in time):", "",
+           slices_table(res["rows"], "round_tok_s", "round"), ""]
+          if slices_table(res["rows"], "round_tok_s", "round") else []),
         *(["Tok/s of each slice of the interleaved loops:", "", slices_table(res["rows"]), ""]
           if slices_table(res["rows"]) else []),
         "Targets (issue 12):", "", targets_table(res), "",

@@ -107,45 +107,64 @@ def percentile(xs: list[float], q: float) -> float | None:
 def summarize(res: PassResult) -> dict:
     """A pass's table cells: output tok/s, TTFT/ITL p50/p99 in ms, acceptance. Timed passes: tok/s over
     the window; TTFT, acceptance and tok/step from the requests sent inside it, ITL from its tokens."""
-    ok = [r for r in res.requests if r.error is None]
-    tokens = sum(len(r.token_ids) for r in res.requests)
-    if res.timed:
-        windows = res.windows
-        in_window = sum(r.tokens_in(windows) for r in res.requests)
-        if res.is_request_split:
-            busy = sum(r.busy_in(res.opens_at, res.closes_at) for r in res.requests)
-            rate = res.concurrency * in_window / busy if busy > 0 else float("nan")
+    return summarize_many([res])
+
+
+def summarize_many(parts: list[PassResult]) -> dict:
+    """The cells of one pass made of ``parts`` (the same pass's share of several timed loops, e.g. of
+    every round in rounds mode): tok/s over all of them (dealt passes: N x their tokens in the windows
+    / their requests' busy time there; else tokens in the windows / the windows' total length),
+    percentiles over the pooled samples, counts summed."""
+    if not parts:
+        raise ValueError("summarize_many needs at least one part")
+    every = [r for p in parts for r in p.requests]
+    ok = [r for r in every if r.error is None]
+    tokens = sum(len(r.token_ids) for r in every)
+    timed = all(p.timed for p in parts)
+    sent, picked, itl, in_window, busy = [], [], [], 0, 0.0
+    if timed:
+        for p in parts:
+            windows = p.windows
+            in_window += sum(r.tokens_in(windows) for r in p.requests)
+            if p.is_request_split:
+                busy += sum(r.busy_in(p.opens_at, p.closes_at) for r in p.requests) / p.concurrency
+            mine = [r for r in p.requests if r.sent_in(windows)]
+            sent += mine
+            picked += [r for r in mine if r.error is None]
+            itl += [x * 1e3 for r in p.requests if r.error is None for x in r.itl_in(windows)]
+        if all(p.is_request_split for p in parts):
+            rate = in_window / busy if busy > 0 else float("nan")
         else:
-            rate = in_window / res.window_s
-        sent = [r for r in res.requests if r.sent_in(windows)]
-        picked = [r for r in sent if r.error is None]
-        itl = [x * 1e3 for r in ok for x in r.itl_in(windows)]
+            rate = in_window / sum(p.window_s for p in parts)
     else:
-        rate = tokens / res.wall_s if res.wall_s > 0 else float("nan")
-        sent, picked = res.requests, ok
+        wall = sum(p.wall_s for p in parts)
+        rate = tokens / wall if wall > 0 else float("nan")
+        sent, picked = every, ok
         itl = [x * 1e3 for r in ok for x in r.itl_s]
     ttft = [r.ttft_s * 1e3 for r in picked if r.ttft_s is not None]
     proposed, accepted = sum(r.proposed for r in picked), sum(r.accepted for r in picked)
     steps = sum(r.steps for r in picked)
-    errors = [r.error for r in res.requests if r.error is not None]
+    errors = [r.error for r in every if r.error is not None]
+    compiles = [p.compiles for p in parts]
+    ramps = [p.ramp_s for p in parts if p.ramp_s is not None]
     return {
-        "num_requests": len(res.requests),
-        "requests_in_window": len(sent) if res.timed else None,
+        "num_requests": len(every),
+        "requests_in_window": len(sent) if timed else None,
         "num_errors": len(errors),
         "first_error": errors[0] if errors else None,
         "output_tokens": tokens,
-        "wall_s": res.wall_s,
+        "wall_s": sum(p.wall_s for p in parts),
         "tokens_per_s": rate,
-        "window_s": res.window_s,
-        "ramp_s": res.ramp_s,
+        "window_s": sum(p.window_s for p in parts) if timed else None,
+        "ramp_s": sum(ramps) / len(ramps) if ramps else None,
         "ttft_p50_ms": percentile(ttft, 50),
         "ttft_p99_ms": percentile(ttft, 99),
         "itl_p50_ms": percentile(itl, 50),
         "itl_p99_ms": percentile(itl, 99),
         "acceptance": accepted / proposed if proposed else None,
         "tokens_per_step": sum(len(r.token_ids) for r in picked) / steps if steps else None,
-        "compiles": res.compiles,
-        "error": res.error,
+        "compiles": None if any(c is None for c in compiles) else sum(compiles),
+        "error": next((p.error for p in parts if p.error), None),
     }
 
 

@@ -8,9 +8,13 @@ a time, so each start-up time is its own), then for each N there are ``rounds`` 
 round runs one timed closed loop (bench/serve_load.py ``run_pass``: staggered start, ramp, window of
 ``duration_s``) per config, the configs in a fresh seeded order: the daemons not under load wait in
 their poll and take no GPU or core time, so every config is measured across the same stretch of the
-host's time, and a drift hits each config's rounds alike. Round r is pass r of the table; the
-baseline's first round at each N also covers every prompt of every client (its outputs are the
-references of ``same_output``, computed once all rounds are done). Every daemon gets
+host's time, and a drift hits each config's rounds alike. Round r is pass r of the table; or, with
+``interleave_s``, each loop (``passes`` x ``duration_s``) is dealt to the passes as in the
+interleaved mode and each pass pools its share of every round: the passes then differ only by
+what one daemon does differently within the same seconds, and each round's tok/s is reported
+beside them (``round_tok_s``). The baseline's first round at each N also covers every prompt of
+every client (its outputs are the references of ``same_output``, computed once all rounds are
+done). Every daemon gets
 ``round_overrides`` (by default a fixed KV cache: a share of the GPU memory still free at its start
 would shrink from daemon to daemon).
 """
@@ -23,9 +27,9 @@ from pathlib import Path
 
 from specsched.bench.serve_config import DaemonRun, ServeConfig
 from specsched.bench.serve_daemon import Daemon, daemon_overrides, safe_name
-from specsched.bench.serve_load import run_pass
+from specsched.bench.serve_load import cycle_length, run_pass
 from specsched.bench.serve_outputs import add_references, same_output_share
-from specsched.bench.serve_results import PassResult, summarize
+from specsched.bench.serve_results import PassResult, split_interleaved, summarize, summarize_many
 from specsched.client.sync_client import Client
 
 logger = logging.getLogger(__name__)
@@ -79,15 +83,37 @@ def run_rounds(
     rows = []
     for run in runs:
         for n in cfg.concurrency:
-            for p, res in enumerate(results.get((run.name, n), []), 1):
-                row = {"config": run.name, "kind": run.kind, "concurrency": n, "pass": p, **summarize(res)}
-                ref = None if reference is None or not reference else reference.get(n)
-                row["same_output"] = same_output_share(res, ref)
-                ttfts = [x.ttft_s for x in res.requests if x.ttft_s is not None]
-                row["ttft_max_s"] = max(ttfts, default=None)
-                row["slice_tok_s"] = None
-                rows.append(row)
+            loops = results.get((run.name, n), [])
+            ref = None if reference is None or not reference else reference.get(n)
+            rows += _rows(cfg, run, n, loops, ref, len(prompts))
     return [infos[run.name] for run in runs], rows
+
+
+def _rows(
+    cfg: ServeConfig, run: DaemonRun, n: int, loops: list[PassResult], ref, num_prompts: int
+) -> list[dict]:
+    """The table rows of one (config, N): a row per round, or with ``interleave_s`` a row per dealt
+    pass pooled over the rounds (each loop's requests dealt to the passes, :func:`split_interleaved`),
+    with every round's tok/s (``round_tok_s``) and every slice's (``slice_tok_s``) beside them."""
+    head = {"config": run.name, "kind": run.kind, "concurrency": n}
+    if not loops:  # the daemon never served (it failed to start): its config row says why
+        return []
+    if not cfg.interleave_s or any(loop.error or not loop.timed for loop in loops):
+        groups = [[loop] for loop in loops]
+        extra: dict = {"slice_tok_s": None, "round_tok_s": None}
+    else:
+        period = cycle_length(n, num_prompts)
+        split = [split_interleaved(loop, cfg.passes, period, cfg.interleave_s) for loop in loops]
+        groups = [[parts[p] for parts, _ in split] for p in range(cfg.passes)]
+        extra = {"slice_tok_s": [x for _, rates in split for x in rates],
+                 "round_tok_s": [summarize(loop)["tokens_per_s"] for loop in loops]}  # fmt: skip
+    rows = []
+    for p, parts in enumerate(groups, 1):
+        every = PassResult(0.0, [r for part in parts for r in part.requests])
+        ttfts = [x.ttft_s for x in every.requests if x.ttft_s is not None]
+        rows.append({**head, "pass": p, **summarize_many(parts), "same_output": same_output_share(every, ref),
+                     "ttft_max_s": max(ttfts, default=None), **extra})  # fmt: skip
+    return rows
 
 
 def _start(
@@ -121,9 +147,9 @@ def _one_loop(cfg: ServeConfig, name: str, daemons: dict[str, Daemon], infos: di
     daemon = daemons[name]
     if infos[name]["error"] is not None:
         return
+    window = cfg.duration_s * (cfg.passes if cfg.interleave_s else 1)  # dealt passes share one loop
     res = run_pass(daemon.endpoint, prompts, max(cfg.num_requests, n), n, cfg.max_tokens,
-                   cfg.request_timeout_s, daemon.is_alive, cfg.duration_s, cfg.ramp_s,
-                   cover=cover)  # fmt: skip
+                   cfg.request_timeout_s, daemon.is_alive, window, cfg.ramp_s, cover=cover)  # fmt: skip
     results.setdefault((name, n), []).append(res)
     if res.error:
         infos[name]["error"] = f"RuntimeError: concurrency {n}: {res.error}; see {daemon.log_file}"[:1000]

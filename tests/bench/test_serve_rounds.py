@@ -49,11 +49,13 @@ def test_serve_config_rejects_bad_rounds(change, message):
 
 
 @pytest.mark.slow
-def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path):
+@pytest.mark.parametrize("interleave_s", [0, 0.1], ids=["pass_per_round", "dealt_passes"])
+def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interleave_s):
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("bench", overrides=[
             "bench=serve_tiny", f"bench.out_dir={tmp_path}", f"bench.serve.log_dir={tmp_path / 'dblogs'}",
             "bench.serve.duration_s=0.3", "bench.serve.rounds=2", "bench.serve.round_overrides=[]",
+            f"bench.serve.interleave_s={interleave_s}",
         ]).bench  # fmt: skip
     cfg.serve.configs = OmegaConf.create(CONFIGS)
     res = cli.run_bench(cfg, "test")
@@ -70,6 +72,12 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path):
         for r in mine:
             assert r["tokens_per_s"] > 0 and r["error"] is None and r["num_errors"] == 0
             assert r["same_output"] == 1.0  # float32 on CPU: lossless, every prompt has a reference
+            if interleave_s:  # each pass pools its share of both rounds' 0.6 s loops
+                assert len(r["round_tok_s"]) == 2 and len(r["slice_tok_s"]) == 2 * 6
+                assert r["window_s"] == pytest.approx(2 * 0.6)
+                assert 0.5 * min(r["round_tok_s"]) < r["tokens_per_s"] < 2 * max(r["round_tok_s"])
+            else:
+                assert r["round_tok_s"] is None and r["window_s"] == pytest.approx(0.3)
     assert {r["config"] for r in serve["rows"]} == set(live)
     # the configs' decode steps interleave in time: each daemon served between the others' loops
     spans = {}
@@ -84,4 +92,5 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path):
             if a != b:  # every pair of time ranges overlaps (one daemon at a time would not)
                 assert spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1], (a, b, spans)
     text = (tmp_path / "tables.md").read_text()
-    assert "2 rounds, each one loop per config in a fresh seeded order" in text
+    assert "2 rounds, each one loop per" in text
+    assert ("Tok/s of each round's loop" in text) == bool(interleave_s)
