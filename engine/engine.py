@@ -12,16 +12,17 @@ from collections.abc import Callable
 
 import torch
 
-from specsched.engine.components import EngineParts, build_parts, merge_proposals
+from specsched.engine.components import EngineParts, build_parts
 from specsched.engine.config import EngineConfig
 from specsched.engine.planning import Planner
+from specsched.engine.proposing import peek_caps, propose, request_views
 from specsched.engine.records import RequestOutput, StepRecord, StepRequestRecord
 from specsched.engine.request import FinishReason, Request, SamplingParams, SpecParams
 from specsched.engine.scheduler import ScheduledBatch, Scheduler
 from specsched.engine.stats import EngineStats
 from specsched.engine.step_timer import StepTimer
 from specsched.kernels.rejection_sampling import verify
-from specsched.policies.base import BatchView, Plan, Policy, RequestView
+from specsched.policies.base import BatchView, Plan, Policy
 from specsched.proposers.base import Proposals
 from specsched.scorers.inputs import chunk_host_inputs, tokens_from
 
@@ -251,65 +252,25 @@ class Engine:
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _view(self, reqs: list[Request], names: list[str], is_ahead: bool = False) -> BatchView:
-        """What the policy sees. ``is_ahead`` (the view of a plan decided during this step's scoring,
-        for the next step): this step's tokens are not committed yet, so a proposer's peek would be a
-        step old (an n-gram match they bring would be missed: k = 0 for a request that can draft);
-        every request is offered the full ``spec.max_k`` instead, and carrying the plan to the next
-        step caps each k by that step's own peek (:func:`~specsched.engine.planning.carry_plan`)."""
-        by = self._by_proposer(names)
-        if is_ahead:
-            peek = [self.cfg.spec.max_k] * len(reqs)
-        elif len(by) == 1:  # one proposer for the whole batch: its peek is in batch order
-            peek = self.proposers[names[0]].peek(reqs).max_k
-        else:
-            peek = [0] * len(reqs)
-            for n, idx in by.items():
-                for i, m in zip(idx, self.proposers[n].peek([reqs[i] for i in idx]).max_k):
-                    peek[i] = m
-        max_k, max_len, views = self.cfg.spec.max_k, self.max_model_len, []
-        mean_std = self.acceptance.mean_std
-        for r, n, m in zip(reqs, names, peek):
-            num_out = len(r.output_ids)
-            num_tokens = len(r.prompt_ids) + num_out  # r.num_tokens (one property call less per request)
-            cap = min(m, max_k, r.sampling.max_tokens - num_out - 1, max_len - num_tokens)
-            spec_max = r.spec.max_k
-            if spec_max is not None and spec_max < cap:
-                cap = spec_max
-            mean, std = mean_std(r.request_id, n)
-            views.append(
-                RequestView(r.request_id, num_tokens, n, max(cap, 0), mean, std, r.last_k, r.last_accepted)
-            )
+        """What the policy sees (:func:`~specsched.engine.proposing.request_views`). ``is_ahead``: the
+        view of a plan decided during this step's scoring, for the next step; this step's tokens are
+        not committed yet, so a proposer's peek would be a step old (an n-gram match they bring would
+        be missed): every request is offered the full ``spec.max_k``, and carrying the plan to the
+        next step caps each k by that step's own peek (:func:`~specsched.engine.planning.carry_plan`)."""
+        spec = self.cfg.spec
+        peek = [spec.max_k] * len(reqs) if is_ahead else peek_caps(self.proposers, reqs, names)
+        views = request_views(reqs, names, peek, self.acceptance, spec.max_k, self.max_model_len)
+        sched = self.scheduler
         return BatchView(
-            views,
-            self.scheduler.num_free_blocks,
-            self.cfg.cache.block_size,
-            list(self.scorers),
-            self.num_steps,
+            views, sched.num_free_blocks, self.cfg.cache.block_size, list(self.scorers), self.num_steps
         )
 
     def _proposer_names(self, reqs: list[Request]) -> list[str]:
         default = self.cfg.spec.proposer
         return [r.spec.proposer or default for r in reqs]  # r.proposer, without the property call
 
-    @staticmethod
-    def _by_proposer(names: list[str]) -> dict[str, list[int]]:
-        """Batch indices per proposer name, names in sorted order."""
-        if len(set(names)) == 1:
-            return {names[0]: range(len(names))}
-        by: dict[str, list[int]] = {}
-        for i, n in enumerate(names):
-            by.setdefault(n, []).append(i)
-        return dict(sorted(by.items()))
-
     def _propose(self, reqs: list[Request], ks: list[int], names: list[str]) -> Proposals:
-        by = self._by_proposer(names)
-        if len(by) == 1:  # one proposer for the whole batch: its proposals as they are
-            return self.proposers[names[0]].propose(reqs, ks)
-        parts = [
-            (idx, self.proposers[n].propose([reqs[i] for i in idx], [ks[i] for i in idx]))
-            for n, idx in by.items()
-        ]
-        return merge_proposals(parts, len(reqs), self.model.cfg.vocab_size, self.device)
+        return propose(self.proposers, reqs, ks, names, self.model.cfg.vocab_size, self.device)
 
     def _commit(
         self, reqs: list[Request], emitted: list[list[int]], num_draft: list[int], names: list[str] | None
