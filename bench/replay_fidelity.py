@@ -143,7 +143,7 @@ class LoadedLog:
 def load_log(path: str, run_id: int | None = None, seed: int = 0) -> LoadedLog:
     """A log with its bits, refitted cost model and passes (see the module docstring)."""
     run = load_run(path, run_id)
-    bits, costs = complete_bits(run, seed), refit_costs(run)
+    bits, costs = complete_bits(run, seed), refit_costs(run, count_between=False)  # idle time: neither side
     passes = split_passes(request_times(path, run.run_id), run.settings.max_num_seqs)
     return LoadedLog(run, bits, costs, [(p, *sub_run(run, bits, p)) for p in passes])
 

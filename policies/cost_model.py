@@ -74,7 +74,10 @@ class CostModels:
         forgetting: float = 0.99,
         prior_rel_std: float = 10.0,
         expansion_scorers: Sequence[str] = EXPANSION_SCORERS,
+        count_between: bool = True,
     ) -> None:
+        # a step's cost: StepRecord.cost_ms (the caller's time before it included), else total_ms
+        self.count_between = count_between
         self.graph_buckets: dict[str, np.ndarray] = {}
         for name, buckets in (graph_buckets or {}).items():
             if not buckets or any(int(b) < 1 for b in buckets):
@@ -163,13 +166,17 @@ class CostModels:
         )
 
     # ---- learning ----
+    def step_ms(self, record: StepRecord) -> float:
+        """What a step cost: ``record.cost_ms``, or ``total_ms`` when ``count_between`` is off."""
+        return record.cost_ms if self.count_between else record.total_ms
+
     def observe(self, record: StepRecord) -> bool:
         """Update from a decode step's measured times; returns False for records it skips (prefill,
         empty). Overhead = ``total_ms`` minus propose + score + verify (skipped when total is 0), plus
-        the caller's time before the step (``host_ms["between"]``: the daemon streaming the last
-        step's outputs), which every step pays too: a policy that divides tokens by the step's ms
-        then sees the cost of one more step as it is (H200, 2026-12-04: 0.14 ms at batch 1, 0.25 at
-        16, 0.64 at 64, against steps of 1.6-5 ms).
+        (``count_between``, the default) the caller's time before the step (``host_ms["between"]``:
+        the daemon streaming the last step's outputs), which every step pays too: a policy that
+        divides tokens by the step's ms then sees the cost of one more step as it is (H200,
+        2026-12-04: 0.14 ms at batch 1, 0.25 at 16, 0.64 at 64, against steps of 1.6-5 ms).
 
         First the step's ms as predicted before the models learn from it is compared with the
         measured (the prequential error, :meth:`prediction_error`), then each model learns its
@@ -180,7 +187,7 @@ class CostModels:
         if not record.scorer:
             raise ValueError(f"decode step record {record.step} has no scorer")
         propose_ms, score_ms, verify_ms, total_ms = (
-            record.propose_ms, record.score_ms, record.verify_ms, record.cost_ms,
+            record.propose_ms, record.score_ms, record.verify_ms, self.step_ms(record),
         )  # fmt: skip
         if not all(math.isfinite(t) and t >= 0 for t in (propose_ms, score_ms, verify_ms, total_ms)):
             times = {n: getattr(record, n) for n in ("propose_ms", "score_ms", "verify_ms", "total_ms")}

@@ -34,11 +34,14 @@ from specsched.policies.shapes import StepShape
 _UNBOUNDED = 1 << 30
 
 
-def refit_costs(run: RecordedRun, forgetting: float = 1.0) -> CostModels:
+def refit_costs(run: RecordedRun, forgetting: float = 1.0, count_between: bool = True) -> CostModels:
     """Cost models fitted on the run's decode steps, from the device's seed coefficients
-    (``forgetting`` 1.0: every step weighs the same, the run is taken as stationary)."""
+    (``forgetting`` 1.0: every step weighs the same, the run is taken as stationary; ``count_between``:
+    a step costs its ``cost_ms``, the time before it included, else its ``total_ms``)."""
     device = "cuda" if run.device.startswith("cuda") else "cpu"
-    costs = CostModels(run.settings.graph_buckets or None, device=device, forgetting=forgetting)
+    costs = CostModels(
+        run.settings.graph_buckets or None, device=device, forgetting=forgetting, count_between=count_between
+    )
     for rec in run.decode_steps:
         try:
             costs.observe(rec)
@@ -99,22 +102,23 @@ class PolicyResult:
         return self.num_bits_imputed / self.num_bits_read if self.num_bits_read else None
 
 
-def _base_result(run: RecordedRun, label: str, source: str) -> PolicyResult:
+def _base_result(run: RecordedRun, label: str, source: str, costs: CostModels) -> PolicyResult:
     prefill = run.prefill_steps
     return PolicyResult(
-        label, source, num_prefill_steps=len(prefill), predicted_ms=sum(s.cost_ms for s in prefill)
+        label, source, num_prefill_steps=len(prefill), predicted_ms=sum(map(costs.step_ms, prefill))
     )
 
 
 def recorded_result(run: RecordedRun, costs: CostModels) -> PolicyResult:
     """The log as it is: measured total, and the refitted model's prediction for the same steps."""
-    res = _base_result(run, policy_label(run.settings.policy) if run.settings.policy else "?", "recorded")
-    res.measured_ms = sum(s.cost_ms for s in run.steps)
+    label = policy_label(run.settings.policy) if run.settings.policy else "?"
+    res = _base_result(run, label, "recorded", costs)
+    res.measured_ms = sum(map(costs.step_ms, run.steps))
     for rec in run.decode_steps:
         ks, ctx = [q.k for q in rec.requests], [q.context_len + 1 for q in rec.requests]
         pred = costs.predict(rec.scorer, rec.proposer or run.settings.proposer, StepShape(ks, ctx)).total_ms
         res.predicted_ms += pred
-        res.trace.append(StepTrace(len(ks), sum(ks) / len(ks), rec.scorer, pred, rec.cost_ms))
+        res.trace.append(StepTrace(len(ks), sum(ks) / len(ks), rec.scorer, pred, costs.step_ms(rec)))
         res.num_steps += 1
         res.num_request_steps += len(ks)
         res.num_drafts += sum(ks)
@@ -171,7 +175,7 @@ def simulate(
     that ``scorers`` lacks)."""
     st = run.settings
     scorers = list(scorers or st.scorers)
-    res = _base_result(run, label, "replayed")
+    res = _base_result(run, label, "replayed", costs)
     acceptance = AcceptanceEstimator()
     queues: dict[str | None, deque[int]] = {}  # by client (closed loop), else one queue
     for i, r in enumerate(run.requests):
