@@ -25,11 +25,19 @@ from omegaconf import DictConfig, OmegaConf
 from specsched.bench.common import random_prompts
 from specsched.bench.prompts import PROMPTS
 from specsched.bench.serve_config import DaemonRun, ServeConfig
-from specsched.bench.serve_daemon import Daemon, daemon_overrides, prepare_weights, safe_name, split_cpus
+from specsched.bench.serve_daemon import (
+    Daemon,
+    config_info,
+    daemon_overrides,
+    prepare_weights,
+    safe_name,
+    split_cpus,
+    start_up,
+)
 from specsched.bench.serve_host import host_phase_rows, step_mix_row
 from specsched.bench.serve_load import cycle_length, run_pass
-from specsched.bench.serve_outputs import add_references, same_output_share
-from specsched.bench.serve_results import PassResult, split_interleaved, summarize
+from specsched.bench.serve_outputs import add_references, pass_row
+from specsched.bench.serve_results import PassResult, split_interleaved
 from specsched.client.sync_client import Client
 
 logger = logging.getLogger(__name__)
@@ -61,30 +69,19 @@ def run_config(
 ) -> tuple[dict, list[dict]]:  # fmt: skip
     """One daemon: start-up, warm-up, the passes. Returns its config row and its table rows; fills
     ``reference`` (N -> prompt -> ids) from pass 1 when it is an empty dict (the baseline)."""
-    info: dict = {"name": run.name, "kind": run.kind, "overrides": run.overrides, "startup_s": None,
-                  "exit_status": None, "error": None, "pid": None, "compiles_total": None}  # fmt: skip
     rows: list[dict] = []
     daemon = Daemon(daemon_overrides(cfg, run, log_dir, extra), out_dir / f"{safe_name(run.name)}.log",
                     cfg.env, daemon_cpus)  # fmt: skip
-    info.update(pid=daemon.pid, daemon_log=str(daemon.log_file), argv=daemon.argv[3:])
+    info = config_info(run, daemon)
     fill = reference is not None and not reference
     try:
-        info["startup_s"] = daemon.wait_ready(cfg.startup_timeout_s)
-        logger.info("serve %s: up in %.1f s (pid %d)", run.name, info["startup_s"], daemon.pid)
-        if cfg.warmup_requests:
-            warm = run_pass(daemon.endpoint, prompts, cfg.warmup_requests, 1, cfg.max_tokens,
-                            cfg.request_timeout_s, daemon.is_alive)  # fmt: skip
-            if warm.error or any(r.error for r in warm.requests):
-                raise RuntimeError(f"warm-up failed: {warm.error or warm.requests[0].error}")
+        start_up(cfg, run.name, daemon, prompts, info)
         for p, n, res, slice_rates in passes_of(cfg, daemon, prompts, fill, progress, run.name):
             if fill and p == 1:
                 add_references(reference.setdefault(n, {}), res)
-            row = {"config": run.name, "kind": run.kind, "concurrency": n, "pass": p, **summarize(res)}
             ref = None if reference is None or not reference else reference.get(n)
-            row["same_output"] = same_output_share(res, ref)
-            row["ttft_max_s"] = max((r.ttft_s for r in res.requests if r.ttft_s is not None), default=None)
-            row["slice_tok_s"] = slice_rates
-            rows.append(row)
+            head = {"config": run.name, "kind": run.kind, "concurrency": n, "pass": p}
+            rows.append({**pass_row(head, [res], ref), "slice_tok_s": slice_rates})
             if res.error:
                 raise RuntimeError(f"pass {p}, concurrency {n}: {res.error}; see {daemon.log_file}")
         with Client(daemon.endpoint, timeout_s=cfg.request_timeout_s) as c:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from specsched.bench.loopback import free_port
 from specsched.bench.serve_config import DaemonRun, ServeConfig
+from specsched.bench.serve_load import run_pass
 from specsched.client.sync_client import Client
 
 logger = logging.getLogger(__name__)
@@ -122,3 +123,22 @@ def daemon_overrides(
 ) -> list[str]:
     log = [f"log.path={log_dir / (safe_name(run.name) + '.sqlite')}"] if log_dir else ["log=none"]
     return [f"model.source={cfg.source}", *cfg.model_overrides, *run.overrides, *extra, *log]
+
+
+def config_info(run: DaemonRun, daemon: Daemon) -> dict:
+    """A config's row of the configs table, filled in as its daemon starts, serves and stops."""
+    return {"name": run.name, "kind": run.kind, "overrides": run.overrides, "startup_s": None,
+            "exit_status": None, "error": None, "pid": daemon.pid, "compiles_total": None,
+            "daemon_log": str(daemon.log_file), "argv": daemon.argv[3:]}  # fmt: skip
+
+
+def start_up(cfg: ServeConfig, name: str, daemon: Daemon, prompts: list[dict], info: dict) -> None:
+    """Wait until ``daemon`` is healthy (``info["startup_s"]``), then send its untimed warm-up
+    requests; raises when it exits, times out or a warm-up request fails."""
+    info["startup_s"] = daemon.wait_ready(cfg.startup_timeout_s)
+    logger.info("serve %s: up in %.1f s (pid %d)", name, info["startup_s"], daemon.pid)
+    if cfg.warmup_requests:
+        warm = run_pass(daemon.endpoint, prompts, cfg.warmup_requests, 1, cfg.max_tokens,
+                        cfg.request_timeout_s, daemon.is_alive)  # fmt: skip
+        if warm.error or any(r.error for r in warm.requests):
+            raise RuntimeError(f"warm-up failed: {warm.error or warm.requests[0].error}")

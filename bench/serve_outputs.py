@@ -1,9 +1,9 @@
 """The same-output check of ``bench=serve``: the baseline's outputs per prompt as references, and the
-share of a pass's requests whose greedy output equals them."""
+share of a pass's requests whose greedy output equals them; a pass's table row."""
 
 from __future__ import annotations
 
-from specsched.bench.serve_results import PassResult
+from specsched.bench.serve_results import PassResult, summarize_many
 
 
 def same_output_share(res: PassResult, reference: dict[int, list[int]] | None) -> float | None:
@@ -23,3 +23,12 @@ def add_references(reference_n: dict[int, list[int]], res: PassResult) -> None:
     for r in res.requests:
         if r.error is None and not r.staggered:
             reference_n.setdefault(r.prompt_index, r.token_ids)
+
+
+def pass_row(head: dict, parts: list[PassResult], reference: dict[int, list[int]] | None) -> dict:
+    """A table row: ``head`` (config, kind, concurrency, pass) and the cells of the pass made of
+    ``parts`` (one loop, or its share of every round's), its same-output share and slowest TTFT."""
+    every = PassResult(0.0, [r for part in parts for r in part.requests])
+    ttfts = [r.ttft_s for r in every.requests if r.ttft_s is not None]
+    return {**head, **summarize_many(parts), "same_output": same_output_share(every, reference),
+            "ttft_max_s": max(ttfts, default=None)}  # fmt: skip

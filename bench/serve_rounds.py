@@ -26,10 +26,10 @@ import random
 from pathlib import Path
 
 from specsched.bench.serve_config import DaemonRun, ServeConfig
-from specsched.bench.serve_daemon import Daemon, daemon_overrides, safe_name
+from specsched.bench.serve_daemon import Daemon, config_info, daemon_overrides, safe_name, start_up
 from specsched.bench.serve_load import cycle_length, run_pass
-from specsched.bench.serve_outputs import add_references, same_output_share
-from specsched.bench.serve_results import PassResult, split_interleaved, summarize, summarize_many
+from specsched.bench.serve_outputs import add_references, pass_row
+from specsched.bench.serve_results import PassResult, split_interleaved, summarize
 from specsched.client.sync_client import Client
 
 logger = logging.getLogger(__name__)
@@ -107,32 +107,18 @@ def _rows(
         groups = [[parts[p] for parts, _ in split] for p in range(cfg.passes)]
         extra = {"slice_tok_s": [x for _, rates in split for x in rates],
                  "round_tok_s": [summarize(loop)["tokens_per_s"] for loop in loops]}  # fmt: skip
-    rows = []
-    for p, parts in enumerate(groups, 1):
-        every = PassResult(0.0, [r for part in parts for r in part.requests])
-        ttfts = [x.ttft_s for x in every.requests if x.ttft_s is not None]
-        rows.append({**head, "pass": p, **summarize_many(parts), "same_output": same_output_share(every, ref),
-                     "ttft_max_s": max(ttfts, default=None), **extra})  # fmt: skip
-    return rows
+    return [{**pass_row({**head, "pass": p}, parts, ref), **extra} for p, parts in enumerate(groups, 1)]
 
 
 def _start(
     cfg: ServeConfig, run: DaemonRun, prompts: list[dict], out: Path, log_dir: Path | None,
     daemon_cpus: set[int] | None,
 ) -> tuple[dict, Daemon | None]:  # fmt: skip
-    info: dict = {"name": run.name, "kind": run.kind, "overrides": run.overrides, "startup_s": None,
-                  "exit_status": None, "error": None, "pid": None, "compiles_total": None}  # fmt: skip
     overrides = daemon_overrides(cfg, run, log_dir, cfg.round_overrides)
     daemon = Daemon(overrides, out / f"{safe_name(run.name)}.log", cfg.env, daemon_cpus)
-    info.update(pid=daemon.pid, daemon_log=str(daemon.log_file), argv=daemon.argv[3:])
+    info = config_info(run, daemon)
     try:
-        info["startup_s"] = daemon.wait_ready(cfg.startup_timeout_s)
-        logger.info("serve %s: up in %.1f s (pid %d)", run.name, info["startup_s"], daemon.pid)
-        if cfg.warmup_requests:
-            warm = run_pass(daemon.endpoint, prompts, cfg.warmup_requests, 1, cfg.max_tokens,
-                            cfg.request_timeout_s, daemon.is_alive)  # fmt: skip
-            if warm.error or any(r.error for r in warm.requests):
-                raise RuntimeError(f"warm-up failed: {warm.error or warm.requests[0].error}")
+        start_up(cfg, run.name, daemon, prompts, info)
         return info, daemon
     except Exception as e:
         logger.error("serve %s failed: %s", run.name, e)

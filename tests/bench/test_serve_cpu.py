@@ -13,9 +13,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import specsched.bench.cli as cli
-from specsched.bench.serve import same_output_share
 from specsched.bench.serve_config import ServeConfig
 from specsched.bench.serve_host import PHASES
+from specsched.bench.serve_outputs import same_output_share
 from specsched.bench.serve_results import PassResult, RequestResult, summarize
 
 CONF_DIR = str(Path(cli.__file__).parent / "conf")
@@ -144,7 +144,7 @@ def test_serve_config_rejects(change, message):
 @pytest.fixture(scope="module")
 def tiny_daemon(tmp_path_factory):
     """One non-speculative daemon on the tiny preset (CPU, float32) for the timed-pass tests."""
-    from specsched.bench.serve import Daemon
+    from specsched.bench.serve_daemon import Daemon
 
     overrides = ["model.source=tiny", "model.device=cpu", "model.dtype=float32", "cache.num_blocks=256",
                  "proposer=none", "policy=fixed", "policy.k=0", "policy.scorer=batch_expansion",
@@ -244,8 +244,8 @@ def test_timed_pass_prompts_per_client_are_the_same_in_both_passes(tiny_daemon):
 def test_timed_pass_cover_sends_every_prompt_of_each_client_at_full_length(tiny_daemon):
     """cover (the baseline's pass 1): after a window too short for it, each client goes on until its
     sequence's prompts all have a full-length output: the references of the later configs."""
-    from specsched.bench.serve import add_references
     from specsched.bench.serve_load import cycle_length, run_pass
+    from specsched.bench.serve_outputs import add_references
 
     d = tiny_daemon
     assert cycle_length(2, 5) == 5 and cycle_length(4, 8) == 2 and cycle_length(64, 8) == 1
@@ -263,7 +263,7 @@ def test_timed_pass_cover_sends_every_prompt_of_each_client_at_full_length(tiny_
 def test_cut_short_requests_are_neither_references_nor_compared():
     """same output: a timed pass's staggered (cut-short) first requests are left out of the share, and
     the baseline's never become references (its first full-length output per prompt does)."""
-    from specsched.bench.serve import add_references
+    from specsched.bench.serve_outputs import add_references
 
     short = RequestResult(0, [1, 2], max_tokens=2, staggered=True)
     full = [RequestResult(0, [1, 2, 3, 4], max_tokens=4), RequestResult(1, [5, 6, 7, 8], max_tokens=4)]
@@ -278,7 +278,7 @@ def test_cut_short_requests_are_neither_references_nor_compared():
 
 
 def test_split_cpus_gives_daemons_and_clients_disjoint_halves(monkeypatch):
-    from specsched.bench.serve import split_cpus
+    from specsched.bench.serve_daemon import split_cpus
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     daemon, clients = split_cpus(True)
