@@ -46,7 +46,9 @@ class Engine:
         self.warmup = p.warmup  # engine.warmup.WarmupReport, or None when no warm-up ran
         self.prefill_runner = p.prefill_runner  # prefill chunks on graphs (None: eager)
         self.eos_token_ids = set(p.eos_token_ids)
-        self.scheduler = Scheduler(cfg.scheduler, cfg.cache, p.num_blocks)
+        runner = p.prefill_runner  # keep every prefill step on its graphs
+        limits = (runner.max_rows, runner.max_tokens) if runner is not None else None
+        self.scheduler = Scheduler(cfg.scheduler, cfg.cache, p.num_blocks, prefill_limits=limits)
         self.requests: dict[str, Request] = {}
         self.on_step: Callable[[StepRecord], None] | None = None
         self.stats = EngineStats()

@@ -59,8 +59,20 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> None:
+    """``prefill_limits`` (prompts, tokens): the largest prefill chunk set the prefill CUDA graphs
+    take; a prefill step stays within them (and the token budget), so none runs eagerly. None: the
+    token budget alone (eager prefill, or no prefill graphs)."""
+
+    def __init__(
+        self, cfg: SchedulerConfig, cache: CacheConfig, num_blocks: int,
+        prefill_limits: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
         self.cfg = cfg
+        if prefill_limits is not None and min(prefill_limits) < 1:
+            raise ValueError(f"prefill_limits (prompts, tokens) must be >= 1, got {prefill_limits}")
+        rows, tokens = prefill_limits or (cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.max_prefill_rows = rows
+        self.prefill_budget = min(cfg.max_num_batched_tokens, tokens)
         self.block_size = cache.block_size
         self.allocator = BlockAllocator(num_blocks)
         self.waiting: deque[Request] = deque()
@@ -125,8 +137,9 @@ class Scheduler:
         return num_prompt + num_out - 1 if num_out else num_prompt
 
     def schedule(self) -> ScheduledBatch | None:
-        """Prefill first (chunked under a token budget), else one decode step over all running."""
-        budget = self.cfg.max_num_batched_tokens
+        """Prefill first (chunked under a token budget, at most ``max_prefill_rows`` prompts), else one
+        decode step over all running."""
+        budget = self.prefill_budget
         # admit waiting requests while there is room
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
@@ -143,7 +156,7 @@ class Scheduler:
             if todo <= 0:
                 decodes.append(req)
                 continue
-            if budget <= 0:
+            if budget <= 0 or len(prefills) == self.max_prefill_rows:
                 continue
             n = min(todo, budget)
             # a chunk that completes a fresh prompt samples the first token: reserve its slot too

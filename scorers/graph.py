@@ -48,8 +48,8 @@ class GraphConfig:
     progress: bool = True  # tqdm bar while capturing
     num_warmup: int = 1  # eager runs per bucket before its capture
     # prefill chunks of up to prefill_rows prompts / prefill_tokens tokens on graphs (0 tokens: eager)
-    prefill_rows: int = 8
-    prefill_tokens: int = 512
+    prefill_rows: int = 16
+    prefill_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.prefill_rows < 1 or self.prefill_tokens < 0:
@@ -77,11 +77,13 @@ class GraphConfig:
     @classmethod
     def for_engine(cls, cfg, max_model_len: int, **overrides) -> GraphConfig:
         """From an ``EngineConfig``: max_batch = scheduler.max_num_seqs, max_k = spec.max_k, prefill
-        graphs up to ``model.prefill_graph_tokens`` (within the chunk budget) and 8 prompts."""
+        graphs up to ``model.prefill_graph_tokens`` (within the chunk budget) and
+        ``model.prefill_graph_rows`` prompts (within max_num_seqs)."""
         sched = cfg.scheduler
         prefill = min(cfg.model.prefill_graph_tokens, sched.max_num_batched_tokens)
+        rows = min(cfg.model.prefill_graph_rows, sched.max_num_seqs)
         kw = dict(max_batch=sched.max_num_seqs, max_k=cfg.spec.max_k, max_model_len=max_model_len,
-                  prefill_rows=min(8, sched.max_num_seqs), prefill_tokens=prefill)  # fmt: skip
+                  prefill_rows=rows, prefill_tokens=prefill)  # fmt: skip
         return cls(**{**kw, **overrides})
 
     def uses_graphs(self, device: torch.device) -> bool:

@@ -63,6 +63,23 @@ def test_schedule_prefills_in_chunks_then_decodes():
     assert s.num_free_blocks == 63 and not s.running
 
 
+def test_prefill_limits_cap_prompts_and_tokens_per_step():
+    # graphs of <= 2 prompts x 10 tokens: three 8-token prompts go 8+2, then 6+4 (two prompts), then 4
+    cfg = SchedulerConfig(max_num_batched_tokens=16)
+    s = Scheduler(cfg, CacheConfig(block_size=4), 64, prefill_limits=(2, 10))
+    reqs = [Request(c, list(range(8)), SamplingParams()) for c in "abc"]
+    for r in reqs:
+        s.add(r)
+    steps = []
+    while (b := s.schedule()) is not None and b.is_prefill:
+        steps.append([(r.request_id, n) for r, n in zip(b.requests, b.chunk_lens)])
+        for r, n in zip(b.requests, b.chunk_lens):
+            r.num_computed += n
+    assert steps == [[("a", 8), ("b", 2)], [("b", 6), ("c", 4)], [("c", 4)]]
+    with pytest.raises(ValueError, match="prefill_limits"):
+        Scheduler(SchedulerConfig(), CacheConfig(), 64, prefill_limits=(0, 10))
+
+
 def test_lookahead_lowers_k_then_preempts_newest():
     s = Scheduler(SchedulerConfig(), CacheConfig(block_size=4), 6)  # 5 usable blocks
     a, b = Request("a", [1] * 7, SamplingParams()), Request("b", [1] * 7, SamplingParams())
