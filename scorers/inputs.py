@@ -117,4 +117,3 @@ def decode_host_inputs(
     max_k = int(positions.max(initial=-1)) + 1
     return HostInputs(np.zeros(r, np.int64), positions, slots, np.arange(r + 1), positions + 1, block_tables,
                       min(r, 1), max_k)  # fmt: skip
-
