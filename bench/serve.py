@@ -37,7 +37,7 @@ from specsched.bench.serve_daemon import (
 from specsched.bench.serve_host import host_phase_rows, step_mix_row
 from specsched.bench.serve_load import cycle_length, run_pass
 from specsched.bench.serve_outputs import add_references, pass_row
-from specsched.bench.serve_results import PassResult, split_interleaved
+from specsched.bench.serve_results import PassResult, same_mix_rates, split_interleaved
 from specsched.client.sync_client import Client
 
 logger = logging.getLogger(__name__)
@@ -125,11 +125,24 @@ def passes_of(cfg: ServeConfig, daemon: Daemon, prompts: list[dict], fill: bool,
 
 
 def add_spread(rows: list[dict]) -> None:
-    """``spread`` = |tok/s - pass 1's| / pass 1's, on the rows of later passes."""
-    first = {(r["config"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["pass"] == 1}
+    """``spread_raw`` = |tok/s - pass 1's| / pass 1's, on the rows of later passes; ``spread`` the same
+    on the passes' same-prompt-mix tok/s (``same_mix_tok_s``, :func:`same_mix_rates`) where the
+    passes were dealt from the same loops, else the raw one."""
+    groups: dict[tuple[str, int], list[dict]] = {}
     for r in rows:
-        base = first.get((r["config"], r["concurrency"]))
-        r["spread"] = abs(r["tokens_per_s"] - base) / base if r["pass"] > 1 and base else None
+        groups.setdefault((r["config"], r["concurrency"]), []).append(r)
+    for group in groups.values():
+        group.sort(key=lambda r: r["pass"])
+        mixes = [r.get("prompt_mix") for r in group]
+        same = same_mix_rates(mixes) if len(group) > 1 and all(mixes) else None
+        for i, r in enumerate(group):
+            r["same_mix_tok_s"] = same[i] if same else None
+            r["spread_raw"] = _rel(r["tokens_per_s"], group[0]["tokens_per_s"]) if i else None
+            r["spread"] = (_rel(same[i], same[0]) if same else r["spread_raw"]) if i else None
+
+
+def _rel(x: float, base: float) -> float | None:
+    return abs(x - base) / base if base else None
 
 
 def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
