@@ -166,7 +166,8 @@ def render(results: dict) -> str:
         from specsched.bench.serve_report import serve_section
 
         parts += [serve_section(results["serve"])]
-    parts += ["### Targets (issue 5)", "", targets_table(results), ""]
+    if any(results.get(part) for part in ("scorers", "e2e", "real")):  # not for a serving-only run
+        parts += ["### Targets (issue 5)", "", targets_table(results), ""]
     for name, err in results.get("errors", {}).items():
         parts += [f"- **{name} failed**: `{err}`"]
     return "\n".join(parts).rstrip() + "\n"

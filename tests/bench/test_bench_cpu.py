@@ -177,6 +177,9 @@ def test_report_tables_and_targets():
     run = {"date": "d", "device": "GPU", "command": "specsched-bench x", "scorers": SCORERS, "e2e": e2e}
     full = render(run | {"peers": [], "errors": {"peers": "ImportError: x"}})
     assert full.startswith("## specsched-bench, d, GPU") and "**peers failed**: `ImportError: x`" in full
+    assert "### Targets (issue 5)" in full
+    # a run without the scorer and e2e parts (bench=serve alone) has no issue-5 table of dashes
+    assert "Targets (issue 5)" not in render({"date": "d", "device": "GPU", "command": "x", "e2e": []})
 
 
 def test_peer_runner_on_a_tiny_transformers_model():
