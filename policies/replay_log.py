@@ -268,6 +268,7 @@ def _requests(rows, finished, steps) -> tuple[list[RecordedRequest], int]:
                 if 0 < m < length:
                     conflicts += bits[m] is not None and bits[m] != b
                     bits[m] = b if bits[m] is None else bits[m]
+        _continue_matches(recorded_k, recs, prompt)
         first = recs[0][0] if recs else None
         client = f.get("client") if f is not None else None
         out.append(RecordedRequest(key, prompt, length, first, bits, recorded_k, f is not None, client))
@@ -305,3 +306,19 @@ def complete_bits(run: RecordedRun, seed: int = 0) -> MatchBits:
         imputed.append([b is None for b in r.bits])
         num_imputed += sum(imputed[-1][1 : r.output_len - 1])
     return MatchBits(bits, imputed, run_mean, sum(r.num_draftable for r in run.requests), num_imputed, seed)
+
+
+def _continue_matches(
+    recorded_k: dict[int, int], recs: list[tuple[int, StepRequestRecord]], prompt: int
+) -> None:
+    """The n-gram cap at the output indices a step's accepted drafts skipped (no step started there):
+    the match that gave the drafts goes on, one token shorter per accepted draft, so the cap at
+    ``s + j`` (j <= accepted) is the recorded cap at ``s`` minus j. Without it a replayed policy that
+    stops there (e.g. fixed k = 5 from a log whose policy drafted 8) gets ``max_k`` drafts where the
+    live proposer had only what was left of the match (H200 logs of 2026-12-04: fixed k = 5
+    replayed from goodput's log 13 % above its live run at N = 16). A cap recorded at the index wins."""
+    for _, q in recs:
+        s = q.context_len - prompt
+        cap = recorded_k[s]
+        for j in range(1, q.num_accepted + 1):
+            recorded_k.setdefault(s + j, max(cap - j, 0))

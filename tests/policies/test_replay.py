@@ -77,7 +77,8 @@ def test_match_bits_are_read_off_the_steps(tmp_path):
     (req,) = run.requests
     assert (req.prompt_len, req.output_len, req.first_step) == (5, 8, 1)
     assert req.bits == [None, 1, 0, 1, 1, None, 0, None]
-    assert req.recorded_k == {0: 3, 2: 2, 5: 1, 6: 0}
+    # recorded at 0, 2, 5, 6; at 1, 3, 4 (skipped by accepted drafts) what was left of the match
+    assert req.recorded_k == {0: 3, 1: 2, 2: 2, 3: 1, 4: 0, 5: 1, 6: 0}
     assert (
         run.settings.max_num_seqs == 2
         and run.settings.scorers == ["mqa"]
@@ -144,6 +145,18 @@ def test_ngram_ceiling_comes_from_the_recorded_k(tmp_path):
     report = replay(run, [{"name": "fixed", "k": 8, "scorer": "mqa"}])
     fixed8 = report.rows[-1]
     assert [round(t.mean_k) for t in fixed8.trace] == [0, 2, 0]  # never more than the recorded match
+
+
+def test_ngram_ceiling_where_accepted_drafts_skipped_the_index_is_what_is_left_of_the_match(tmp_path):
+    cfg = dict(CONFIG, proposer={"name": "ngram", "max_k": 8}, scheduler={"max_num_seqs": 1})
+    # the logged policy drafted the whole match of 4 at s=0 and all were accepted; the next step is s=5
+    steps = [decode_step(0, [("a", 3, 4, 4)]), decode_step(1, [("a", 8, 0, 0)])]
+    write_log(tmp_path / "m.sqlite", cfg, steps, [("a", 3, 7)])
+    run = load_run(tmp_path / "m.sqlite")
+    assert run.requests[0].recorded_k == {0: 4, 1: 3, 2: 2, 3: 1, 4: 0, 5: 0}
+    report = replay(run, [{"name": "fixed", "k": 2, "scorer": "mqa"}])
+    # fixed k=2: s=0 drafts 2 (both accepted) -> s=3, where 1 token of the match is left -> s=5: none
+    assert [round(t.mean_k) for t in report.rows[-1].trace] == [2, 1, 0]
 
 
 def test_policy_that_cannot_run_gets_an_error_row(tmp_path):
