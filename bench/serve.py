@@ -211,7 +211,7 @@ def _run_in_rounds(cfg: ServeConfig, prompts, out: Path, log_dir, reference, con
 
     from specsched.bench.serve_rounds import run_rounds
 
-    desc = f"serve: N x {cfg.rounds} rounds of every config"
+    desc = f"serve: N x {cfg.rounds_per_n or cfg.rounds} rounds of every config"
     with tqdm(total=len(cfg.concurrency), desc=desc, unit="N") as bar:
         infos, got = run_rounds(cfg, prompts, out, log_dir, reference, bar, daemon_cpus)
     configs += infos

@@ -66,6 +66,10 @@ class ServeConfig:
     # loop (passes x duration_s) is dealt to the passes, each pooled over the rounds. 0: one daemon at
     # a time
     rounds: int = 0
+    # rounds mode: the rounds at each N of ``concurrency`` (same length), instead of ``rounds`` at all;
+    # at N = 64 one round's loop differs from the next by 20-60 % on the H200 (2026-12-04), at N = 1-16
+    # by 2-15 %, so the high N get more rounds
+    rounds_per_n: list[int] | None = None
     # every daemon's extra overrides in rounds mode: a fixed KV cache (a share of the memory still
     # free at its start would shrink from daemon to daemon)
     round_overrides: list[str] = field(default_factory=lambda: ["cache.num_blocks=4096"])
@@ -127,6 +131,13 @@ class ServeConfig:
         if self.rounds < 0 or (self.rounds and not self.duration_s):
             raise ValueError(f"bench.serve.rounds must be 0 or >= 1 with duration_s > 0, got {self.rounds} "
                              f"(duration_s {self.duration_s:g})")  # fmt: skip
+        if self.rounds_per_n is not None and (
+            not self.rounds or len(self.rounds_per_n) != len(self.concurrency) or min(self.rounds_per_n) < 1
+        ):
+            raise ValueError(
+                f"bench.serve.rounds_per_n must give every N of concurrency {self.concurrency} >= 1 rounds "
+                f"(and rounds > 0: rounds mode), got {self.rounds_per_n}"
+            )
         if self.rounds and self.oracle_override is not None:
             raise ValueError("bench.serve.rounds needs oracle_override null: the oracle comes from the "
                              "baseline's outputs, which rounds mode has only after every daemon "
@@ -137,6 +148,12 @@ class ServeConfig:
     @classmethod
     def from_dictconfig(cls, cfg: DictConfig) -> ServeConfig:
         return cls(**OmegaConf.to_container(cfg, resolve=True))
+
+    def rounds_at(self, n: int) -> int:
+        """Rounds mode: the rounds at concurrency ``n``."""
+        if self.rounds_per_n is None:
+            return self.rounds
+        return self.rounds_per_n[self.concurrency.index(n)]
 
     @property
     def ordered(self) -> list[DaemonRun]:

@@ -147,6 +147,12 @@ def _ramps(rows: list[dict]) -> str:
 
 
 def _window(s: dict) -> str:
+    if s.get("rounds") and s.get("rounds_per_n"):
+        s = {
+            **s,
+            "rounds": "/".join(map(str, s["rounds_per_n"]))
+            + f" (N = {'/'.join(map(str, s['concurrency']))})",
+        }
     if s.get("rounds") and s.get("interleave_s"):
         window = f"{s.get('passes', 2)} × {s['duration_s']:g} s"
         return (f"every config's daemon up at once and, per N, {s['rounds']} rounds, each one loop per "

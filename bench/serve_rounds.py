@@ -61,7 +61,7 @@ def run_rounds(
         kinds = {run.name: run.kind for run in runs}
         fill = reference is not None and not reference
         for n in cfg.concurrency:
-            for r in range(cfg.rounds):
+            for r in range(cfg.rounds_at(n)):
                 for name in round_order([run.name for run in runs if run.name in daemons], n, r, cfg.seed):
                     progress.set_postfix_str(f"N={n} round {r + 1}: {name}")
                     _one_loop(cfg, name, daemons, infos, results, prompts, n,

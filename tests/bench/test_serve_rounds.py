@@ -38,6 +38,9 @@ def test_round_order_is_a_seeded_shuffle_that_changes_from_round_to_round():
     "change, message",
     [
         ({"rounds": 2}, "rounds must be 0 or >= 1 with duration_s > 0"),
+        ({"rounds": 2, "duration_s": 1, "rounds_per_n": [1, 2]}, "rounds_per_n must give every N"),
+        ({"rounds": 2, "duration_s": 1, "rounds_per_n": [1, 2, 0, 3]}, "rounds_per_n must give every N"),
+        ({"rounds": 0, "duration_s": 1, "rounds_per_n": [1, 2, 2, 3]}, "rounds > 0: rounds mode"),
         ({"rounds": -1, "duration_s": 1}, "rounds must be 0 or >= 1"),
         ({"rounds": 2, "duration_s": 1, "prompts": "ids", "oracle_override": "+proposer.oracle"},
          "rounds needs oracle_override null"),
@@ -48,6 +51,12 @@ def test_serve_config_rejects_bad_rounds(change, message):
         ServeConfig(**{"configs": CONFIGS, **change})
 
 
+def test_rounds_at_each_concurrency():
+    cfg = ServeConfig(configs=CONFIGS, duration_s=1, rounds=3, rounds_per_n=[2, 3, 3, 5])
+    assert [cfg.rounds_at(n) for n in (1, 4, 16, 64)] == [2, 3, 3, 5]
+    assert ServeConfig(configs=CONFIGS, duration_s=1, rounds=3).rounds_at(64) == 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("interleave_s", [0, 0.1], ids=["pass_per_round", "dealt_passes"])
 def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interleave_s):
@@ -56,7 +65,9 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
             "bench=serve_tiny", f"bench.out_dir={tmp_path}", f"bench.serve.log_dir={tmp_path / 'dblogs'}",
             "bench.serve.duration_s=0.3", "bench.serve.rounds=2", "bench.serve.round_overrides=[]",
             f"bench.serve.interleave_s={interleave_s}",
+            *(["bench.serve.rounds_per_n=[2,3]"] if interleave_s else []),  # N = 2 gets a third round
         ]).bench  # fmt: skip
+    rounds = {1: 2, 2: 3 if interleave_s else 2}
     cfg.serve.configs = OmegaConf.create(CONFIGS)
     res = cli.run_bench(cfg, "test")
     assert res["errors"] == {}
@@ -72,9 +83,10 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
         for r in mine:
             assert r["tokens_per_s"] > 0 and r["error"] is None and r["num_errors"] == 0
             assert r["same_output"] == 1.0  # float32 on CPU: lossless, every prompt has a reference
-            if interleave_s:  # each pass pools its share of both rounds' 0.6 s loops
-                assert len(r["round_tok_s"]) == 2 and len(r["slice_tok_s"]) == 2 * 6
-                assert r["window_s"] == pytest.approx(2 * 0.6)
+            if interleave_s:  # each pass pools its share of every round's 0.6 s loop
+                num = rounds[r["concurrency"]]
+                assert len(r["round_tok_s"]) == num and len(r["slice_tok_s"]) == num * 6
+                assert r["window_s"] == pytest.approx(num * 0.6)
                 assert 0.5 * min(r["round_tok_s"]) < r["tokens_per_s"] < 2 * max(r["round_tok_s"])
             else:
                 assert r["round_tok_s"] is None and r["window_s"] == pytest.approx(0.3)
@@ -92,5 +104,7 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
             if a != b:  # every pair of time ranges overlaps (one daemon at a time would not)
                 assert spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1], (a, b, spans)
     text = (tmp_path / "tables.md").read_text()
-    assert "2 rounds, each one loop per" in text
+    assert (
+        "2/3 (N = 1/2) rounds, each one loop per" if interleave_s else "2 rounds, each one loop per"
+    ) in text
     assert ("Tok/s of each round's loop" in text) == bool(interleave_s)
