@@ -104,6 +104,26 @@ def unequal_requests(got: torch.Tensor, want: torch.Tensor, drafts: list[list[in
     return bad
 
 
+def draft_kv_mismatches(model, kv, reqs, drafts, scorer, block: int) -> list[tuple[str, int, int]]:
+    """(request, position, layer) whose K or V, as ``scorer`` wrote it for the step's input token and
+    drafts, is not bitwise what decoding the same tokens one at a time writes there. Logits can hide
+    such a difference (the test above compares logits only): a later step reads this KV."""
+    props = Proposals.from_lists(drafts, str(model.lm_head.weight.device))
+    scorer.score(reqs, props)
+    written = [(k.clone(), v.clone()) for k, v in kv]
+    for r, d in zip(reqs, drafts):
+        decode_alone(model, kv, r.prompt_ids + d, r.num_computed, r.block_table, block)
+    bad = []
+    for r, d in zip(reqs, drafts):
+        for p in range(r.num_computed, r.num_computed + len(d) + 1):
+            b, o = r.block_table[p // block], p % block
+            for layer, ((k0, v0), (k1, v1)) in enumerate(zip(written, kv)):
+                if not (torch.equal(k0[b, o], k1[b, o]) and torch.equal(v0[b, o], v1[b, o])):
+                    bad.append((r.request_id, p, layer))
+                    break
+    return bad
+
+
 # --- CPU -------------------------------------------------------------------------------------------
 
 BLOCK = 4
@@ -148,6 +168,15 @@ def test_interpreted_triton_path_logits_alone_equal_in_mixed_batch() -> None:
     assert "error" not in r, r.get("error")
     assert r["unequal"] == {"batch_expansion": [], "mqa": []}, r
     assert max(r["ks"]) == 8, r
+
+
+@pytest.mark.parametrize("name", ["batch_expansion", "mqa"])
+def test_draft_kv_equals_decode_kv(tiny, name: str) -> None:
+    block = BLOCK
+    kv = tiny.allocate_kv_cache(8 * (48 // block + 3) + 2, block)
+    reqs, drafts = make_batch(tiny, kv, random.Random(4), num=8, max_ctx=48, block=block, max_chunk=16)
+    scorer = build_scorers([name], tiny, kv, block)[name]
+    assert draft_kv_mismatches(tiny, kv, reqs, drafts, scorer, block) == []
 
 
 def test_deterministic_mode_switches_every_linear_and_attention(tiny) -> None:
@@ -258,6 +287,30 @@ def test_gpu_prefill_chunking_writes_the_same_kv(gpu_model) -> None:
     prefill(gpu_model, kv_b, prompt, table, block, [700, 1, 1100, 37])
     for (ka, va), (kb, vb) in zip(kv_a, kv_b):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["batch_expansion", "mqa", "batch_expansion(graph)", "mqa_graph"])
+def test_gpu_draft_kv_bitwise_equals_decode_kv(gpu_model, name: str) -> None:
+    """The KV each scorer writes for a step's input token and drafts is bitwise the KV the same
+    tokens get decoded one at a time (a later step reads it). Written after the H200 on 2026-12-04:
+    SmolLM2 prompt 24, fixed k = 8 on MQA, diverges at the step after one that accepted 2 of 8 drafts
+    (test_gpu_smollm2_one_prompt_fixed_k8_mqa_equals_non_spec)."""
+    from specsched.scorers.graph import GraphConfig, build_graph_scorers
+
+    block, max_ctx = 16, 1024
+    kv = gpu_model.allocate_kv_cache(16 * (max_ctx // block + 2) + 8, block)
+    reqs, drafts = make_batch(
+        gpu_model, kv, random.Random(11), num=16, max_ctx=max_ctx, block=block, max_chunk=512
+    )
+    if name.endswith("(graph)") or name == "mqa_graph":
+        base = "batch_expansion" if name.startswith("batch") else "mqa_graph"
+        graphs = GraphConfig(max_batch=16, max_k=8, max_model_len=max_ctx + 16, progress=False)
+        scorer = build_graph_scorers([base], gpu_model, kv, block, graphs)[base]
+    else:
+        scorer = build_scorers([name], gpu_model, kv, block)[name]
+    assert draft_kv_mismatches(gpu_model, kv, reqs, drafts, scorer, block) == []
 
 
 @pytest.mark.gpu
