@@ -41,3 +41,19 @@ def chat_prompts(num: int) -> list[list[dict]]:
     if num < 1:
         raise ValueError(f"number of prompts must be >= 1, got {num}")
     return [PROMPTS[i % len(PROMPTS)] for i in range(num)]
+
+
+# 64 short chat requests (4 forms x 16 topics): the deterministic-mode tests' and probe's prompts
+GRID_TOPICS = [
+    "the water cycle", "how a bicycle works", "prime numbers", "the French revolution", "photosynthesis",
+    "black holes", "how to bake bread", "the history of chess", "volcanoes", "machine learning",
+    "the moon landing", "coral reefs", "the printing press", "how vaccines work", "jazz music",
+    "the Roman empire",
+]  # fmt: skip
+GRID_FORMS = ["Explain {} to a child.", "Write a short poem about {}.", "Give three facts about {}.",
+              "Summarise {} in two sentences."]  # fmt: skip
+
+
+def chat_grid() -> list[str]:
+    """The 64 user messages, form-major (index 24 = form 1, topic 8)."""
+    return [f.format(t) for f in GRID_FORMS for t in GRID_TOPICS]

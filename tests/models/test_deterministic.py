@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from specsched.bench.prompts import GRID_FORMS, GRID_TOPICS
 from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specsched.engine.engine import Engine
 from specsched.engine.request import Request, SamplingParams
@@ -329,14 +330,7 @@ def test_gpu_sampling_probs_are_row_invariant() -> None:
         assert torch.equal(part, full[:rows]), rows
 
 
-PROMPT_TOPICS = [
-    "the water cycle", "how a bicycle works", "prime numbers", "the French revolution", "photosynthesis",
-    "black holes", "how to bake bread", "the history of chess", "volcanoes", "machine learning",
-    "the moon landing", "coral reefs", "the printing press", "how vaccines work", "jazz music",
-    "the Roman empire",
-]  # fmt: skip
-PROMPT_FORMS = ["Explain {} to a child.", "Write a short poem about {}.", "Give three facts about {}.",
-                "Summarise {} in two sentences."]  # fmt: skip
+PROMPT_TOPICS, PROMPT_FORMS = GRID_TOPICS, GRID_FORMS  # bench/prompts.py
 
 
 @pytest.mark.gpu
