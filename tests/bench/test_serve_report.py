@@ -1,0 +1,25 @@
+"""bench/serve_report.py: the targets table (issue 12's fixed-row comparison, issue 13's any-config one)."""
+
+from __future__ import annotations
+
+from specsched.bench.serve_report import targets_table
+
+
+def row(config: str, n: int, p: int, tok: float, spread: float | None = None) -> dict:
+    return {"config": config, "concurrency": n, "pass": p, "tokens_per_s": tok, "num_errors": 0,
+            "error": None, "compiles": 0, "spread": spread, "same_output": 1.0}  # fmt: skip
+
+
+def test_targets_compare_goodput_with_the_best_fixed_row_and_with_any_other_config():
+    configs = [{"name": "base", "kind": "baseline"}, {"name": "k3", "kind": "fixed"},
+               {"name": "hf", "kind": "policy"}, {"name": "goodput", "kind": "default"}]  # fmt: skip
+    tok = {("base", 1): 500, ("k3", 1): 800, ("hf", 1): 900, ("goodput", 1): 880,
+           ("base", 64): 10000, ("k3", 64): 20000, ("hf", 64): 19000, ("goodput", 64): 19500}  # fmt: skip
+    rows = [row(c, n, p, t) for (c, n), t in tok.items() for p in (1, 2)]
+    text = targets_table({"configs": configs, "rows": rows})
+    lines = {
+        line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()[2:] if line.startswith("|")
+    }
+    # N = 1: +10% over k3 (met), 0.978x hf; N = 64: -2.5% vs k3 (met), 0.975x k3
+    assert "| k3 800.0 | +10.0% | 500.0 | 1.76 | yes | hf 900.0 | 0.978 |" in lines["1"]
+    assert "| k3 20000.0 | -2.5% | 10000.0 | 1.95 | yes | k3 20000.0 | 0.975 |" in lines["64"]
