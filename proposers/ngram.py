@@ -72,7 +72,8 @@ class NgramIndex:
     """The most recent end position of every n-gram (``min_n <= n <= max_n``) of a growing token
     sequence, for :func:`ngram_match` in O(max_n - min_n) dictionary lookups per step instead of a
     scan of the sequence. An n-gram is keyed by the tuple of its tokens (Python ints: on the few
-    tokens a decode step adds, tuple slices cost a fraction of numpy's per-call overhead).
+    tokens a decode step adds, tuple slices cost a fraction of numpy's per-call overhead), every n in
+    one dict (tuples of different lengths never compare equal).
 
     ``extend(tokens, stop)`` indexes the n-grams ending at positions ``num_indexed .. stop - 1`` (a
     later end overwrites an earlier one: the most recent wins); ``match(tokens)`` is
@@ -82,7 +83,7 @@ class NgramIndex:
     def __init__(self, min_n: int, max_n: int) -> None:
         _check_n(min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
-        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> its most recent end position
         self.num_indexed = 0  # n-grams ending before this position are indexed
 
     def extend(self, tokens: Sequence[int], stop: int) -> None:
@@ -93,7 +94,8 @@ class NgramIndex:
         if stop - start < _ZIP_FROM:  # the few a decode step adds
             self._extend_few(tokens, start, stop)
             return
-        for n, ends in self.ends.items():  # the n-gram ending at e is tokens[e - n + 1 : e + 1]
+        ends = self.ends
+        for n in range(self.min_n, self.max_n + 1):  # the n-gram ending at e is tokens[e - n + 1 : e + 1]
             lo = max(start, n - 1)
             if stop - lo >= _ZIP_FROM:  # many (a prompt): its n columns zipped, in C
                 cols = [tokens[lo - n + 1 + j : stop - n + 1 + j] for j in range(n)]
@@ -111,18 +113,19 @@ class NgramIndex:
             top = max_n if e >= max_n - 1 else e + 1  # the longest n-gram ending at e
             longest = tuple(tokens[e - top + 1 : e + 1])
             for n in range(min_n, top + 1):
-                ends[n][longest[top - n :]] = e
+                ends[longest[top - n :]] = e
 
     def match(self, tokens: Sequence[int]) -> int | None:  # the sequence so far
         last = len(tokens) - 1
         if last < 1:
             return None
-        self.extend(tokens, last)
-        ends = self.ends
+        if self.num_indexed < last:
+            self.extend(tokens, last)
+        get = self.ends.get
         top = min(self.max_n, last)
         suffix = tuple(tokens[last - top + 1 :])  # the longest suffix tried; shorter ones sliced from it
         for n in range(top, self.min_n - 1, -1):
-            e = ends[n].get(suffix[top - n :])
+            e = get(suffix[top - n :])
             if e is not None:
                 return e + 1
         return None
@@ -156,10 +159,9 @@ class NgramProposer(Proposer):
         self.device = torch.device(device)
         self._cache: dict[str, _CachedTokens] = {}  # request_id -> its tokens
 
-    def _match(self, req: Request) -> tuple[list[int], int | None]:
-        """The request's tokens (its cache entry's, brought up to ``req.token_ids``) and
-        :func:`ngram_match` over them (cached per token count). Runs for every request twice a step
-        (peek, propose): one call, the cache checks inline."""
+    def _entry(self, req: Request) -> _CachedTokens:
+        """The request's cache entry, its tokens brought up to ``req.token_ids`` (rebuilt when they
+        disagree with the copy); its match is current when ``match_at == len(tokens)``."""
         prompt, out = req.prompt_ids, req.output_ids
         num_prompt = len(prompt)
         c = self._cache.get(req.request_id)
@@ -169,24 +171,31 @@ class NgramProposer(Proposer):
             if 0 <= have <= len(out) and (have == 0 or tokens[-1] == out[have - 1]):
                 if have < len(out):
                     tokens += out[have:]
-            else:
-                c = None
-        else:
-            c = None
-        if c is None:  # first sight, or the tokens disagree with the copy: rebuild
-            c = _CachedTokens(id(req), num_prompt, prompt + out, NgramIndex(self.cfg.min_n, self.cfg.max_n))
-            self._cache[req.request_id] = c
-            tokens = c.tokens
+                return c
+        # first sight, or the tokens disagree with the copy: rebuild
+        c = _CachedTokens(id(req), num_prompt, prompt + out, NgramIndex(self.cfg.min_n, self.cfg.max_n))
+        self._cache[req.request_id] = c
+        return c
+
+    def _match(self, req: Request) -> tuple[list[int], int | None]:
+        """The request's tokens (its cache entry's) and :func:`ngram_match` over them, cached per
+        token count: :meth:`peek` finds it, :meth:`propose` on the same step reuses it."""
+        c = self._entry(req)
+        tokens = c.tokens
         if c.match_at != len(tokens):
             c.match_start, c.match_at = c.index.match(tokens), len(tokens)
         return tokens, c.match_start
 
     def peek(self, batch: list[Request]) -> ProposerPeek:
         """``max_k[i]``: how many tokens follow request i's best match (0 when none)."""
-        max_k = []
-        for req in batch:
-            tokens, start = self._match(req)
-            max_k.append(0 if start is None else len(tokens) - start)
+        max_k, entry = [], self._entry
+        for req in batch:  # _match, inlined: it runs for every request every step
+            c = entry(req)
+            n = len(c.tokens)
+            if c.match_at != n:
+                c.match_start, c.match_at = c.index.match(c.tokens), n
+            start = c.match_start
+            max_k.append(0 if start is None else n - start)
         return ProposerPeek(max_k=max_k)
 
     def propose(self, batch: list[Request], k: list[int]) -> Proposals:

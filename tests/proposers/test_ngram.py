@@ -179,3 +179,19 @@ def test_proposer_with_long_prompt_equals_brute_force():
         ks = rng.randint(0, 6)
         assert prop.propose([req], [ks]).draft_tokens.tolist() == brute_lookup(req.token_ids, 1, 4, ks)
         req.output_ids += [rng.randrange(12) for _ in range(rng.randint(1, 4))]
+
+
+def test_index_one_dict_for_every_n():
+    """NgramIndex keeps every n in one dict: n-grams of different n (runs of one token, zeros, large
+    ids) never share a key; growing by few and by many positions."""
+    rng = random.Random(4)
+    big = [0, 1, 2**31, 2**32 - 2, 2**32 - 3, 2**20]
+    for _ in range(80):
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        index = NgramIndex(min_n, max_n)
+        tokens: list[int] = []
+        for _ in range(rng.randint(1, 6)):
+            tokens += [rng.choice(big) for _ in range(rng.choice([1, 3, 20, 50]))]
+            want = ngram_match(np.array(tokens, dtype=np.uint64), min_n, max_n)
+            assert index.match(tokens) == want, (tokens, min_n, max_n)
