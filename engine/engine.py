@@ -158,7 +158,10 @@ class Engine:
         plan = self._decide(reqs, view)
         timer.mark("decide")  # the critical path's decide: ~0 when the plan was decided ahead
         kept, ks = self.scheduler.reserve_lookahead(reqs, plan.k)  # may lower k or preempt
+        views = view.requests  # in batch order
         if len(kept) != len(reqs):  # kept is in batch order
+            ids = {id(r) for r in kept}
+            views = [v for r, v in zip(reqs, views) if id(r) in ids]
             reqs, names = kept, self._proposer_names(kept)
         timer.mark("reserve")
         with self._timed(rec, "propose_ms"):
@@ -170,11 +173,9 @@ class Engine:
         with self._timed(rec, "verify_ms"):
             result = verify(logits, props, [r.sampling for r in reqs], [r.generator for r in reqs])
             emitted = result.to_lists()
-        context = [r.num_tokens - 1 for r in reqs]  # before this step's tokens are committed
         outputs = self._commit(reqs, emitted, props.num_draft, names)
         timer.mark("commit")
-        caps = {v.request_id: v.max_k for v in view.requests}
-        self._record(rec, reqs, names, plan, props, context, emitted, result.match_bits(), outputs, caps)
+        self._record(rec, reqs, names, plan, props, views, emitted, result.match_bits(), outputs)
         self.policy.observe(plan, [len(e) - 1 for e in emitted])
         timer.mark("record")
         return outputs, rec
@@ -195,12 +196,15 @@ class Engine:
             self.flush_observations()
         self.planner.decide_ahead(self.policy, self.costs, lambda: self._view(reqs, names, is_ahead=True))
 
-    def _record(self, rec, reqs, names, plan, props, context, emitted, match_bits, outputs, caps) -> None:
-        """Fill the step's record (the decision log's ``steps`` and ``step_requests`` rows);
-        ``caps``: each request's max k of the policy's view, by request id."""
+    def _record(self, rec, reqs, names, plan, props, views, emitted, match_bits, outputs) -> None:
+        """Fill the step's record (the decision log's ``steps`` and ``step_requests`` rows); ``views``:
+        the policy's view of each request (batch order): its context (the tokens before this step's)
+        and max k."""
         rec.requests = [
-            StepRequestRecord(r.request_id, c, k, len(e) - 1, b, len(o.new_token_ids), caps.get(r.request_id))
-            for r, c, e, k, b, o in zip(reqs, context, emitted, props.num_draft, match_bits, outputs)
+            StepRequestRecord(
+                r.request_id, v.context_len - 1, k, len(e) - 1, b, len(o.new_token_ids), v.max_k
+            )
+            for r, v, e, k, b, o in zip(reqs, views, emitted, props.num_draft, match_bits, outputs)
         ]
         rec.batch_size, rec.num_tokens = len(reqs), props.num_tokens + len(reqs)
         rec.num_emitted = sum(map(len, emitted))
@@ -282,19 +286,30 @@ class Engine:
         requests' proposers on a decode step (acceptance is observed), None on a prefill step."""
         outputs, unfinished = [], []
         observe, trim, block_size = self.acceptance.observe, self.scheduler.trim, self.scheduler.block_size
+        eos, max_model_len, is_decode = self.eos_token_ids, self.max_model_len, names is not None
         for i, (r, toks, k) in enumerate(zip(reqs, emitted, num_draft)):
             n_acc = len(toks) - 1
-            kept, reason = self._kept(r, toks)
-            out = r.output_ids
+            out, s = r.output_ids, r.sampling
+            num_tokens = len(r.prompt_ids) + len(out)  # before this step's tokens
+            # _kept, its common case inline: no stop token among the tokens, none reaches a limit
+            if (
+                n_acc + 1 < s.max_tokens - len(out)
+                and n_acc + 1 < max_model_len - num_tokens
+                and (s.ignore_eos or eos.isdisjoint(toks))
+                and not s.stop_token_ids
+            ):
+                kept, reason = toks, None
+            else:
+                kept, reason = self._kept(r, toks)
             out.extend(kept)
-            if names is not None:
+            if is_decode:
                 r.num_proposed += k
                 r.num_accepted += n_acc
                 r.num_spec_steps += 1
                 r.last_k, r.last_accepted = k, n_acc
                 if k:  # k = 0 teaches the estimator nothing (its observe returns at once)
                     observe(r.request_id, names[i], k, n_acc)
-            num_tokens = len(r.prompt_ids) + len(out)
+            num_tokens += len(kept)
             r.num_computed = num_tokens - 1
             outputs.append(RequestOutput(r.request_id, kept, k, n_acc, reason.value if reason else None))
             if reason is not None:

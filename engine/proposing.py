@@ -42,18 +42,28 @@ def request_views(
 ) -> list[RequestView]:  # fmt: skip
     """The policy's view of each request: its cap = min(peek, ``spec.max_k``, tokens left before
     max_tokens and the context, the request's own ``spec.max_k``), and its acceptance estimate."""
+    if len(set(names)) == 1:  # one proposer: its prior's terms looked up once for the batch
+        estimates = acceptance.mean_std_many([r.request_id for r in reqs], names[0]) if reqs else []
+    else:
+        estimates = list(map(acceptance.mean_std, [r.request_id for r in reqs], names))
     views = []
-    mean_std = acceptance.mean_std
-    for r, n, m in zip(reqs, names, peek):
+    for r, n, m, (mean, std) in zip(reqs, names, peek, estimates):
         num_out = len(r.output_ids)
         num_tokens = len(r.prompt_ids) + num_out  # r.num_tokens (one property call less per request)
-        cap = min(m, max_k, r.sampling.max_tokens - num_out - 1, max_model_len - num_tokens)
+        cap = r.sampling.max_tokens - num_out - 1  # the min of the four below, without min()'s call
+        if m < cap:
+            cap = m
+        if max_k < cap:
+            cap = max_k
+        if max_model_len - num_tokens < cap:
+            cap = max_model_len - num_tokens
         spec_max = r.spec.max_k
         if spec_max is not None and spec_max < cap:
             cap = spec_max
-        mean, std = mean_std(r.request_id, n)
         views.append(
-            RequestView(r.request_id, num_tokens, n, max(cap, 0), mean, std, r.last_k, r.last_accepted)
+            RequestView(
+                r.request_id, num_tokens, n, cap if cap > 0 else 0, mean, std, r.last_k, r.last_accepted
+            )
         )
     return views
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 DEFAULT_PRIORS: dict[str, tuple[float, float]] = {
@@ -292,6 +293,36 @@ class AcceptanceEstimator:
             alpha, beta = alpha + own_s, beta + own_f
         n = alpha + beta
         return alpha / n, _sqrt(alpha * beta / (n * n * (n + 1.0)))
+
+    def mean_std_many(self, request_ids: Iterable[str], proposer: str) -> list[tuple[float, float]]:
+        """:meth:`mean_std` of each of ``request_ids`` (all of ``proposer``), the prior's terms looked
+        up once (the same arithmetic as :meth:`mean_std`, in one loop: the engine's view of a batch of
+        one proposer)."""
+        terms = self._priors.get(proposer)
+        alpha0, beta0, s, f, cap = terms if terms is not None else self._prior_terms(proposer)
+        # a request never observed: the aggregate with nothing left out (s, f >= 0)
+        alpha, beta = alpha0 + s, beta0 + f
+        strength = alpha + beta
+        if strength > cap:
+            alpha, beta = alpha * cap / strength, beta * cap / strength
+        n = alpha + beta
+        fresh = (alpha / n, _sqrt(alpha * beta / (n * n * (n + 1.0))))
+        out, get = [], self._requests.get
+        for rid in request_ids:
+            own = get(rid)
+            if own is None:
+                out.append(fresh)
+                continue
+            own_s, own_f = own
+            rs, rf = s - own_s, f - own_f
+            alpha, beta = alpha0 + (rs if rs > 0.0 else 0.0), beta0 + (rf if rf > 0.0 else 0.0)
+            strength = alpha + beta
+            if strength > cap:
+                alpha, beta = alpha * cap / strength, beta * cap / strength
+            alpha, beta = alpha + own_s, beta + own_f
+            n = alpha + beta
+            out.append((alpha / n, _sqrt(alpha * beta / (n * n * (n + 1.0)))))
+        return out
 
     def aggregate_mean(self, proposer: str) -> float:
         """Mean acceptance of the prior a new request of ``proposer`` would get now."""
