@@ -156,8 +156,11 @@ class Planner:
             plan = timed_decide(policy, costs, view)
             self.reuse.record_decide(plan.info["decide_ms"])  # on the critical path: all of it
             self.reuse.on_new_plan()
-            self.held = [v.request_id for v in view.requests], plan, False
-            self.held_caps = {v.request_id: v.max_k for v in view.requests}
+            if policy.is_plan_ahead_safe:  # else never carried: no per-request copy of the plan's ids
+                self.held = [v.request_id for v in view.requests], plan, False
+                self.held_caps = {v.request_id: v.max_k for v in view.requests}
+            else:
+                self.held, self.held_caps = None, None
         self.reuse.on_use()
         return plan
 

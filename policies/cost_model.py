@@ -139,6 +139,14 @@ class CostModels:
 
     def predict_stats(self, scorer: str, proposer: str, s: ShapeStats) -> StepCost:
         """As :meth:`predict` from aggregates; array fields give array predictions (vectorised search)."""
+        if not any(isinstance(v, np.ndarray) for v in vars(s).values()):  # one shape: no numpy call
+            propose = self.model("propose", proposer).predict(propose_features(s))  # a float
+            return StepCost(
+                propose_ms=float(propose) if s.max_k > 0 else 0.0,
+                score_ms=float(self.model("score", scorer).predict(self.score_features(scorer, s))),
+                verify_ms=float(self.model("verify").predict(verify_features(s))),
+                overhead_ms=float(self.model("overhead").predict(overhead_features(s))),
+            )
         propose = self.model("propose", proposer).predict(propose_features(s))
         propose = np.where(np.asarray(s.max_k) > 0, propose, 0.0)
         cost = StepCost(

@@ -19,7 +19,9 @@ shape (then the features are arrays too: many candidate shapes at once).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
+from operator import mul
 
 import numpy as np
 
@@ -32,6 +34,7 @@ __all__ = [
     "pad_to_bucket",
     "propose_features",
     "score_features",
+    "shape_stats",
     "verify_features",
 ]
 
@@ -108,14 +111,35 @@ class StepShape:
         )
 
 
+def shape_stats(k: list[int], context_lens: list[int]) -> ShapeStats:
+    """``StepShape(k, context_lens).stats()`` in one pass of C-level sums over the lists (the fixed
+    policies predict one shape per step: no StepShape, its checks folded into two ``min`` calls)."""
+    b = len(k)
+    if len(context_lens) != b:
+        raise ValueError(f"StepShape needs one k per context length, got {b} vs {len(context_lens)}")
+    if b and (min(k) < 0 or min(context_lens) < 0):
+        raise ValueError("StepShape k and context_lens must be >= 0")
+    num_draft, num_context = sum(k), sum(context_lens)
+    return ShapeStats(
+        batch_size=b,
+        num_tokens=num_draft + b,
+        max_k=max(k, default=0),
+        num_spec_requests=b - k.count(0),  # k >= 0: k > 0 is k != 0
+        num_draft_tokens=num_draft,
+        num_context_tokens=num_context,
+        num_weighted_context_tokens=sum(map(mul, k, context_lens)) + num_context,  # Σ (k_i + 1) c_i
+    )
+
+
 def pad_to_bucket(n, buckets: np.ndarray | None):
     """(padded n, is over the largest bucket) for ints or arrays; no buckets: (n, False).
     ``buckets`` is sorted ascending; n pads up to the smallest bucket >= n."""
     if buckets is None:
         return n, np.zeros_like(n, dtype=bool) if isinstance(n, np.ndarray) else False
-    idx = np.searchsorted(buckets, n, side="left")
-    if not isinstance(n, np.ndarray):  # one int: no array operations past the search
+    if not isinstance(n, np.ndarray):  # one int: a bisection (np.searchsorted's side="left"), no numpy call
+        idx = bisect_left(buckets, n)
         return (n, True) if idx >= len(buckets) else (int(buckets[idx]), False)
+    idx = np.searchsorted(buckets, n, side="left")
     over = idx >= len(buckets)
     padded = np.where(over, n, buckets[np.minimum(idx, len(buckets) - 1)])
     return padded, over
