@@ -15,7 +15,7 @@ import torch
 from specsched.engine.components import EngineParts, build_parts
 from specsched.engine.config import EngineConfig
 from specsched.engine.planning import Planner
-from specsched.engine.proposing import peek_caps, propose, request_views
+from specsched.engine.proposing import by_proposer, peek_caps, propose, request_views
 from specsched.engine.records import RequestOutput, StepRecord, StepRequestRecord
 from specsched.engine.request import FinishReason, Request, SamplingParams, SpecParams
 from specsched.engine.scheduler import ScheduledBatch, Scheduler
@@ -191,9 +191,14 @@ class Engine:
 
     def _while_scoring(self, reqs: list[Request], names: list[str]) -> None:
         """Host work while the GPU scores (CUDA): nothing here waits for it. Observe the last step's
-        costs, and decide the next step's plan ahead where the policy allows it."""
+        costs, let the proposers work on the tokens known before the commit (``on_scoring``), and
+        decide the next step's plan ahead where the policy allows it."""
         if self._unobserved:
             self.flush_observations()
+        if self.is_overlapped_observe:  # the GPU scores meanwhile (on the host path: nothing to hide)
+            by = by_proposer(names)
+            for n, idx in by.items():  # e.g. the n-gram proposer indexes what it can before the commit
+                self.proposers[n].on_scoring(reqs if len(by) == 1 else [reqs[i] for i in idx])
         self.planner.decide_ahead(self.policy, self.costs, lambda: self._view(reqs, names, is_ahead=True))
 
     def _record(self, rec, reqs, names, plan, props, views, emitted, match_bits, outputs) -> None:

@@ -121,6 +121,8 @@ class NgramIndex:
             return None
         if self.num_indexed < last:
             self.extend(tokens, last)
+        elif self.num_indexed > last:  # indexed past the suffix (the tokens did not grow): scan
+            return ngram_match(np.asarray(tokens, dtype=np.int64), self.min_n, self.max_n)
         get = self.ends.get
         top = min(self.max_n, last)
         suffix = tuple(tokens[last - top + 1 :])  # the longest suffix tried; shorter ones sliced from it
@@ -210,6 +212,18 @@ class NgramProposer(Proposer):
             tokens, start = self._match(req) if ki > 0 else (None, None)
             drafts.append([] if start is None else tokens[start : start + ki])
         return Proposals.from_lists(drafts)  # host tensors: scorers and verify read them there
+
+    def on_scoring(self, batch: list[Request]) -> None:
+        """Index the n-grams that end at each request's last token now: their tokens are all known
+        before the commit, so the next :meth:`peek` indexes only those ending at the tokens this step
+        commits (on CUDA this runs while the GPU scores: off the critical path)."""
+        cache = self._cache
+        for req in batch:
+            c = cache.get(req.request_id)
+            if c is not None and c.owner == id(req):
+                n = len(c.tokens)
+                if n == len(req.prompt_ids) + len(req.output_ids) and c.index.num_indexed < n:
+                    c.index.extend(c.tokens, n)
 
     def on_finish(self, request: Request) -> None:
         self._cache.pop(request.request_id, None)

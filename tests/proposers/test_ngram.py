@@ -195,3 +195,32 @@ def test_index_one_dict_for_every_n():
             tokens += [rng.choice(big) for _ in range(rng.choice([1, 3, 20, 50]))]
             want = ngram_match(np.array(tokens, dtype=np.uint64), min_n, max_n)
             assert index.match(tokens) == want, (tokens, min_n, max_n)
+
+
+def test_on_scoring_indexes_ahead_without_changing_the_drafts():
+    """on_scoring (the n-grams ending at the last token, indexed before the commit) leaves every
+    later peek and proposal equal to brute force, also when the tokens do not grow after it."""
+    rng = random.Random(5)
+    prop = NgramProposer(NgramConfig(min_n=1, max_n=3))
+    reqs = [make_request(f"s{i}", [rng.randrange(5) for _ in range(rng.randint(2, 30))]) for i in range(4)]
+    for step in range(40):
+        peek = prop.peek(reqs)
+        ks = [rng.randint(0, 5) for _ in reqs]
+        got = prop.propose(reqs, ks)
+        want = [brute_lookup(r.token_ids, 1, 3, k) for r, k in zip(reqs, ks)]
+        assert got.draft_tokens.tolist() == [t for w in want for t in w], step
+        assert peek.max_k == [len(brute_lookup(r.token_ids, 1, 3, 1 << 20)) for r in reqs]
+        prop.on_scoring(reqs)
+        if step % 5 == 4:  # no commit after the scoring (not the engine's flow): still exact
+            assert prop.peek(reqs).max_k == peek.max_k
+            assert prop.propose(reqs, ks).draft_tokens.tolist() == got.draft_tokens.tolist()
+        for r in reqs:
+            r.output_ids += [rng.randrange(5) for _ in range(rng.randint(1, 3))]
+    for r in reqs:  # the index itself, asked again after indexing the last token: the scan's answer
+        index = NgramIndex(1, 3)
+        tokens = r.token_ids
+        index.extend(tokens, len(tokens))
+        assert index.match(tokens) == ngram_match(np.array(tokens), 1, 3)
+    other = make_request("s0", [1, 2, 1])  # another Request under a known id: left alone, rebuilt later
+    prop.on_scoring([other])
+    assert prop.propose([other], [2]).draft_tokens.tolist() == [2, 1]

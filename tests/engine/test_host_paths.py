@@ -1,0 +1,55 @@
+"""The engine's per-step host shortcuts change nothing: a fixed-policy run with the n-gram proposer's
+work during scoring (``on_scoring``, the CUDA path, forced here) and preemptions gives the same outputs
+and the same step records as the plain host path."""
+
+from __future__ import annotations
+
+import random
+
+from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specsched.engine.engine import Engine
+from specsched.engine.records import StepRecord
+from specsched.engine.request import Request, SamplingParams, SpecParams
+
+
+def make_engine(num_blocks: int) -> Engine:
+    cfg = EngineConfig(
+        model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128),
+        spec=SpecConfig(proposer="ngram", scorers=["batch_expansion", "mqa"], max_k=4),
+        policy={"name": "fixed", "k": 3, "scorer": "mqa"},
+    )
+    return Engine(cfg)
+
+
+def run(engine: Engine, seed: int) -> tuple[list[list[int]], list[tuple]]:
+    rng = random.Random(seed)
+    records: list[StepRecord] = []
+    engine.on_step = records.append
+    reqs = []
+    for i in range(8):
+        motif = [rng.randrange(3, 40) for _ in range(rng.randint(2, 6))]
+        sampling = SamplingParams(
+            max_tokens=rng.randint(8, 40), ignore_eos=i % 2 == 0, stop_token_ids=[7] if i % 3 == 0 else []
+        )
+        spec = SpecParams(max_k=rng.choice([None, 0, 2]))
+        reqs.append(Request(f"r{i}", (motif * 20)[: rng.randint(6, 30)], sampling, spec))
+        engine.add_request(reqs[-1])
+    while any(not r.is_finished for r in reqs):
+        engine.step()
+    rows = [
+        (r.step, r.kind, r.batch_size, r.num_tokens, r.scorer, r.num_emitted, [vars(q) for q in r.requests])
+        for r in records
+    ]
+    return [r.output_ids for r in reqs], rows
+
+
+def test_on_scoring_and_preemption_keep_outputs_and_records():
+    for seed, num_blocks in [(0, 256), (1, 24)]:  # 24 blocks of 4 slots: requests get preempted
+        plain, ahead = make_engine(num_blocks), make_engine(num_blocks)
+        ahead.is_overlapped_observe = True  # as on CUDA: observe and on_scoring while scoring
+        want, got = run(plain, seed), run(ahead, seed)
+        assert got == want
+        if num_blocks == 24:
+            assert ahead.scheduler.num_preemptions > 0
