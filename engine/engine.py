@@ -295,10 +295,11 @@ class Engine:
         for i, (r, toks, k) in enumerate(zip(reqs, emitted, num_draft)):
             n_acc = len(toks) - 1
             out, s = r.output_ids, r.sampling
-            num_tokens = len(r.prompt_ids) + len(out)  # before this step's tokens
+            num_out = len(out)
+            num_tokens = len(r.prompt_ids) + num_out  # before this step's tokens
             # _kept, its common case inline: no stop token among the tokens, none reaches a limit
             if (
-                n_acc + 1 < s.max_tokens - len(out)
+                n_acc + 1 < s.max_tokens - num_out
                 and n_acc + 1 < max_model_len - num_tokens
                 and (s.ignore_eos or eos.isdisjoint(toks))
                 and not s.stop_token_ids

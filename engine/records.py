@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 
 @dataclass
@@ -53,11 +54,11 @@ class StepRecord:
 
     @property
     def num_proposed(self) -> int:
-        return sum(r.k for r in self.requests)
+        return sum(map(_k, self.requests))
 
     @property
     def num_accepted(self) -> int:
-        return sum(r.num_accepted for r in self.requests)
+        return sum(map(_num_accepted, self.requests))
 
 
 @dataclass
@@ -73,3 +74,6 @@ class RequestOutput:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+
+_k, _num_accepted = attrgetter("k"), attrgetter("num_accepted")

@@ -34,6 +34,15 @@ from specsched.kernels.sampling import SamplingTensors, logits_to_probs, sample_
 from specsched.proposers.base import Proposals
 
 
+def _match_bits(k: int, num_accepted: int) -> str:
+    """``VerifyResult.match_bits`` of one request: "" for k = 0, else "1" per accepted draft and "0"
+    when one was rejected."""
+    return ("1" * num_accepted + ("0" if num_accepted < k else "")) if k else ""
+
+
+_MATCH_BITS = [[_match_bits(k, a) for a in range(k + 1)] for k in range(33)]  # [k][accepted]
+
+
 @dataclass
 class VerifyResult:
     """Tokens each request emits this step: accepted drafts, then one recovered or bonus token.
@@ -73,10 +82,13 @@ class VerifyResult:
     def match_bits(self) -> list[str]:
         """Per request: "1" per accepted draft, then "0" if a draft was rejected (greedy: the
         draft/target match pattern up to the first mismatch)."""
-        return [
-            ("1" * (len(e) - 1) + ("0" if len(e) <= k else "")) if k else ""  # k = 0: nothing to match
-            for e, k in zip(self.emitted, self.num_draft, strict=True)
-        ]
+        if len(self.emitted) != len(self.num_draft):
+            raise ValueError(f"{len(self.emitted)} emitted lists for {len(self.num_draft)} requests")
+        out, table = [], _MATCH_BITS
+        for e, k in zip(self.emitted, self.num_draft):
+            a = len(e) - 1  # accepted
+            out.append(table[k][a] if 0 <= k < len(table) and a <= k else _match_bits(k, a))
+        return out
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from operator import mul as _mul
 
 import numpy as np
@@ -283,8 +284,8 @@ class CostModels:
 def _record_stats(record: StepRecord) -> ShapeStats:
     """:meth:`StepShape.stats` of a decode record's step (context as the policy sees it: the KV-cached
     tokens + the input token), in one pass of C-level sums over its requests."""
-    ks = [r.k for r in record.requests]
-    ctx = [r.context_len for r in record.requests]  # [B] KV-cached tokens: + 1 each below
+    ks = list(map(_k, record.requests))
+    ctx = list(map(_context_len, record.requests))  # [B] KV-cached tokens: + 1 each below
     b, num_draft = len(ks), sum(ks)
     if min(ks) < 0 or min(ctx) < -1:
         raise ValueError("StepShape k and context_lens must be >= 0")
@@ -299,3 +300,6 @@ def _record_stats(record: StepRecord) -> ShapeStats:
         # Σ (k_i + 1)(c_i + 1) = Σ k_i c_i + Σ k_i + Σ (c_i + 1): integers, exact
         num_weighted_context_tokens=sum(map(_mul, ks, ctx)) + num_draft + num_context,
     )
+
+
+_k, _context_len = attrgetter("k"), attrgetter("context_len")

@@ -53,3 +53,12 @@ def test_on_scoring_and_preemption_keep_outputs_and_records():
         assert got == want
         if num_blocks == 24:
             assert ahead.scheduler.num_preemptions > 0
+
+
+def test_match_bits_table_equals_the_formula():
+    from specsched.kernels.rejection_sampling import VerifyResult
+
+    ks = [0, 1, 4, 4, 8, 32, 33, 40, 0]
+    emitted = [[1], [1], [1, 2, 3], [1, 2, 3, 4, 5], [1] * 9, [1] * 20, [1] * 34, [1] * 3, [1, 2]]
+    want = [("1" * (len(e) - 1) + ("0" if len(e) <= k else "")) if k else "" for e, k in zip(emitted, ks)]
+    assert VerifyResult(emitted, ks).match_bits() == want
