@@ -56,32 +56,59 @@ def carry_plan(
     it names one of the run's scorers (the policy's scorer for a plain decode step: the decode graph,
     not the MQA graph the speculative plan chose). The plan's ``info`` is copied with ``num_joined`` /
     ``num_left`` / ``num_reopened`` added (the original is not changed)."""
-    index = {rid: i for i, rid in enumerate(ids)}
-    old_k = plan.k
-    caps = caps or {}
-    kept = [(v, old_k[index[v.request_id]]) for v in view.requests if v.request_id in index]
-    if not kept:
-        return None
-    num_joined = len(view.requests) - len(kept)
-    if max_joined is not None and num_joined > max(1, int(max_joined * len(view.requests))):
-        return None
-    able = [(u, uk) for u, uk in kept if caps.get(u.request_id, 1) > 0]
-    k, num_reopened = [], 0
-    for v in view.requests:
-        i = index.get(v.request_id)
-        is_reopened = i is not None and old_k[i] == 0 and caps.get(v.request_id, 1) == 0 and v.max_k > 0
-        if i is None or is_reopened:
-            num_reopened += is_reopened
-            like = [(abs(u.acceptance - v.acceptance), uk) for u, uk in able if u.proposer == v.proposer]
-            k.append(min(min(like)[1], v.max_k) if like else 0)
-        else:
-            k.append(min(old_k[i], v.max_k))
-    num_left = len(ids) - len(kept)
+    old_k, caps, views = plan.k, caps or {}, view.requests
+    if ids and len(ids) == len(views) and ids == [v.request_id for v in views]:  # the same batch
+        k, num_reopened = _carry_same(old_k, views, caps)
+        num_joined = num_left = 0
+    else:
+        index = {rid: i for i, rid in enumerate(ids)}
+        kept = [(v, old_k[index[v.request_id]]) for v in views if v.request_id in index]
+        if not kept:
+            return None
+        num_joined = len(views) - len(kept)
+        if max_joined is not None and num_joined > max(1, int(max_joined * len(views))):
+            return None
+        able = [(u, uk) for u, uk in kept if caps.get(u.request_id, 1) > 0]
+        k, num_reopened = [], 0
+        for v in views:
+            i = index.get(v.request_id)
+            is_reopened = i is not None and old_k[i] == 0 and caps.get(v.request_id, 1) == 0 and v.max_k > 0
+            if i is None or is_reopened:
+                num_reopened += is_reopened
+                k.append(_nearest_k(v, able))
+            else:
+                k.append(min(old_k[i], v.max_k))
+        num_left = len(ids) - len(kept)
     info = {**plan.info, "num_joined": num_joined, "num_left": num_left, "num_reopened": num_reopened}
     scorer = plan.scorer
     if not any(k) and info.get("k0_scorer") in view.scorers:  # a plain decode: the policy's scorer for one
         scorer = info["k0_scorer"]
     return replace(plan, k=k, scorer=scorer, info=info)
+
+
+def _nearest_k(v, able: list) -> int:
+    """The planned k of the request in ``able`` ((view, k) pairs) of ``v``'s proposer whose acceptance
+    estimate is nearest ``v``'s, capped by ``v.max_k``; 0 when there is none."""
+    like = [(abs(u.acceptance - v.acceptance), uk) for u, uk in able if u.proposer == v.proposer]
+    return min(min(like)[1], v.max_k) if like else 0
+
+
+def _carry_same(old_k: list[int], views: list, caps: dict[str, int]) -> tuple[list[int], int]:
+    """:func:`carry_plan`'s k for the batch the plan was decided for (the usual step: nobody joined or
+    left), in one pass over the requests; (k, number of reopened requests)."""
+    k, reopened = [], []
+    for i, (v, ok) in enumerate(zip(views, old_k)):
+        m = v.max_k
+        if ok == 0 and m > 0 and caps.get(v.request_id, 1) == 0:  # reopened: filled below
+            reopened.append(i)
+            k.append(0)
+        else:
+            k.append(ok if ok < m else m)
+    if reopened:
+        able = [(u, uk) for u, uk in zip(views, old_k) if caps.get(u.request_id, 1) > 0]
+        for i in reopened:
+            k[i] = _nearest_k(views[i], able)
+    return k, len(reopened)
 
 
 class PlanReuse:

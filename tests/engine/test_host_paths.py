@@ -62,3 +62,61 @@ def test_match_bits_table_equals_the_formula():
     emitted = [[1], [1], [1, 2, 3], [1, 2, 3, 4, 5], [1] * 9, [1] * 20, [1] * 34, [1] * 3, [1, 2]]
     want = [("1" * (len(e) - 1) + ("0" if len(e) <= k else "")) if k else "" for e, k in zip(emitted, ks)]
     assert VerifyResult(emitted, ks).match_bits() == want
+
+
+def reference_carry(ids, plan, view, max_joined, caps=None):
+    """carry_plan before its same-batch pass (commit 31df89f), the k and counts it gave."""
+    index = {rid: i for i, rid in enumerate(ids)}
+    old_k, caps = plan.k, caps or {}
+    kept = [(v, old_k[index[v.request_id]]) for v in view.requests if v.request_id in index]
+    if not kept:
+        return None
+    num_joined = len(view.requests) - len(kept)
+    if max_joined is not None and num_joined > max(1, int(max_joined * len(view.requests))):
+        return None
+    able = [(u, uk) for u, uk in kept if caps.get(u.request_id, 1) > 0]
+    k, num_reopened = [], 0
+    for v in view.requests:
+        i = index.get(v.request_id)
+        is_reopened = i is not None and old_k[i] == 0 and caps.get(v.request_id, 1) == 0 and v.max_k > 0
+        if i is None or is_reopened:
+            num_reopened += is_reopened
+            like = [(abs(u.acceptance - v.acceptance), uk) for u, uk in able if u.proposer == v.proposer]
+            k.append(min(min(like)[1], v.max_k) if like else 0)
+        else:
+            k.append(min(old_k[i], v.max_k))
+    return k, num_joined, len(ids) - len(kept), num_reopened
+
+
+def test_carry_plan_equals_the_reference():
+    from specsched.engine.planning import carry_plan
+    from specsched.policies.base import BatchView, Plan, RequestView
+
+    rng = random.Random(7)
+    for trial in range(400):
+        ids = [f"r{i}" for i in range(rng.randint(1, 12))]
+        plan = Plan([rng.choice([0, 0, 1, 3, 5]) for _ in ids], "mqa", "goodput", info={"k0_scorer": "be"})
+        caps = {rid: rng.choice([0, 0, 2, 6]) for rid in ids} if trial % 3 else None
+        batch = (
+            list(ids) if trial % 2 else [r for r in ids if rng.random() < 0.8] + ["new1", "new2"][: trial % 3]
+        )
+        views = [
+            RequestView(r, 20, rng.choice(["ngram", "draft"]), rng.choice([0, 1, 4, 9]), rng.random(), 0.1)
+            for r in batch
+        ]
+        view = BatchView(views, 100, 16, ["mqa", "be"])
+        for max_joined in (None, 0.125):
+            got, want = (
+                carry_plan(ids, plan, view, max_joined, caps),
+                reference_carry(ids, plan, view, max_joined, caps),
+            )
+            if want is None:
+                assert got is None
+                continue
+            k, joined, left, reopened = want
+            assert got.k == k and got.scorer == ("be" if not any(k) else "mqa")
+            assert (got.info["num_joined"], got.info["num_left"], got.info["num_reopened"]) == (
+                joined,
+                left,
+                reopened,
+            )
