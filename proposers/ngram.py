@@ -179,19 +179,10 @@ class NgramProposer(Proposer):
         self._cache[req.request_id] = c
         return c
 
-    def _match(self, req: Request) -> tuple[list[int], int | None]:
-        """The request's tokens (its cache entry's) and :func:`ngram_match` over them, cached per
-        token count: :meth:`peek` finds it, :meth:`propose` on the same step reuses it."""
-        c = self._entry(req)
-        tokens = c.tokens
-        if c.match_at != len(tokens):
-            c.match_start, c.match_at = c.index.match(tokens), len(tokens)
-        return tokens, c.match_start
-
     def peek(self, batch: list[Request]) -> ProposerPeek:
         """``max_k[i]``: how many tokens follow request i's best match (0 when none)."""
         max_k, entry = [], self._entry
-        for req in batch:  # _match, inlined: it runs for every request every step
+        for req in batch:  # the match, cached per token count (propose reuses it), found at most once
             c = entry(req)
             n = len(c.tokens)
             if c.match_at != n:
@@ -205,11 +196,18 @@ class NgramProposer(Proposer):
         than ``k[i]``; ``num_draft`` holds the actual count)."""
         if len(k) != len(batch):
             raise ValueError(f"k has {len(k)} entries for a batch of {len(batch)} requests")
-        if any(ki < 0 for ki in k):
+        if k and min(k) < 0:
             raise ValueError(f"k must be >= 0 for every request, got {k}")
-        drafts = []
+        drafts, entry = [], self._entry
         for req, ki in zip(batch, k, strict=True):
-            tokens, start = self._match(req) if ki > 0 else (None, None)
+            if ki <= 0:
+                drafts.append([])
+                continue
+            c = entry(req)  # the match peek found on these tokens (else found here)
+            tokens = c.tokens
+            if c.match_at != len(tokens):
+                c.match_start, c.match_at = c.index.match(tokens), len(tokens)
+            start = c.match_start
             drafts.append([] if start is None else tokens[start : start + ki])
         return Proposals.from_lists(drafts)  # host tensors: scorers and verify read them there
 
