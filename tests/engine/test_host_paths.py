@@ -120,3 +120,31 @@ def test_carry_plan_equals_the_reference():
                 left,
                 reopened,
             )
+
+
+def test_request_views_caps_and_estimates():
+    """request_views, one proposer (mean_std_many) and mixed (mean_std each): the cap is the min of the
+    peek, spec.max_k, the tokens left and the context left, the estimate is mean_std's."""
+    from specsched.engine.proposing import request_views
+    from specsched.policies.acceptance import AcceptanceEstimator
+
+    rng = random.Random(11)
+    est = AcceptanceEstimator()
+    reqs = []
+    for i in range(12):
+        sampling = SamplingParams(max_tokens=rng.randint(1, 30))
+        r = Request(
+            f"v{i}", [3] * rng.randint(1, 40), sampling, SpecParams(max_k=rng.choice([None, 0, 2, 9]))
+        )
+        r.output_ids = [4] * rng.randint(0, sampling.max_tokens - 1)
+        reqs.append(r)
+        if i % 2:
+            est.observe(r.request_id, "ngram", 4, rng.randint(0, 4))
+    for names in (["ngram"] * 12, [rng.choice(["ngram", "draft"]) for _ in range(12)]):
+        peek = [rng.choice([0, 3, 1 << 30]) for _ in reqs]
+        views = request_views(reqs, names, peek, est, 8, 64)
+        for r, n, m, v in zip(reqs, names, peek, views):
+            cap = min(m, 8, r.sampling.max_tokens - len(r.output_ids) - 1, 64 - r.num_tokens)
+            cap = cap if r.spec.max_k is None else min(cap, r.spec.max_k)
+            assert (v.max_k, v.context_len, v.proposer) == (max(cap, 0), r.num_tokens, n)
+            assert (v.acceptance, v.acceptance_std) == est.mean_std(r.request_id, n)
