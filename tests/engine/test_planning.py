@@ -6,10 +6,10 @@ import pytest
 
 from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specsched.engine.engine import Engine
-from specsched.engine.planning import PlanReuse, carry_plan
+from specsched.engine.planning import Planner, PlanReuse, carry_plan
 from specsched.engine.records import StepRecord
 from specsched.engine.request import SamplingParams
-from specsched.policies.base import BatchView, Plan, RequestView
+from specsched.policies.base import BatchView, Plan, Policy, RequestView
 from specsched.policies.goodput import GoodputPolicy
 
 
@@ -205,3 +205,72 @@ def test_the_engine_feeds_the_budget_the_decides_and_steps_it_measured():
     assert reuse.step_ms is not None and reuse.step_ms > 0
     # on the CPU path every decide is on the critical path: the EMA lies within the decides' range
     assert reuse.exposed_ms is not None and min(decided) <= reuse.exposed_ms <= max(decided)
+
+
+class SafeStatic(Policy):
+    """k = 2 for everyone, plan-ahead safe; counts its decides."""
+
+    is_plan_ahead_safe = True
+
+    def __init__(self) -> None:
+        self.num_decides = 0
+
+    def decide(self, view, costs) -> Plan:
+        self.num_decides += 1
+        return Plan([2] * len(view.requests), "mqa", "static")
+
+
+def gpu_like_steps(planner: Planner, policy: SafeStatic, num_steps: int, late_ms: float) -> list[Plan]:
+    """Run the planner as the engine does on CUDA (plan, decide ahead while the GPU scores, observe)
+    for ``num_steps`` steps of one batch. Host times as on the H200: a 1 ms launch whose forward's
+    events span 3 ms (the launch's packing included: the GPU waits for it); a step that decides
+    nothing ahead spends 1.5 ms after the launch (overlap 0.2 + verify 1.3); a decide ahead of 2 ms
+    makes that ``1.5 + late_ms`` (overlap 2.2, the read after it)."""
+    ids = [f"r{i}" for i in range(4)]
+    plans = []
+    for _ in range(num_steps):
+        plans.append(planner.plan(policy, None, view_of(ids, [8] * 4)))
+        before = policy.num_decides
+        planner.decide_ahead(policy, None, lambda: view_of(ids, [8] * 4))
+        if policy.num_decides > before:  # it decided ahead
+            planner._ahead_ms = 2.0  # the host ms it took (the fake decide takes ~0)
+            overlap, verify = 2.2, 1.5 + late_ms - 2.2
+        else:
+            overlap, verify = 0.2, 1.3
+        host = {"view": 0.3, "decide": 0.0, "score": 1.0, "overlap": overlap, "verify": verify, "commit": 0.3}
+        planner.observe(3.0, host)
+    return plans
+
+
+def test_a_decide_ahead_the_gpu_waited_for_counts_against_the_budget():
+    """A decide ahead that makes its step 1 ms longer than a step without one costs 1 ms. The old
+    measure (launch + overlap - the forward's event time = 1 + 2.2 - 3 = 0.2 ms) missed most of it
+    when the events spanned the launch (H200, N = 64: deciding steps 0.4-1 ms longer, measured ~0);
+    with a 5 % budget the plan is now decided every few steps."""
+    policy = SafeStatic()
+    planner = Planner(budget=0.05, max_age=8, is_plan_ahead=True)
+    gpu_like_steps(planner, policy, 80, late_ms=1.0)
+    assert 0.8 <= planner.reuse.exposed_ms <= 1.0 + 1e-9  # an EMA from the first (free) decide's 0
+    assert planner.reuse.interval >= 4  # ~1 ms / (0.05 * ~4.5 ms steps)
+    assert policy.num_decides <= 80 // 3
+    hidden = Planner(budget=0.05, max_age=8, is_plan_ahead=True)
+    gpu_like_steps(hidden, SafeStatic(), 60, late_ms=0.0)  # as long as the wait for the GPU: free
+    assert hidden.reuse.exposed_ms == pytest.approx(0.0, abs=1e-3) and hidden.reuse.interval == 1
+
+
+def test_with_every_step_deciding_ahead_one_is_skipped_now_and_then_for_the_baseline():
+    """With interval 1 every step decides ahead, so no step measures the time after the launch
+    without one: every BASELINE_EVERY steps a decide ahead is skipped, the held plan runs one step
+    more (carried, not decided on the critical path)."""
+    from specsched.engine.planning import BASELINE_EVERY
+
+    policy = SafeStatic()
+    planner = Planner(budget=0.05, max_age=8, is_plan_ahead=True)
+    n = 3 * BASELINE_EVERY
+    plans = gpu_like_steps(planner, policy, n, late_ms=0.0)
+    assert planner.reuse.interval == 1
+    carried_not_ahead = [p for p in plans[1:] if not p.info.get("is_planned_ahead")]
+    assert 2 <= len(carried_not_ahead) <= 4  # the first step's baseline, then one per BASELINE_EVERY
+    assert all(p.info.get("plan_age", 0) >= 1 and p.info["decide_ms"] == 0.0 for p in carried_not_ahead)
+    # the first step decides on the critical path; after it one decide ahead per step but the skipped
+    assert policy.num_decides == 1 + n - len(carried_not_ahead)
