@@ -204,11 +204,12 @@ def _gguf_tokenizer(path: Path):
     ``TokenizersBackend`` read from the file's metadata (0.3 s); AutoTokenizer itself would first
     parse the whole file again for the config (~3 s) only to pick that class. A
     ``tokenizer_config.json`` beside the file can name another class: then AutoTokenizer decides."""
-    from transformers import AutoTokenizer, TokenizersBackend
+    import transformers
 
-    if (path.parent / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
+    backend = getattr(transformers, "TokenizersBackend", None)  # not in every transformers 5.x
+    if backend is None or (path.parent / "tokenizer_config.json").exists():
+        return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return backend.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _build_gguf_transformers(path: Path, tmp: Path, steps: tqdm) -> dict:
