@@ -21,8 +21,11 @@ decode-emitted tokens / decode ms.
 clients per pass. Replaying the whole log with ``scheduler.max_num_seqs`` (64) would batch requests
 of an N = 1 pass 64 at a time, so the log is cut into passes (:func:`split_passes`: busy periods of
 the daemon, from the ``requests`` rows' arrival and finish times, merged while they share a client),
-and each pass is replayed on its own with ``max_num_seqs`` = its number of clients (requests join as
-soon as a slot is free: a closed loop without think time). One policy object runs through the passes
+and each pass is replayed on its own with ``max_num_seqs`` = its number of clients, closed loop (a
+client's next request joins when its last one finished) and drained between the pass's busy periods
+as live. ``--client-gaps`` also delays each request by its client's recorded round trip (finish to
+next arrival; on the H200 it grew from 2 ms at N = 1 to a median of 20-28 ms at N = 64: the load
+generator, one asyncio process, falls behind there). One policy object runs through the passes
 in order, as live; each pass starts a fresh acceptance estimator (the replay's). The table pools the
 passes of each N (sums of tokens and of ms); ``all`` pools every pass. A log without clients
 (engine runs) is one pass at the run's ``max_num_seqs``.
@@ -44,6 +47,7 @@ import sqlite3
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from specsched.bench.markdown import fmt, table
 from specsched.policies.cost_model import CostModels
@@ -69,6 +73,7 @@ class Pass:
     clients: set
     start: float
     end: float
+    segments: list[int] = dataclasses.field(default_factory=list)  # per key: its busy period in the pass
 
 
 def request_times(path: str, run_id: int) -> list[RequestTimes]:
@@ -92,7 +97,11 @@ def request_times(path: str, run_id: int) -> list[RequestTimes]:
 def split_passes(requests: Sequence[RequestTimes], max_num_seqs: int) -> list[Pass]:
     """Busy periods (a request arriving after every earlier one finished starts one), merged with the
     previous pass while they share a client; concurrency = its distinct clients (capped at
-    ``max_num_seqs``), or ``max_num_seqs`` when the log names no client."""
+    ``max_num_seqs``), or ``max_num_seqs`` when the log names no client. A pass keeps its periods
+    (``segments``): the replay drains the batch between them as the live daemon did (``bench=serve``
+    runs a config's rounds at one N back to back: each ends when its last request does, and at N = 64
+    the batch fell from 64 to 2 there, 40 requests per step on average against 56 in a replay that
+    filled every slot at once: +10-13 % tok/s)."""
     periods: list[list[RequestTimes]] = []
     busy_until = float("-inf")
     for r in sorted(requests, key=lambda r: r.arrival):
@@ -106,21 +115,37 @@ def split_passes(requests: Sequence[RequestTimes], max_num_seqs: int) -> list[Pa
         if passes and clients & passes[-1].clients:
             last = passes[-1]
             last.keys += [r.key for r in period]
+            last.segments += [last.segments[-1] + 1] * len(period)
             last.clients |= clients
             last.end = max(last.end, *(r.finish for r in period))
         else:
             passes.append(Pass(0, [r.key for r in period], clients, period[0].arrival,
-                               max(r.finish for r in period)))  # fmt: skip
+                               max(r.finish for r in period), [0] * len(period)))  # fmt: skip
     for p in passes:
         p.concurrency = max_num_seqs if None in p.clients else min(len(p.clients), max_num_seqs)
     return passes
 
 
-def sub_run(run: RecordedRun, bits: MatchBits, p: Pass) -> tuple[RecordedRun, MatchBits]:
-    """The part of ``run`` that served pass ``p`` (its requests, their decode steps, the prefill steps
-    inside its time window), with ``max_num_seqs`` = its concurrency, and those requests' bits."""
-    keys = set(p.keys)
-    index = [i for i, r in enumerate(run.requests) if r.key in keys]
+class PassPart(NamedTuple):
+    """What :func:`sub_run` cuts out of a log for one pass."""
+
+    p: Pass
+    run: RecordedRun  # the pass's requests (arrival order) and steps, max_num_seqs = its concurrency
+    bits: MatchBits
+    segments: list[int]  # per request: its busy period in the pass (``Pass.segments``)
+    think_ms: list[float]  # per request: ms from its client's last request's finish to its arrival
+
+
+def sub_run(run: RecordedRun, bits: MatchBits, p: Pass, times: Sequence[RequestTimes]) -> PassPart:
+    """The part of ``run`` that served pass ``p`` (its requests in arrival order, their decode steps,
+    the prefill steps inside its time window), with ``max_num_seqs`` = its concurrency, those
+    requests' bits, each one's busy period in the pass, and its client's round trip before it
+    (``times``: the log's :func:`request_times`; H200 2026-12-04, ``bench=serve``: median 2 ms at
+    N = 1, 5 ms at 16, 20-28 ms at 64 with a p90 of 135-283 ms: one asyncio process drives all the
+    clients, and at 64 it falls behind)."""
+    position = {k: i for i, k in enumerate(p.keys)}
+    by_key = {r.key: i for i, r in enumerate(run.requests)}
+    index = [by_key[k] for k in p.keys if k in by_key]  # arrival order: the periods in order
     ids = {k for i in index for k in (run.requests[i].key, run.requests[i].key.rsplit("#", 1)[0])}
     inside = [s for s in run.steps if p.start <= s.start_time <= p.end]
     steps = [s for s in inside if s.kind == "prefill" or (s.requests and s.requests[0].request_id in ids)]
@@ -129,7 +154,25 @@ def sub_run(run: RecordedRun, bits: MatchBits, p: Pass) -> tuple[RecordedRun, Ma
     pick = [bits.bits[i] for i in index], [bits.imputed[i] for i in index]
     num_imputed = sum(sum(m[1 : run.requests[i].output_len - 1]) for i, m in zip(index, pick[1], strict=True))
     draftable = sum(run.requests[i].num_draftable for i in index)
-    return part, MatchBits(pick[0], pick[1], bits.run_mean, draftable, num_imputed, bits.seed)
+    segments = [p.segments[position[run.requests[i].key]] for i in index]
+    think = think_times([t for t in times if t.key in position])
+    think_ms = [think.get(run.requests[i].key, 0.0) for i in index]
+    pass_bits = MatchBits(pick[0], pick[1], bits.run_mean, draftable, num_imputed, bits.seed)
+    return PassPart(p, part, pass_bits, segments, think_ms)
+
+
+def think_times(times: Sequence[RequestTimes]) -> dict[str, float]:
+    """Per request key: ms from its client's previous request's finish to its arrival (0 for a
+    client's first request, and for requests without a client)."""
+    last: dict[str, float] = {}
+    out = {}
+    for t in sorted(times, key=lambda t: t.arrival):
+        if t.client is not None:
+            out[t.key] = max(t.arrival - last[t.client], 0.0) * 1e3 if t.client in last else 0.0
+            last[t.client] = t.finish
+        else:
+            out[t.key] = 0.0
+    return out
 
 
 @dataclass
@@ -137,15 +180,16 @@ class LoadedLog:
     run: RecordedRun
     bits: MatchBits
     costs: CostModels
-    passes: list[tuple[Pass, RecordedRun, MatchBits]]
+    passes: list[PassPart]
 
 
 def load_log(path: str, run_id: int | None = None, seed: int = 0) -> LoadedLog:
     """A log with its bits, refitted cost model and passes (see the module docstring)."""
     run = load_run(path, run_id)
     bits, costs = complete_bits(run, seed), refit_costs(run, count_between=False)  # idle time: neither side
-    passes = split_passes(request_times(path, run.run_id), run.settings.max_num_seqs)
-    return LoadedLog(run, bits, costs, [(p, *sub_run(run, bits, p)) for p in passes])
+    times = request_times(path, run.run_id)
+    passes = split_passes(times, run.settings.max_num_seqs)
+    return LoadedLog(run, bits, costs, [sub_run(run, bits, p, times) for p in passes])
 
 
 @dataclass
@@ -178,21 +222,27 @@ class Rate:
 def live_rates(log: LoadedLog) -> dict[int, Rate]:
     """Measured rates per concurrency (0: every pass)."""
     out: dict[int, Rate] = {}
-    for p, part, _ in log.passes:
-        res = recorded_result(part, log.costs)
-        for n in (p.concurrency, 0):
-            out.setdefault(n, Rate()).add(res, part, measured=True)
+    for x in log.passes:
+        res = recorded_result(x.run, log.costs)
+        for n in (x.p.concurrency, 0):
+            out.setdefault(n, Rate()).add(res, x.run, measured=True)
     return out
 
 
-def predicted_rates(log: LoadedLog, policy: dict) -> dict[int, Rate]:
-    """Rates per concurrency (0: every pass) of ``policy`` replayed on ``log``, pass by pass."""
+def predicted_rates(log: LoadedLog, policy: dict, client_gaps: bool = False) -> dict[int, Rate]:
+    """Rates per concurrency (0: every pass) of ``policy`` replayed on ``log``, pass by pass: with
+    clients, closed loop (each client's requests one at a time), the batch drained between the
+    pass's busy periods; ``client_gaps``: each request joins its client's recorded round trip after
+    the last one finished (:func:`sub_run`)."""
     label, instance = policy_label(policy), build_policy(policy)
     out: dict[int, Rate] = {}
-    for p, part, bits in log.passes:
-        res = simulate(part, bits, instance, log.costs, label)
-        for n in (p.concurrency, 0):
-            out.setdefault(n, Rate()).add(res, part, measured=False)
+    for x in log.passes:
+        clients = {r.client for r in x.run.requests}
+        closed = None not in clients  # each client's requests one at a time, after its round trip
+        res = simulate(x.run, x.bits, instance, log.costs, label, closed_loop=closed, segments=x.segments,
+                       think_ms=x.think_ms if closed and client_gaps else None)  # fmt: skip
+        for n in (x.p.concurrency, 0):
+            out.setdefault(n, Rate()).add(res, x.run, measured=False)
     return out
 
 
@@ -208,7 +258,10 @@ def error(predicted: float | None, live: float | None) -> float | None:
 
 
 def fidelity_rows(
-    replayed: LoadedLog, lives: Sequence[tuple[str, LoadedLog]], attribute_overhead: bool = False
+    replayed: LoadedLog,
+    lives: Sequence[tuple[str, LoadedLog]],
+    attribute_overhead: bool = False,
+    client_gaps: bool = False,
 ) -> list[list[str]]:
     """One row per live log and concurrency: live / predicted / self-replay tok/s and errors (and the
     decode tok/s predicted with the live log's overhead model, when ``attribute_overhead``)."""
@@ -220,10 +273,12 @@ def fidelity_rows(
             continue
         measured, predicted, own = (
             live_rates(live),
-            predicted_rates(replayed, policy),
-            predicted_rates(live, policy),
+            predicted_rates(replayed, policy, client_gaps),
+            predicted_rates(live, policy, client_gaps),
         )
-        swapped = predicted_rates(with_overhead(replayed, live), policy) if attribute_overhead else {}
+        swapped = (
+            predicted_rates(with_overhead(replayed, live), policy, client_gaps) if attribute_overhead else {}
+        )
         for n in sorted(measured, key=lambda n: (n == 0, n)):
             m, p, s = measured[n], predicted.get(n, Rate()), own.get(n, Rate())
             rows.append([
@@ -248,7 +303,7 @@ ATTRIBUTION = ["decode tok/s, live log's overhead model", "its error %"]
 
 
 def passes_note(log: LoadedLog, name: str) -> str:
-    shown = ", ".join(f"N={p.concurrency}: {len(p.keys)}" for p, _, _ in log.passes)
+    shown = ", ".join(f"N={x.p.concurrency}: {len(x.p.keys)}" for x in log.passes)
     return f"- passes of `{name}` (N: requests): {shown}"
 
 
@@ -263,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cost-error", action="store_true", help="also the held-out cost-model error table")
     ap.add_argument("--attribute-overhead", action="store_true",
                     help="add decode tok/s predicted with the live log's overhead model")  # fmt: skip
+    ap.add_argument("--client-gaps", action="store_true",
+                    help="replay each client's recorded round trip between its requests")  # fmt: skip
     args = ap.parse_args(argv)
     names = [_name(p) for p in args.live]
     replayed = load_log(args.replayed, seed=args.seed)
@@ -270,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (n, replayed if p == args.replayed else load_log(p, seed=args.seed)) for n, p in zip(names, args.live)
     ]
     header = HEADER + ATTRIBUTION * args.attribute_overhead
-    rows = fidelity_rows(replayed, lives, args.attribute_overhead)
+    rows = fidelity_rows(replayed, lives, args.attribute_overhead, args.client_gaps)
     parts = [f"Replayed log: `{_name(args.replayed)}`.", "", table(header, rows), "",
              passes_note(replayed, _name(args.replayed))]  # fmt: skip
     if args.cost_error:

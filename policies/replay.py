@@ -167,12 +167,20 @@ def simulate(
     label: str,
     scorers: Sequence[str] | None = None,
     closed_loop: bool = False,
+    segments: Sequence[int] | None = None,
+    think_ms: Sequence[float] | None = None,
 ) -> PolicyResult:
     """Replay the run's requests under ``policy`` (see the module docstring). ``closed_loop``: a
     client (``RecordedRequest.client``) has one request running at a time, its next one joining when
     the last finished, as the clients of ``bench=serve`` send them (requests without a client join in
-    order, as always). Raises ``ValueError`` when the policy cannot run here (e.g. it names a scorer
-    that ``scorers`` lacks)."""
+    order, as always). ``segments``: per request (``run.requests`` order, non-decreasing) the busy
+    period of the live run it came in; a request joins only once every request of earlier periods
+    has finished (the live batch drained there: e.g. ``bench=serve``'s rounds, each ending with its
+    last request). ``think_ms`` (with ``closed_loop``): per request, the ms from its client's last
+    request's finish to its arrival, live (the client's round trip); it joins that long after its
+    client's last request finished in the replay's clock (the predicted ms of the steps so far; a
+    batch with nobody ready waits, time that counts on neither side, as the idle time live). Raises
+    ``ValueError`` when the policy cannot run here (e.g. it names a scorer that ``scorers`` lacks)."""
     st = run.settings
     scorers = list(scorers or st.scorers)
     res = _base_result(run, label, "replayed", costs)
@@ -182,13 +190,26 @@ def simulate(
         queues.setdefault(r.client if closed_loop else None, deque()).append(i)
     running: list[_Live] = []
     busy: set[str] = set()  # clients with a request running
+    segment = [0]  # the busy period being served (``segments``)
+    clock = [0.0]  # predicted ms of the steps so far (the idle waits of ``think_ms`` added)
+    ready_at: dict[int, float] = {}  # request index -> the clock it may join at (``think_ms``)
+
+    def is_waiting(i: int) -> bool:
+        return think_ms is not None and ready_at.get(i, 0.0) > clock[0]
 
     def admit() -> None:
+        if segments is not None and not running:  # drained: the next period may start
+            heads = [segments[q[0]] for q in queues.values() if q]
+            segment[0] = min(heads, default=segment[0])
         is_admitted = True
         while is_admitted and len(running) < st.max_num_seqs:
             is_admitted = False
             for client, queue in queues.items():
                 if not queue or len(running) >= st.max_num_seqs or client in busy:
+                    continue
+                if segments is not None and segments[queue[0]] > segment[0]:
+                    continue
+                if is_waiting(queue[0]):
                     continue
                 i = queue.popleft()
                 live = _Live(i, run.requests[i])
@@ -202,6 +223,9 @@ def simulate(
     while any(queues.values()) or running:
         admit()
         if not running:
+            waits = [ready_at[q[0]] for q in queues.values() if q and is_waiting(q[0])]
+            if waits:  # nobody ready: the clients' round trips (idle, as live)
+                clock[0] = min(waits)
             continue
         ctx = [live.req.prompt_len + live.s + 1 for live in running]
         held = sum(-(-c // st.block_size) for c in ctx)
@@ -246,11 +270,16 @@ def simulate(
         res.num_request_steps += len(ks)
         res.num_drafts += sum(ks)
         res.predicted_ms += pred
+        clock[0] += pred
         res.scorer_steps[plan.scorer] = res.scorer_steps.get(plan.scorer, 0) + 1
         res.trace.append(StepTrace(len(ks), sum(ks) / len(ks), plan.scorer, pred))
         for live in [x for x in running if x.s >= x.req.output_len - 1]:
             running.remove(live)
-            busy.discard(live.req.client if closed_loop else None)
+            client = live.req.client if closed_loop else None
+            busy.discard(client)
+            if think_ms is not None and queues.get(client):
+                nxt = queues[client][0]
+                ready_at[nxt] = clock[0] + think_ms[nxt]
             acceptance.forget(live.req.key)
     return res
 

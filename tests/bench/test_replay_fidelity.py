@@ -20,6 +20,7 @@ from specsched.bench.replay_fidelity import (
     main,
     predicted_rates,
     split_passes,
+    think_times,
 )
 from specsched.daemon.log import LogConfig, LogWriter
 from specsched.engine.config import (
@@ -122,16 +123,28 @@ def test_split_passes_by_idle_gaps_and_clients():
         (1, ["w"]), (1, ["a0", "a1", "a2"]), (2, ["b0", "b1", "b2", "b3"]), (1, ["d0"])
     ]  # fmt: skip
     assert split_passes([RequestTimes("x", None, 0.0, 1.0)], max_num_seqs=8)[0].concurrency == 8  # no client
+    # each pass keeps its busy periods: a's requests one each; b's two waves of two overlap in none
+    assert [p.segments for p in passes] == [[0], [0, 1, 2], [0, 0, 1, 1], [0]]
+
+
+def test_think_times_are_each_client_s_gap_between_finish_and_next_arrival():
+    rt = [RequestTimes("a0", "c0", 0.0, 1.0), RequestTimes("b0", "c1", 0.1, 0.5),
+          RequestTimes("b1", "c1", 0.503, 0.9), RequestTimes("a1", "c0", 1.02, 2.0),
+          RequestTimes("x", None, 1.5, 1.7)]  # fmt: skip
+    got = think_times(rt)
+    assert got.keys() == {"a0", "b0", "b1", "a1", "x"}
+    assert got["a0"] == got["b0"] == got["x"] == 0.0
+    assert got["b1"] == pytest.approx(3.0) and got["a1"] == pytest.approx(20.0)
 
 
 def test_passes_of_a_real_log_replay_at_their_own_concurrency(logs):
     log = load_log(str(logs / "k8.sqlite"))
-    assert [(p.concurrency, len(p.keys)) for p, _, _ in log.passes] == [(1, 3), (2, 4)]
-    for p, part, bits in log.passes:
+    assert [(p.concurrency, len(p.keys)) for p, *_ in log.passes] == [(1, 3), (2, 4)]
+    for p, part, bits, *_ in log.passes:
         assert {r.key for r in part.requests} == set(p.keys) and len(bits.bits) == len(p.keys)
         assert part.decode_steps and max(s.batch_size for s in part.decode_steps) == p.concurrency
         assert len(part.prefill_steps) >= 1
-    assert sum(len(part.steps) for _, part, _ in log.passes) == len(log.run.steps)  # every step in a pass
+    assert sum(len(part.steps) for _, part, *_ in log.passes) == len(log.run.steps)  # every step in a pass
     # replayed pass by pass, the recorded policy takes the recorded number of steps (with the run's
     # max_num_seqs = 4 the replay would batch pass 1's three requests together: far fewer steps)
     predicted, live = predicted_rates(log, K8), live_rates(log)

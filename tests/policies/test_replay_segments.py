@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from specsched.policies.replay import ReplayOptions, replay
 from specsched.policies.replay_log import load_run
 from specsched.policies.replay_segments import format_levels, level_of, replay_by_level
@@ -95,3 +97,58 @@ def test_closed_loop_replay_keeps_one_request_per_client():
     no_clients = dataclasses.replace(run, requests=[dataclasses.replace(r, client=None) for r in reqs])
     assert [t.batch_size for t in simulate(no_clients, bits, build_policy(policy), costs, "x",
                                            closed_loop=True).trace][0] == 6  # fmt: skip
+
+
+def _two_clients(lengths: dict[str, int], n: int = 3):
+    from specsched.policies.replay_log import MatchBits, RecordedRequest, RecordedRun, RunSettings
+
+    reqs = [
+        RecordedRequest(f"{c}{i}", 10, length, i, [None] * length, {}, True, client=c)
+        for i in range(n)
+        for c, length in lengths.items()
+    ]
+    settings = RunSettings("draft", 8, 64, ["mqa"], 4, None, {"name": "fixed", "k": 0, "scorer": "mqa"})
+    run = RecordedRun("mem", 1, "m", "cpu", "t", settings, [], reqs)
+    none = [[False] * r.output_len for r in reqs]
+    return run, MatchBits(none, none, 0.0, 0, 0)
+
+
+def test_a_later_busy_period_joins_only_once_the_batch_drained():
+    """Requests a0 b0 (period 0) then a1 b1 a2 b2 (period 1): with ``segments`` b1 waits for a0 to
+    finish although its own client's b0 finished long before (the live batch drained there)."""
+    from specsched.policies.registry import build_policy
+    from specsched.policies.replay import refit_costs, simulate
+
+    run, bits = _two_clients({"a": 6, "b": 2})
+    policy = build_policy({"name": "fixed", "k": 0, "scorer": "mqa"})
+    costs = refit_costs(run)
+    free = [t.batch_size for t in simulate(run, bits, policy, costs, "x", closed_loop=True).trace]
+    assert free[:2] == [2, 2]  # b1 joined right after b0's one step
+    drained = simulate(run, bits, policy, costs, "x", closed_loop=True, segments=[0, 0, 1, 1, 1, 1])
+    sizes = [t.batch_size for t in drained.trace]
+    assert sizes[:5] == [2, 1, 1, 1, 1]  # b0 (1 step), then a0 alone until it is done (5 steps)
+    assert sizes[5] == 2  # period 1 starts: a1 and b1 together
+    assert drained.num_decode_tokens == free_tokens(run)
+
+
+def free_tokens(run) -> int:
+    return sum(r.output_len - 1 for r in run.requests)
+
+
+def test_a_client_s_round_trip_delays_its_next_request_in_the_replay_clock():
+    """``think_ms``: b's next request joins its round trip after b's last finished, in predicted ms;
+    while nobody is ready the clock jumps (idle, counted on neither side)."""
+    from specsched.policies.registry import build_policy
+    from specsched.policies.replay import refit_costs, simulate
+
+    run, bits = _two_clients({"a": 9, "b": 2})
+    policy = build_policy({"name": "fixed", "k": 0, "scorer": "mqa"})
+    costs = refit_costs(run)
+    step_ms = simulate(run, bits, policy, costs, "x", closed_loop=True).trace[0].predicted_ms
+    think = [0.0, 0.0, 0.0, 3.5 * step_ms, 0.0, 3.5 * step_ms]  # b1 and b2 come 3.5 steps late
+    late = simulate(run, bits, policy, costs, "x", closed_loop=True, think_ms=think)
+    sizes = [t.batch_size for t in late.trace]
+    # step 1: a0 b0; b0 done; b1 ready after 3.5 more steps: joins at step 6 (the 5th after step 1)
+    assert sizes[:6] == [2, 1, 1, 1, 1, 2]
+    assert late.num_decode_tokens == free_tokens(run)
+    assert late.predicted_ms == pytest.approx(sum(t.predicted_ms for t in late.trace))  # no idle counted
