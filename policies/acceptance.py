@@ -276,53 +276,20 @@ class AcceptanceEstimator:
         """(:meth:`mean`, :meth:`std`) from one posterior lookup (:meth:`posterior` and
         :func:`beta_std`, inlined: the engine calls this for every running request every step)."""
         terms = self._priors.get(proposer)
-        alpha0, beta0, s, f, cap = terms if terms is not None else self._prior_terms(proposer)
-        own = self._requests.get(request_id)
-        if own is None:
-            alpha, beta = alpha0 + s, beta0 + f  # s, f >= 0: the aggregate with nothing left out
-            strength = alpha + beta
-            if strength > cap:
-                alpha, beta = alpha * cap / strength, beta * cap / strength
-        else:
-            own_s, own_f = own
-            s, f = s - own_s, f - own_f
-            alpha, beta = alpha0 + (s if s > 0.0 else 0.0), beta0 + (f if f > 0.0 else 0.0)
-            strength = alpha + beta
-            if strength > cap:
-                alpha, beta = alpha * cap / strength, beta * cap / strength
-            alpha, beta = alpha + own_s, beta + own_f
-        n = alpha + beta
-        return alpha / n, _sqrt(alpha * beta / (n * n * (n + 1.0)))
+        terms = terms if terms is not None else self._prior_terms(proposer)
+        return _posterior_mean_std(*terms, *self._requests.get(request_id, ()))
 
     def mean_std_many(self, request_ids: Iterable[str], proposer: str) -> list[tuple[float, float]]:
         """:meth:`mean_std` of each of ``request_ids`` (all of ``proposer``), the prior's terms looked
-        up once (the same arithmetic as :meth:`mean_std`, in one loop: the engine's view of a batch of
-        one proposer)."""
+        up once and the never-observed requests' estimate computed once (the engine's view of a batch
+        of one proposer)."""
         terms = self._priors.get(proposer)
-        alpha0, beta0, s, f, cap = terms if terms is not None else self._prior_terms(proposer)
-        # a request never observed: the aggregate with nothing left out (s, f >= 0)
-        alpha, beta = alpha0 + s, beta0 + f
-        strength = alpha + beta
-        if strength > cap:
-            alpha, beta = alpha * cap / strength, beta * cap / strength
-        n = alpha + beta
-        fresh = (alpha / n, _sqrt(alpha * beta / (n * n * (n + 1.0))))
-        out, get = [], self._requests.get
-        for rid in request_ids:
-            own = get(rid)
-            if own is None:
-                out.append(fresh)
-                continue
-            own_s, own_f = own
-            rs, rf = s - own_s, f - own_f
-            alpha, beta = alpha0 + (rs if rs > 0.0 else 0.0), beta0 + (rf if rf > 0.0 else 0.0)
-            strength = alpha + beta
-            if strength > cap:
-                alpha, beta = alpha * cap / strength, beta * cap / strength
-            alpha, beta = alpha + own_s, beta + own_f
-            n = alpha + beta
-            out.append((alpha / n, _sqrt(alpha * beta / (n * n * (n + 1.0)))))
-        return out
+        terms = terms if terms is not None else self._prior_terms(proposer)
+        fresh = _posterior_mean_std(*terms)
+        get = self._requests.get
+        return [
+            fresh if (own := get(rid)) is None else _posterior_mean_std(*terms, *own) for rid in request_ids
+        ]
 
     def aggregate_mean(self, proposer: str) -> float:
         """Mean acceptance of the prior a new request of ``proposer`` would get now."""
@@ -350,3 +317,20 @@ class AcceptanceEstimator:
 
 
 _sqrt = math.sqrt
+
+
+def _posterior_mean_std(
+    alpha0: float, beta0: float, s: float, f: float, cap: float, own_s: float = 0.0, own_f: float = 0.0
+) -> tuple[float, float]:
+    """Mean and std of a request's posterior: the prior ``(alpha0, beta0)`` plus the proposer's
+    aggregate successes / failures ``(s, f)`` with the request's own ``(own_s, own_f)`` left out
+    (clipped at 0), its strength capped at ``cap``, then the request's own counts added
+    (:meth:`AcceptanceEstimator.posterior` and :func:`beta_std`, as plain arithmetic)."""
+    s, f = s - own_s, f - own_f
+    alpha, beta = alpha0 + (s if s > 0.0 else 0.0), beta0 + (f if f > 0.0 else 0.0)
+    strength = alpha + beta
+    if strength > cap:
+        alpha, beta = alpha * cap / strength, beta * cap / strength
+    alpha, beta = alpha + own_s, beta + own_f
+    n = alpha + beta
+    return alpha / n, _sqrt(alpha * beta / (n * n * (n + 1.0)))

@@ -190,24 +190,24 @@ def simulate(
         queues.setdefault(r.client if closed_loop else None, deque()).append(i)
     running: list[_Live] = []
     busy: set[str] = set()  # clients with a request running
-    segment = [0]  # the busy period being served (``segments``)
-    clock = [0.0]  # predicted ms of the steps so far (the idle waits of ``think_ms`` added)
+    segment = 0  # the busy period being served (``segments``)
+    clock = 0.0  # predicted ms of the steps so far (the idle waits of ``think_ms`` added)
     ready_at: dict[int, float] = {}  # request index -> the clock it may join at (``think_ms``)
 
     def is_waiting(i: int) -> bool:
-        return think_ms is not None and ready_at.get(i, 0.0) > clock[0]
+        return think_ms is not None and ready_at.get(i, 0.0) > clock
 
     def admit() -> None:
+        nonlocal segment
         if segments is not None and not running:  # drained: the next period may start
-            heads = [segments[q[0]] for q in queues.values() if q]
-            segment[0] = min(heads, default=segment[0])
+            segment = min((segments[q[0]] for q in queues.values() if q), default=segment)
         is_admitted = True
         while is_admitted and len(running) < st.max_num_seqs:
             is_admitted = False
             for client, queue in queues.items():
                 if not queue or len(running) >= st.max_num_seqs or client in busy:
                     continue
-                if segments is not None and segments[queue[0]] > segment[0]:
+                if segments is not None and segments[queue[0]] > segment:
                     continue
                 if is_waiting(queue[0]):
                     continue
@@ -225,7 +225,7 @@ def simulate(
         if not running:
             waits = [ready_at[q[0]] for q in queues.values() if q and is_waiting(q[0])]
             if waits:  # nobody ready: the clients' round trips (idle, as live)
-                clock[0] = min(waits)
+                clock = min(waits)
             continue
         ctx = [live.req.prompt_len + live.s + 1 for live in running]
         held = sum(-(-c // st.block_size) for c in ctx)
@@ -270,7 +270,7 @@ def simulate(
         res.num_request_steps += len(ks)
         res.num_drafts += sum(ks)
         res.predicted_ms += pred
-        clock[0] += pred
+        clock += pred
         res.scorer_steps[plan.scorer] = res.scorer_steps.get(plan.scorer, 0) + 1
         res.trace.append(StepTrace(len(ks), sum(ks) / len(ks), plan.scorer, pred))
         for live in [x for x in running if x.s >= x.req.output_len - 1]:
@@ -279,7 +279,7 @@ def simulate(
             busy.discard(client)
             if think_ms is not None and queues.get(client):
                 nxt = queues[client][0]
-                ready_at[nxt] = clock[0] + think_ms[nxt]
+                ready_at[nxt] = clock + think_ms[nxt]
             acceptance.forget(live.req.key)
     return res
 
