@@ -26,6 +26,8 @@ from specsched.policies.base import BatchView, Plan, Policy
 from specsched.proposers.base import Proposals
 from specsched.scorers.inputs import chunk_host_inputs, tokens_from
 
+_NO_IDS: frozenset[int] = frozenset()  # the EOS ids a request that ignores EOS stops at
+
 
 class Engine:
     def __init__(
@@ -291,22 +293,12 @@ class Engine:
         requests' proposers on a decode step (acceptance is observed), None on a prefill step."""
         outputs, unfinished = [], []
         observe, trim, block_size = self.acceptance.observe, self.scheduler.trim, self.scheduler.block_size
-        eos, max_model_len, is_decode = self.eos_token_ids, self.max_model_len, names is not None
+        is_decode = names is not None
         for i, (r, toks, k) in enumerate(zip(reqs, emitted, num_draft)):
             n_acc = len(toks) - 1
-            out, s = r.output_ids, r.sampling
-            num_out = len(out)
-            num_tokens = len(r.prompt_ids) + num_out  # before this step's tokens
-            # _kept, its common case inline: no stop token among the tokens, none reaches a limit
-            if (
-                n_acc + 1 < s.max_tokens - num_out
-                and n_acc + 1 < max_model_len - num_tokens
-                and (s.ignore_eos or eos.isdisjoint(toks))
-                and not s.stop_token_ids
-            ):
-                kept, reason = toks, None
-            else:
-                kept, reason = self._kept(r, toks)
+            out = r.output_ids
+            num_tokens = len(r.prompt_ids) + len(out)  # before this step's tokens
+            kept, reason = self._kept(r, toks)
             out.extend(kept)
             if is_decode:
                 r.num_proposed += k
@@ -332,10 +324,12 @@ class Engine:
         """The prefix of ``tokens`` the request keeps, through the first one that stops it (EOS or a
         stop id: STOP; max_tokens or the model's context reached: LENGTH), and that reason."""
         s = r.sampling
-        eos, stop_ids = () if s.ignore_eos else self.eos_token_ids, s.stop_token_ids
+        eos, stop_ids = _NO_IDS if s.ignore_eos else self.eos_token_ids, s.stop_token_ids
         num_out = len(r.output_ids)
         # the i-th token reaches max_tokens or the model's context when i >= limit
         limit = min(s.max_tokens - num_out, self.max_model_len - len(r.prompt_ids) - num_out)
+        if len(tokens) < limit and not stop_ids and eos.isdisjoint(tokens):  # the common step: all kept
+            return tokens, None
         for i, t in enumerate(tokens, 1):
             if t in eos or t in stop_ids:
                 return tokens[:i], FinishReason.STOP

@@ -148,3 +148,31 @@ def test_request_views_caps_and_estimates():
             cap = cap if r.spec.max_k is None else min(cap, r.spec.max_k)
             assert (v.max_k, v.context_len, v.proposer) == (max(cap, 0), r.num_tokens, n)
             assert (v.acceptance, v.acceptance_std) == est.mean_std(r.request_id, n)
+
+
+def test_kept_stops_at_eos_stop_ids_and_limits():
+    """The commit's stopping rule (``Engine._kept``, whose common case returns every token at once):
+    the prefix through the first EOS or stop id (STOP) or the token that reaches max_tokens or the
+    context (LENGTH)."""
+    from specsched.engine.request import FinishReason
+
+    engine = make_engine(256)
+    eos = next(iter(engine.eos_token_ids))
+    other = next(t for t in range(1, 100) if t not in engine.eos_token_ids and t != 7)
+
+    def kept(tokens: list[int], num_out: int = 0, **sampling) -> tuple[list[int], FinishReason | None]:
+        sp = SamplingParams(**{"max_tokens": 50, **sampling})
+        r = Request("r", [other] * 10, sp, output_ids=[other] * num_out)
+        return engine._kept(r, tokens)
+
+    toks = [other, other, other]
+    assert kept(toks) == (toks, None)
+    assert kept([other, eos, other]) == ([other, eos], FinishReason.STOP)
+    assert kept([other, eos, other], ignore_eos=True) == ([other, eos, other], None)
+    assert kept([other, 7, other], stop_token_ids=[7]) == ([other, 7], FinishReason.STOP)
+    assert kept(toks, stop_token_ids=[7]) == (toks, None)
+    assert kept(toks, num_out=47) == (toks, FinishReason.LENGTH)  # the 3rd token is the 50th
+    assert kept(toks, num_out=46) == (toks, None)
+    assert kept(toks, num_out=48) == (toks[:2], FinishReason.LENGTH)
+    room = engine.max_model_len - 10  # output tokens that fit the context beside the prompt
+    assert kept(toks, num_out=room - 2, max_tokens=10**6) == (toks[:2], FinishReason.LENGTH)
