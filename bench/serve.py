@@ -35,7 +35,7 @@ from specsched.bench.serve_daemon import (
     start_up,
 )
 from specsched.bench.serve_host import host_phase_rows, step_mix_row
-from specsched.bench.serve_load import cycle_length, run_pass
+from specsched.bench.serve_load import cycle_length, load_procs, run_pass
 from specsched.bench.serve_outputs import add_references, pass_row
 from specsched.bench.serve_results import PassResult, same_mix_rates, split_interleaved
 from specsched.client.sync_client import Client
@@ -102,7 +102,7 @@ def passes_of(cfg: ServeConfig, daemon: Daemon, prompts: list[dict], fill: bool,
     def loop(n: int, duration_s: float, cover: bool) -> PassResult:
         return run_pass(daemon.endpoint, prompts, max(cfg.num_requests, n), n, cfg.max_tokens,
                         cfg.request_timeout_s, daemon.is_alive, duration_s, cfg.ramp_s,
-                        cover=cover)  # fmt: skip
+                        cover=cover, procs=load_procs(n, cfg.clients_per_proc))  # fmt: skip
 
     if cfg.interleave_s and cfg.duration_s:
         progress.set_postfix_str(f"{name} passes 1-{cfg.passes} interleaved")

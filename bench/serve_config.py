@@ -76,6 +76,10 @@ class ServeConfig:
     pin_cpus: bool = (
         True  # Linux, >= 4 cores: daemons on the first half of the cores, the clients on the rest
     )
+    # the load generator's clients per process (bench/serve_load.py): N clients run in ceil(N / this)
+    # spawned processes (at most the client cores); 0: all in the bench's own process. One process for
+    # 64 clients was the bottleneck on the H200 (2026-12-04: a client's finish -> next send 20-28 ms)
+    clients_per_proc: int = 8
     max_tokens: int = 128
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
     passes: int = 2
@@ -105,6 +109,9 @@ class ServeConfig:
         for key in ("num_prompts", "num_requests", "max_tokens", "passes", "prompt_len"):
             if getattr(self, key) < 1:
                 raise ValueError(f"bench.serve.{key} must be >= 1, got {getattr(self, key)}")
+        if self.clients_per_proc < 0:
+            raise ValueError(f"bench.serve.clients_per_proc must be >= 0 (0: one process), "
+                             f"got {self.clients_per_proc}")  # fmt: skip
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(
                 f"bench.serve.concurrency must be a non-empty list of ints >= 1, got {self.concurrency}"

@@ -1,5 +1,5 @@
-"""The load generator of ``bench=serve``: N concurrent protocol clients (one ``AsyncClient``, i.e. one
-DEALER socket, each); greedy, streaming.
+"""The load generator of ``bench=serve``: N concurrent protocol clients, greedy, streaming, spread over
+``procs`` processes (bench/serve_clients.py runs one process's share on one asyncio loop).
 
 A pass is either
 
@@ -17,6 +17,11 @@ A pass is either
   that arrived inside it. ``cover``: after the window, each client goes on until it has sent one
   full-length request for every prompt of its sequence (the baseline's pass 1: the references).
 
+**Processes**: with ``procs`` > 1 the clients are dealt to that many spawned processes (client c to
+process c mod procs), which share the pass's state (:class:`PassState`) and one clock; the pass starts
+when every process has connected its clients. A process holding fewer clients parses fewer chunks per
+step: one process for all 64 clients made the load generator, not the daemon, set the batch.
+
 Per request: the token ids, TTFT (send -> first chunk with tokens) and the inter-token latencies, one
 sample per token: the gap between a chunk and the previous one divided by the chunk's tokens (a chunk
 of 4 accepted tokens 10 ms after the previous one gives four samples of 2.5 ms).
@@ -25,145 +30,165 @@ of 4 accepted tokens 10 ms after the previous one gives four samples of 2.5 ms).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import math
+import multiprocessing as mp
+import os
 import time
+import traceback
 from collections.abc import Callable
+from multiprocessing.connection import wait
 
+from specsched.bench.serve_clients import (
+    PassState,
+    client_prompts,
+    compiles_after_start,
+    cycle_length,
+    run_clients,
+    stagger_plan,
+)
 from specsched.bench.serve_results import PassResult, RequestResult
 from specsched.client.sync_client import AsyncClient
 
+__all__ = ["client_prompts", "cycle_length", "load_procs", "run_pass", "stagger_plan"]
 
-def stagger_plan(max_tokens: int, concurrency: int) -> list[int]:
-    """max_tokens of each client's first request in a timed pass: ceil(max_tokens * (c + 1) / N), so
-    the first requests finish spread evenly over one full request (client N-1's is a full one)."""
-    return [math.ceil(max_tokens * (c + 1) / concurrency) for c in range(concurrency)]
+_START_TIMEOUT_S = 120.0  # a load process connecting its clients
 
 
-def client_prompts(client: int, concurrency: int, num_prompts: int, count: int) -> list[int]:
-    """The prompt indices of a timed pass's client ``client`` of N: c, c+N, c+2N, ... mod the list."""
-    return [(client + j * concurrency) % num_prompts for j in range(count)]
+def load_procs(concurrency: int, clients_per_proc: int) -> int:
+    """How many load processes for ``concurrency`` clients: ceil(N / clients_per_proc), at most this
+    process's cores; 1 (this process) when ``clients_per_proc`` is 0."""
+    if clients_per_proc < 0:
+        raise ValueError(f"clients_per_proc must be >= 0 (0: all in one process), got {clients_per_proc}")
+    if not clients_per_proc:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(math.ceil(concurrency / clients_per_proc), cores))
 
 
-def cycle_length(concurrency: int, num_prompts: int) -> int:
-    """How many requests of one client cover its distinct prompts (the period of c + jN mod P)."""
-    return num_prompts // math.gcd(concurrency, num_prompts)
+async def _stats_compiles(endpoint: str, timeout_s: float) -> int | None:
+    async with AsyncClient(endpoint, timeout_s=timeout_s) as c:
+        return await compiles_after_start(c)
 
 
-async def _one(client: AsyncClient, index: int, prompt: dict, max_tokens: int) -> RequestResult:
-    out = RequestResult(index, max_tokens=max_tokens)
-    t0 = last = out.sent_at = time.perf_counter()
-    stream = client.stream(**prompt, max_tokens=max_tokens, temperature=0.0)
-    try:
-        async for chunk in stream:
-            n = len(chunk.token_ids)
-            if not n:
-                continue
-            now = time.perf_counter()
-            if out.ttft_s is None:
-                out.ttft_s = now - t0
-            else:
-                out.itl_s += [(now - last) / n] * n
-            last = now
-            out.token_ids += chunk.token_ids
-            out.chunk_at.append(now)
-            out.chunk_tokens.append(n)
-    except Exception as e:
-        out.error = f"{type(e).__name__}: {e}"[:300]
-    finally:
-        await stream.aclose()
-    out.latency_s = time.perf_counter() - t0
-    if stream.done is not None:
-        out.finish_reason = stream.done.finish_reason
-        out.proposed, out.accepted = stream.done.spec.proposed, stream.done.spec.accepted
-        out.steps = stream.done.spec.steps
-    return out
+def _worker(conn, state: PassState) -> None:
+    """A load process: runs the passes it is sent (its clients' share) until told to stop; answers
+    "ready" once its clients are connected, then ("ok", requests, stopped early) or ("error", text)."""
+    while True:
+        try:
+            cmd = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if cmd is None:
+            return
+        endpoint, prompts, ids, concurrency, num_requests, max_tokens, timeout_s, cover = cmd
+        try:
+            coro = run_clients(endpoint, prompts, ids, concurrency, state, num_requests, max_tokens,
+                               timeout_s, state.abort.is_set, lambda: conn.send("ready"), cover)  # fmt: skip
+            conn.send(("ok", *asyncio.run(coro)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()[-2000:], None))
 
 
-async def _compiles(client: AsyncClient) -> int | None:
-    """The daemon's ``stats`` field ``num_compiles_after_start`` (None from a daemon too old to have it)."""
-    return getattr(await client.stats(), "num_compiles_after_start", None)
+class LoadProcesses:
+    """``procs`` spawned load processes kept for many passes (each start costs 1-2 s: an interpreter
+    that imports the caller's main module, torch with it), and their shared :class:`PassState`."""
+
+    def __init__(self, procs: int) -> None:
+        ctx = mp.get_context("spawn")  # no fork of the caller's threads and sockets
+        self.state = PassState(ctx)
+        self._conns, self._procs = [], []
+        for _ in range(procs):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(theirs, self.state), daemon=True)
+            p.start()
+            theirs.close()
+            self._conns.append(mine)
+            self._procs.append(p)
+
+    @property
+    def size(self) -> int:
+        return len(self._procs)
+
+    @property
+    def is_healthy(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def run(self, procs: int, endpoint: str, prompts: list[dict], concurrency: int, num_requests: int,
+            max_tokens: int, timeout_s: float, is_alive: Callable[[], bool],
+            cover: bool) -> tuple[list[tuple[int, RequestResult]], str | None]:  # fmt: skip
+        """One pass (``state`` reset by the caller) on the first ``procs`` processes, client c on process
+        c mod procs; t0 once all have connected. (requests, error)."""
+        conns, state = self._conns[:procs], self.state
+        for w, c in enumerate(conns):
+            ids = list(range(w, concurrency, procs))
+            c.send((endpoint, prompts, ids, concurrency, num_requests, max_tokens, timeout_s, cover))
+        results: list[tuple[int, RequestResult]] = []
+        error, waiting, pending = None, set(conns), set(conns)
+        try:
+            while pending:
+                got = wait(list(pending), timeout=_START_TIMEOUT_S if waiting else 0.25)
+                if waiting and not got:
+                    raise RuntimeError(f"load processes did not connect in {_START_TIMEOUT_S:.0f} s")
+                for c in got:
+                    msg = c.recv()
+                    if msg == "ready":
+                        waiting.discard(c)
+                        if not waiting:
+                            state.start()  # every process connected: the clock starts
+                        continue
+                    pending.discard(c)
+                    waiting.discard(c)
+                    if msg[0] == "error":
+                        error = error or f"load process: {msg[1]}"
+                        state.abort.set()
+                        state.go.set()  # the others, still waiting to start, stop
+                        continue
+                    results += msg[1]
+                    if msg[2]:
+                        error = error or "the daemon exited during the pass"
+                if pending and not waiting and not is_alive() and not state.abort.is_set():
+                    state.abort.set()
+                    error = error or "the daemon exited during the pass"
+        except BaseException:
+            self.close()
+            raise
+        return results, error
+
+    def close(self) -> None:
+        for c in self._conns:
+            try:
+                c.send(None)
+            except OSError:
+                pass
+        for p in self._procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        self._conns, self._procs = [], []
 
 
-async def _drive(
-    endpoint: str,
-    prompts: list[dict],
-    num_requests: int,
-    concurrency: int,
-    max_tokens: int,
-    timeout_s: float,
-    is_alive: Callable[[], bool],
-    duration_s: float = 0.0,
-    ramp_s: float = 0.0,
-    cover: bool = False,
-) -> PassResult:
-    clients = [AsyncClient(endpoint, timeout_s=timeout_s) for _ in range(concurrency)]
-    try:
-        await asyncio.gather(*(c.health() for c in clients))  # connected before the clock starts
-        before = await _compiles(clients[0])
-        results: list[RequestResult | None] = [] if duration_s else [None] * num_requests
-        next_index = 0
-        t0 = time.perf_counter()
-        window = {"opens_at": None, "closes_at": float("inf")}
-        firsts_left = concurrency
-        plan = stagger_plan(max_tokens, concurrency)
-        period = cycle_length(concurrency, len(prompts))
+_kept: LoadProcesses | None = None  # kept between passes; closed at exit
 
-        async def counted(c: AsyncClient) -> None:
-            nonlocal next_index
-            while next_index < num_requests:
-                i, next_index = next_index, next_index + 1  # one event loop: no lock needed
-                results[i] = await _one(c, i % len(prompts), prompts[i % len(prompts)], max_tokens)
 
-        async def timed(ci: int, c: AsyncClient) -> None:
-            nonlocal firsts_left
-            mine = set(client_prompts(ci, concurrency, len(prompts), period))
-            full: set[int] = set()  # prompts this client has sent at full length, without error
-            j = 0
-            while time.perf_counter() < window["closes_at"] or (cover and j <= period and full != mine):
-                p = (ci + j * concurrency) % len(prompts)
-                r = await _one(c, p, prompts[p], plan[ci] if j == 0 else max_tokens)
-                r.client, r.seq, r.staggered = ci, j, r.max_tokens < max_tokens
-                results.append(r)
-                if r.error is None and not r.staggered:
-                    full.add(p)
-                if j == 0:
-                    firsts_left -= 1
-                    if not firsts_left:  # every first request is done: the ramp is over
-                        window["opens_at"] = max(time.perf_counter(), t0 + ramp_s)
-                        window["closes_at"] = window["opens_at"] + duration_s
-                j += 1
+def _load_processes(procs: int) -> LoadProcesses:
+    """The kept load processes, at least ``procs`` of them (grown, or started over when one died)."""
+    global _kept
+    if _kept is None or _kept.size < procs or not _kept.is_healthy:
+        close_load_processes()
+        _kept = LoadProcesses(procs)
+    return _kept
 
-        async def watchdog() -> None:
-            while is_alive():
-                await asyncio.sleep(0.25)
 
-        if duration_s:
-            coros = [timed(i, c) for i, c in enumerate(clients)]
-        else:
-            coros = [counted(c) for c in clients]
-        work = asyncio.ensure_future(asyncio.gather(*coros))
-        guard = asyncio.ensure_future(watchdog())
-        await asyncio.wait([work, guard], return_when=asyncio.FIRST_COMPLETED)
-        wall = time.perf_counter() - t0
-        if not work.done():  # the daemon exited mid-pass
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            done = [r for r in results if r is not None]
-            return PassResult(wall, done, before, None, "the daemon exited during the pass")
-        guard.cancel()
-        work.result()
-        after = await _compiles(clients[0])
-        done = [r for r in results if r is not None]
-        if not duration_s:
-            return PassResult(wall, done, before, after, max_tokens=max_tokens)
-        lo, hi = window["opens_at"], window["closes_at"]
-        for r in done:
-            r.num_tokens_in_window = r.tokens_between(lo, hi)
-        return PassResult(wall, done, before, after, window_s=duration_s, ramp_s=lo - t0, opens_at=lo,
-                          closes_at=hi, max_tokens=max_tokens, concurrency=concurrency)  # fmt: skip
-    finally:
-        for c in clients:
-            await c.close()
+def close_load_processes() -> None:
+    """Stop the kept load processes (run_pass starts them again when needed)."""
+    global _kept
+    if _kept is not None:
+        _kept.close()
+        _kept = None
+
+
+atexit.register(close_load_processes)
 
 
 def run_pass(
@@ -177,16 +202,45 @@ def run_pass(
     duration_s: float = 0.0,
     ramp_s: float = 0.0,
     cover: bool = False,
+    procs: int = 1,
 ) -> PassResult:
     """One pass from ``concurrency`` clients at once: ``num_requests`` requests over ``prompts`` (request
     i takes prompt i mod len), or (``duration_s`` > 0) a timed closed loop with a staggered start, a
     ramp (until every client's first request is done, at least ``ramp_s``) and a window of
     ``duration_s`` (the module's docstring); ``cover``: each client then goes on until it has sent every
-    prompt of its sequence at full length. ``is_alive`` is polled: a daemon that exits ends the pass."""
-    if concurrency < 1 or num_requests < 1 or not prompts or duration_s < 0 or ramp_s < 0:
-        raise ValueError(f"need concurrency >= 1, num_requests >= 1, prompts, duration_s and ramp_s >= 0; "
-                         f"got {concurrency}, {num_requests}, {len(prompts)} prompts, {duration_s}, "
-                         f"{ramp_s}")  # fmt: skip
-    coro = _drive(endpoint, prompts, num_requests, concurrency, max_tokens, timeout_s, is_alive, duration_s,
-                  ramp_s, cover)  # fmt: skip
-    return asyncio.run(coro)
+    prompt of its sequence at full length. ``procs``: the clients spread over that many processes (1:
+    this one). ``is_alive`` is polled: a daemon that exits ends the pass."""
+    if concurrency < 1 or num_requests < 1 or not prompts or duration_s < 0 or ramp_s < 0 or procs < 1:
+        raise ValueError(f"need concurrency >= 1, num_requests >= 1, prompts, duration_s and ramp_s >= 0, "
+                         f"procs >= 1; got {concurrency}, {num_requests}, {len(prompts)} prompts, "
+                         f"{duration_s}, {ramp_s}, {procs}")  # fmt: skip
+    procs = min(procs, concurrency)
+    before = asyncio.run(_stats_compiles(endpoint, timeout_s))
+    if procs == 1:
+        state = PassState(mp.get_context("spawn"))
+        state.reset(concurrency, ramp_s, duration_s)
+        coro = run_clients(endpoint, prompts, list(range(concurrency)), concurrency, state, num_requests,
+                           max_tokens, timeout_s, lambda: not is_alive(), state.start, cover)  # fmt: skip
+        got, stopped = asyncio.run(coro)
+        error = "the daemon exited during the pass" if stopped else None
+    else:
+        pool = _load_processes(procs)
+        state = pool.state
+        state.reset(concurrency, ramp_s, duration_s)
+        got, error = pool.run(procs, endpoint, prompts, concurrency, num_requests, max_tokens, timeout_s,
+                              is_alive, cover)  # fmt: skip
+    wall = time.perf_counter() - state.t0
+    if duration_s:
+        done = [r for _, r in got]
+    else:
+        done = [r for _, r in sorted(got, key=lambda x: x[0])]
+    if error:
+        return PassResult(wall, done, before, None, error)
+    after = asyncio.run(_stats_compiles(endpoint, timeout_s))
+    if not duration_s:
+        return PassResult(wall, done, before, after, max_tokens=max_tokens)
+    lo, hi = state.opens_at, state.closes_at
+    for r in done:
+        r.num_tokens_in_window = r.tokens_between(lo, hi)
+    return PassResult(wall, done, before, after, window_s=duration_s, ramp_s=lo - state.t0, opens_at=lo,
+                      closes_at=hi, max_tokens=max_tokens, concurrency=concurrency)  # fmt: skip

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from specsched.bench.serve_config import DaemonRun, ServeConfig
 from specsched.bench.serve_daemon import Daemon, config_info, daemon_overrides, safe_name, start_up
-from specsched.bench.serve_load import cycle_length, run_pass
+from specsched.bench.serve_load import cycle_length, load_procs, run_pass
 from specsched.bench.serve_outputs import add_references, pass_row
 from specsched.bench.serve_results import PassResult, split_interleaved, summarize
 from specsched.client.sync_client import Client
@@ -135,7 +135,8 @@ def _one_loop(cfg: ServeConfig, name: str, daemons: dict[str, Daemon], infos: di
         return
     window = cfg.duration_s * (cfg.passes if cfg.interleave_s else 1)  # dealt passes share one loop
     res = run_pass(daemon.endpoint, prompts, max(cfg.num_requests, n), n, cfg.max_tokens,
-                   cfg.request_timeout_s, daemon.is_alive, window, cfg.ramp_s, cover=cover)  # fmt: skip
+                   cfg.request_timeout_s, daemon.is_alive, window, cfg.ramp_s, cover=cover,
+                   procs=load_procs(n, cfg.clients_per_proc))  # fmt: skip
     results.setdefault((name, n), []).append(res)
     if res.error:
         infos[name]["error"] = f"RuntimeError: concurrency {n}: {res.error}; see {daemon.log_file}"[:1000]

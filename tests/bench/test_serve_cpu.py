@@ -260,6 +260,61 @@ def test_timed_pass_cover_sends_every_prompt_of_each_client_at_full_length(tiny_
     assert sorted(ref) == list(range(5)) and all(len(v) == 8 for v in ref.values())  # none cut short
 
 
+def test_timed_pass_over_processes_shares_one_window(tiny_daemon):
+    """Clients dealt to 2 spawned processes: every client's sequence, the stagger, and one window for
+    all, opened after the last first request of either process (one clock across processes)."""
+    from specsched.bench.serve_load import client_prompts, run_pass, stagger_plan
+
+    d = tiny_daemon
+    res = run_pass(d.endpoint, id_prompts(3), 1, 4, 16, 60, d.is_alive, duration_s=0.5, procs=2)
+    assert res.error is None and all(r.error is None for r in res.requests)
+    mine = by_client(res)
+    assert sorted(mine) == [0, 1, 2, 3]
+    firsts = [mine[c][0] for c in range(4)]
+    assert [r.max_tokens for r in firsts] == stagger_plan(16, 4)
+    assert all([r.prompt_index for r in rs] == client_prompts(c, 4, 3, len(rs)) for c, rs in mine.items())
+    assert max(r.chunk_at[-1] for r in firsts) <= res.opens_at  # both processes' first requests
+    assert res.closes_at == pytest.approx(res.opens_at + 0.5)
+    assert min(r.sent_at for r in res.requests) >= res.opens_at - res.ramp_s - 1e-6  # one t0
+    lo, hi = res.opens_at, res.closes_at
+    inside = sum(n for r in res.requests for t, n in zip(r.chunk_at, r.chunk_tokens) if lo <= t <= hi)
+    assert inside > 0 and sum(r.num_tokens_in_window for r in res.requests) == inside
+    assert {r.client % 2 for r in res.requests if r.sent_at >= lo} == {0, 1}  # both processes served
+
+
+def test_counted_pass_over_processes_takes_each_request_once(tiny_daemon):
+    """A counted pass over 3 processes: request i (prompt i mod 3) exactly once, in index order."""
+    from specsched.bench.serve_load import load_procs, run_pass
+
+    d = tiny_daemon
+    res = run_pass(d.endpoint, id_prompts(3), 7, 3, 4, 60, d.is_alive, procs=3)
+    assert res.error is None and len(res.requests) == 7
+    assert [r.prompt_index for r in res.requests] == [i % 3 for i in range(7)]
+    assert all(r.error is None and len(r.token_ids) == 4 for r in res.requests)
+    assert load_procs(64, 0) == 1 and load_procs(1, 8) == 1 and 1 <= load_procs(64, 8) <= 8
+    with pytest.raises(ValueError, match="clients_per_proc"):
+        load_procs(4, -1)
+
+
+def test_pass_over_processes_ends_when_the_daemon_exits(tiny_daemon):
+    """is_alive turning false mid-pass stops every load process and names the cause; the processes
+    are kept and serve the next pass."""
+    import time
+
+    from specsched.bench import serve_load
+    from specsched.bench.serve_load import run_pass
+
+    d = tiny_daemon
+    stop_at = time.perf_counter() + 1.0
+    res = run_pass(d.endpoint, id_prompts(3), 1, 2, 16, 60, lambda: time.perf_counter() < stop_at,
+                   duration_s=30, procs=2)  # fmt: skip
+    assert res.error == "the daemon exited during the pass"
+    assert res.wall_s < 10 and len(res.requests) > 0
+    pool = serve_load._kept
+    again = run_pass(d.endpoint, id_prompts(3), 4, 2, 4, 60, d.is_alive, procs=2)  # the same processes
+    assert again.error is None and len(again.requests) == 4 and serve_load._kept is pool
+
+
 def test_cut_short_requests_are_neither_references_nor_compared():
     """same output: a timed pass's staggered (cut-short) first requests are left out of the share, and
     the baseline's never become references (its first full-length output per prompt does)."""
