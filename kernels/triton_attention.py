@@ -32,7 +32,9 @@ splits at fixed positions, ``DETERMINISTIC_SPLIT_KEYS`` keys each (split s takes
 argument, so it adds no compiled variants. ``_combine_fixed_splits_kernel`` merges the splits one by
 one in split order; splits past a query's keys hold l = 0 and add exact zeros, and a query whose keys
 fit one split gets ``acc / l`` bitwise as from an unsplit launch. Tiles past a query's causal limit
-add exact zeros too (p = 0, alpha = 1), so which other queries share its tile does not matter.
+add exact zeros too (p = 0, alpha = 1), so which other queries share its tile does not matter. Every
+key tile takes the masked code path (one arithmetic for every tile: the unmasked path's FMA
+contraction differs on the GPU, and which tiles took it depended on the query tile's start).
 """
 
 from __future__ import annotations
@@ -134,6 +136,15 @@ def _paged_attn_kernel(
     full_end = k_len - q_len + q_start  # keys below this are visible to every query of the tile
     kv_end = k_len - q_len + tl.minimum(q_start + BLOCK_Q, q_len)  # one past the last query's limit
     unmasked_end = (full_end // BLOCK_N) * BLOCK_N
+    if SPLIT_KEYS > 0:
+        # deterministic: every key tile through the masked code. The unmasked code computes the same
+        # values but compiles to other arithmetic (with no select between qk's scaling and the
+        # exp2's subtraction, the GPU compiler contracts them into one FMA), and whether a tile takes
+        # it depends on where the launch's query tile starts: an MQA row whose 4-query tile
+        # straddles a multiple of 64 keys gave its later queries other bits than decode did (SmolLM2
+        # bf16 on the H200, 2026-12-04: prompt 24's output 50 with k = 8). The interpreter has no
+        # FMA, so only the GPU test (tests/kernels/test_batch_invariant.py) sees it.
+        unmasked_end = unmasked_end * 0
     if NUM_SPLITS == 1:
         lo, hi = 0, kv_end
     elif SPLIT_KEYS > 0:  # deterministic: the split-th fixed chunk of SPLIT_KEYS keys

@@ -194,6 +194,49 @@ def test_interpreted_attention_query_is_launch_invariant(interpreted: dict, name
     assert r["max_abs_err"] < 1e-5, r
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(9, 3, 64, 16), (32, 8, 128, 16)])
+def test_gpu_mqa_query_tiles_across_key_tiles_equal_decode_bf16(shape: tuple[int, ...]) -> None:
+    """Issue 16's prompt-24 failure in kernel form (bf16, the GPU's own arithmetic): MQA rows of
+    k = 8 whose query tiles straddle a multiple of the 64-key tile (and of the 256-key split), each
+    query bitwise equal to the same query launched alone as a decode row and to its batch-expansion
+    row. Failed on the H200 before every deterministic tile took the masked code path (the query
+    after the boundary got other bits: FMA contraction in the unmasked path)."""
+    heads, kv_heads, dim, bs = shape
+    gen = torch.Generator().manual_seed(dim)
+    k = 8
+    contexts = [60, 61, 62, 63, 124, 189, 250, 252, 253, 254, 505, 1019, 3, 700]
+    totals = [c + k + 1 for c in contexts]
+    need = [-(-n // bs) for n in totals]
+    perm = torch.randperm(sum(need) + 2, generator=gen).tolist()
+    tables, i = [], 0
+    for nb in need:
+        tables.append(perm[i : i + nb])
+        i += nb
+    kc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    vc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    q = (torch.randn(len(contexts) * (k + 1), heads, dim, generator=gen) * 2).to("cuda", torch.bfloat16)
+    scale = dim**-0.5
+
+    def attn(qq, q_lens, k_lens, tabs):
+        meta = build_metadata(q_lens, k_lens, tabs, bs, device="cuda")
+        cfg = deterministic_launch_config(meta.max_k, heads // kv_heads, dim)
+        return paged_attention_triton(qq, kc, vc, meta, scale, config=cfg, deterministic=True)
+
+    mqa = attn(q, [k + 1] * len(contexts), totals, tables)
+    be_k = [c + j + 1 for c in contexts for j in range(k + 1)]
+    be = attn(q, [1] * len(be_k), be_k, [t for t in tables for _ in range(k + 1)])
+    unequal = []
+    for r, (c, t) in enumerate(zip(contexts, tables)):
+        for j in range(k + 1):
+            row = r * (k + 1) + j
+            alone = attn(q[row : row + 1].clone(), [1], [c + j + 1], [t])
+            if not (torch.equal(alone[0], mqa[row]) and torch.equal(alone[0], be[row])):
+                unequal.append((c, j))
+    assert unequal == []
+
+
 # --- torch paths, in-process -----------------------------------------------------------------------
 
 
