@@ -101,8 +101,10 @@ class SchedulerConfig:
     # The share of a decode step's time that deciding may cost: a plan whose decide the step waits
     # for (on the critical path, or planned ahead but longer than the GPU's scoring) is used for
     # up to max_plan_age steps, so that deciding costs about this share (engine/planning.py). For
-    # policies that allow plan-ahead; null: decide every step.
-    decide_budget: float | None = 0.05
+    # policies that allow plan-ahead; null: decide every step. 0.02: on the H200 (2026-12-04 17:02,
+    # bench=serve_rounds, both in the same rounds) goodput at 0.02 against 0.05 was +2.6 % at N = 16 and
+    # +8 % at N = 64, within the spread at N = 1 and 4 (docs/benchmarks.md).
+    decide_budget: float | None = 0.02
     max_plan_age: int = 8
 
     def __post_init__(self) -> None:
