@@ -21,7 +21,7 @@ shift $(( $# > 0 ? 1 : 0 ))
 # must not be pip-installed there: a namespace folder of symlinks makes `import specsched.x` work.
 NS=/tmp/specsched-ns
 rm -rf "$NS" && mkdir -p "$NS/specsched"
-for d in engine daemon client models kernels proposers scorers policies bench conf; do ln -s "$PWD/$d" "$NS/specsched/$d"; done
+for d in engine daemon client models kernels proposers scorers policies bench gateway conf; do ln -s "$PWD/$d" "$NS/specsched/$d"; done
 export PYTHONPATH=/tmp/site:$NS:$PWD
 export PYTHONUNBUFFERED=1
 
