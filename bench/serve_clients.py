@@ -169,8 +169,11 @@ async def run_clients(
         plan = stagger_plan(max_tokens, concurrency)
         period = cycle_length(concurrency, len(prompts))
 
+        # the loops check should_stop themselves too: a cancel can be swallowed inside a request's
+        # stream (asyncio.wait_for on Python 3.11 returns the result when its inner wait completes as
+        # the cancel arrives), and the loop then ran on to the window's end (CI: a 30 s pass)
         async def counted(c: AsyncClient) -> None:
-            while (i := state.take_index()) < num_requests:
+            while not should_stop() and (i := state.take_index()) < num_requests:
                 results.append((i, await one_request(c, i % len(prompts), prompts[i % len(prompts)],
                                                      max_tokens)))  # fmt: skip
 
@@ -178,7 +181,9 @@ async def run_clients(
             mine = set(client_prompts(ci, concurrency, len(prompts), period))
             full: set[int] = set()  # prompts this client has sent at full length, without error
             j = 0
-            while time.perf_counter() < state.closes_at or (cover and j <= period and full != mine):
+            while not should_stop() and (
+                time.perf_counter() < state.closes_at or (cover and j <= period and full != mine)
+            ):
                 p = (ci + j * concurrency) % len(prompts)
                 r = await one_request(c, p, prompts[p], plan[ci] if j == 0 else max_tokens)
                 r.client, r.seq, r.staggered = ci, j, r.max_tokens < max_tokens
