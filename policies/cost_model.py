@@ -18,6 +18,7 @@ from operator import mul as _mul
 import numpy as np
 
 from specsched.engine.records import StepRecord
+from specsched.policies.bucket_bias import BucketBias, bucket_key
 from specsched.policies.cost_priors import FLOOR, PRIORS, seed_coefficients
 from specsched.policies.cost_store import load_models, save_models
 from specsched.policies.rls import OnlineLinearModel
@@ -76,6 +77,7 @@ class CostModels:
         prior_rel_std: float = 10.0,
         expansion_scorers: Sequence[str] = EXPANSION_SCORERS,
         count_between: bool = True,
+        bucket_bias: bool = True,
     ) -> None:
         # a step's cost: StepRecord.cost_ms (the caller's time before it included), else total_ms
         self.count_between = count_between
@@ -92,6 +94,9 @@ class CostModels:
         self.models: dict[tuple[str, ...], OnlineLinearModel] = {}
         self.num_decodes: dict[str, int] = {}  # plain decode steps (every k = 0) observed per scorer
         self.errors: dict[str, RunningError] = {}  # scorer -> prequential error of step ms
+        # graph scorer -> its score model's residual per graph (policies/bucket_bias.py); off: none
+        self.is_bucket_bias = bucket_bias
+        self.biases: dict[str, BucketBias] = {}
         self.seed_defaults(device)
 
     # ---- models and priors ----
@@ -103,6 +108,7 @@ class CostModels:
         self.models.clear()
         self.num_decodes.clear()
         self.errors.clear()
+        self.biases.clear()
 
     def _prior(self, key: tuple[str, ...]) -> list[float]:
         return seed_coefficients(self.device, key)
@@ -126,6 +132,12 @@ class CostModels:
         """The score features of ``scorer`` (see :mod:`specsched.policies.shapes`)."""
         return score_features(s, scorer in self.expansion_scorers, self.graph_buckets.get(scorer))
 
+    def score_bias(self, scorer: str, x: Sequence[float]) -> float:
+        """The ms the graph of a step with score features ``x`` adds to ``scorer``'s linear model (0
+        for eager steps, graphs not seen yet and scorers without graphs)."""
+        found = self.biases.get(scorer)
+        return found.value(bucket_key(x), self.model("score", scorer).coef_list) if found else 0.0
+
     # ---- prediction ----
     def prior_score_ms(self, scorer: str, s: ShapeStats) -> float:
         """Score ms of a shape under ``scorer``'s device seed (its model before any step). The seeds'
@@ -142,17 +154,25 @@ class CostModels:
         """As :meth:`predict` from aggregates; array fields give array predictions (vectorised search)."""
         if not any(isinstance(v, np.ndarray) for v in vars(s).values()):  # one shape: no numpy call
             propose = self.model("propose", proposer).predict(propose_features(s))  # a float
+            x = self.score_features(scorer, s)
             return StepCost(
                 propose_ms=float(propose) if s.max_k > 0 else 0.0,
-                score_ms=float(self.model("score", scorer).predict(self.score_features(scorer, s))),
+                score_ms=float(self.model("score", scorer).predict(x)) + self.score_bias(scorer, x),
                 verify_ms=float(self.model("verify").predict(verify_features(s))),
                 overhead_ms=float(self.model("overhead").predict(overhead_features(s))),
             )
         propose = self.model("propose", proposer).predict(propose_features(s))
         propose = np.where(np.asarray(s.max_k) > 0, propose, 0.0)
+        x = self.score_features(scorer, s)
+        score = self.model("score", scorer).predict(x)
+        if self.biases.get(scorer):  # per shape: its graph's residual
+            cols = np.broadcast_arrays(*(np.asarray(f, dtype=np.float64) for f in x))
+            score = score + np.array(
+                [self.score_bias(scorer, f) for f in zip(*(c.ravel() for c in cols))]
+            ).reshape(cols[0].shape)
         cost = StepCost(
             propose_ms=propose,
-            score_ms=self.model("score", scorer).predict(self.score_features(scorer, s)),
+            score_ms=score,
             verify_ms=self.model("verify").predict(verify_features(s)),
             overhead_ms=self.model("overhead").predict(overhead_features(s)),
         )
@@ -213,7 +233,8 @@ class CostModels:
         x_overhead = overhead_features(s)
 
         # prequential: the step's ms as predicted before the models learn from it, against measured
-        predicted = m_score.predict(x_score) + m_verify.predict(x_verify)
+        linear = m_score.predict(x_score)
+        predicted = linear + self.score_bias(scorer, x_score) + m_verify.predict(x_verify)
         if m_propose is not None:
             predicted += m_propose.predict(x_propose)
         if m_overhead is not None:
@@ -231,6 +252,11 @@ class CostModels:
         else:
             self.num_decodes[scorer] = self.num_decodes.get(scorer, 0) + 1
         m_score.update(x_score, score_ms)
+        if self.is_bucket_bias and scorer in self.graph_buckets:
+            bias = self.biases.get(scorer)
+            if bias is None:
+                bias = self.biases[scorer] = BucketBias()
+            bias.update(bucket_key(x_score), x_score, score_ms)
         m_verify.update(x_verify, verify_ms)
         if m_overhead is not None:
             m_overhead.update(x_overhead, max(0.0, total_ms - propose_ms - score_ms - verify_ms))
@@ -271,7 +297,15 @@ class CostModels:
         """Write every model to ``db``'s ``cost_models`` table under ``run_id`` (replacing it)."""
         self.model("verify"), self.model("overhead")  # so a fresh set still records device and buckets
         buckets = {n: b.tolist() for n, b in self.graph_buckets.items()}
-        save_models(db, run_id, self.models, self.device, buckets)
+        biases = {n: b.state() for n, b in self.biases.items() if b}
+        save_models(db, run_id, self.models, self.device, buckets, biases)
+
+    def load_bias_state(self, scorer: str, entries: list[list[float]]) -> None:
+        """``scorer``'s per-graph residuals as :meth:`BucketBias.state` gave them (a saved run's)."""
+        bias = self.biases.get(scorer)
+        if bias is None:
+            bias = self.biases[scorer] = BucketBias()
+        bias.load_state(entries)
 
     @classmethod
     def load(

@@ -1,6 +1,9 @@
 """The cost models in the decision log: one row per model of a run in the ``cost_models`` table
 (its features, coefficients, covariance, prior variance, number of updates, forgetting factor; the
-run's device and graph buckets on every row), so a restart or an offline replay starts from them."""
+run's device and graph buckets on every row), so a restart or an offline replay starts from them.
+A graph scorer's per-graph residuals (policies/bucket_bias.py) are one more row, component
+``score_bias``: its coefficients hold ``[rows, tokens, steps, mean ms, *mean score features]`` per
+graph."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from specsched.policies.shapes import FEATURES
 __all__ = ["COLUMNS", "TABLE", "load_models", "save_models"]
 
 TABLE = "cost_models"
+BIAS = "score_bias"  # the component of a scorer's per-graph residuals
 COLUMNS = (
     "run_id",
     "component",
@@ -31,8 +35,10 @@ def save_models(
     models: dict[tuple[str, ...], OnlineLinearModel],
     device: str,
     graph_buckets: dict[str, list[int]],
+    biases: dict[str, list[list[float]]] | None = None,
 ) -> None:
-    """Write ``models`` to ``db``'s ``cost_models`` table under ``run_id`` (replacing it)."""
+    """Write ``models`` (and the scorers' graph residuals ``biases``) to ``db``'s ``cost_models`` table
+    under ``run_id`` (replacing it)."""
     buckets = json.dumps(graph_buckets)
     rows = []
     for key, m in sorted(models.items()):
@@ -48,6 +54,24 @@ def save_models(
                 "prior_var": json.dumps(state["prior_var"]),
                 "num_updates": state["num_updates"],
                 "forgetting": state["forgetting"],
+                "device": device,
+                "graph_buckets": buckets,
+            }
+        )
+    for scorer, entries in sorted((biases or {}).items()):
+        rows.append(
+            {
+                "run_id": int(run_id),
+                "component": BIAS,
+                "key": scorer,
+                "features": json.dumps(
+                    ["rows_padded", "tokens_padded", "steps", "mean_ms", *FEATURES["score"]]
+                ),
+                "coefficients": json.dumps(entries),
+                "covariance": "[]",
+                "prior_var": "[]",
+                "num_updates": len(entries),
+                "forgetting": None,
                 "device": device,
                 "graph_buckets": buckets,
             }
@@ -82,6 +106,9 @@ def load_models(make: Callable, db, run_id: int | None, graph_buckets: dict[str,
         out = make(buckets, first.get("device") or "cpu")
         for row in rows:
             component = row["component"]
+            if component == BIAS:
+                out.load_bias_state(row["key"], json.loads(row["coefficients"]))
+                continue
             if component not in FEATURES:
                 raise ValueError(f"unknown component {component!r}")
             if json.loads(row["features"]) != FEATURES[component]:

@@ -59,6 +59,19 @@ class _Layout:
     is_expansion: np.ndarray  # [S] 1.0 for scorers with one row per token
     rows: np.ndarray  # [B] 0..B-1, for gathers
     size: int
+    graphs: tuple[tuple[tuple[int, int], ...], ...]  # [S] each scorer's graphs (rows, tokens) used
+    graph_index: np.ndarray  # [S, size] each token count's graph in ``graphs[s]`` (len: eager)
+
+
+def _graphs(feats: np.ndarray) -> tuple[tuple[tuple[int, int], ...], np.ndarray]:
+    """The graphs ``(rows padded, tokens padded)`` a scorer's token counts run in (feats ``[4, size]``
+    from :func:`bucket_table`), and each count's index among them (``len(graphs)``: eager)."""
+    is_eager = feats[3] > 0
+    pairs = np.stack([feats[1], feats[2]]).astype(np.int64)  # [2, size]
+    graphs, index = np.unique(pairs[:, ~is_eager], axis=1, return_inverse=True)
+    out = np.full(feats.shape[1], graphs.shape[1], dtype=np.int64)
+    out[~is_eager] = index.ravel()
+    return tuple(zip(graphs[0].tolist(), graphs[1].tolist())), out
 
 
 @lru_cache(maxsize=64)
@@ -66,12 +79,17 @@ def _layout(keys: tuple, batch_size: int, size: int) -> _Layout:
     """The :class:`_Layout` of scorers given as ``(buckets, is_expansion)`` pairs."""
     feats = np.stack([bucket_table(b, e, batch_size, size) for b, e in keys])
     feats.flags.writeable = False
+    graphs, index = zip(*(_graphs(f) for f in feats))
+    graph_index = np.stack(index)
+    graph_index.flags.writeable = False
     return _Layout(
         feats,
         np.arange(len(keys))[:, None] * size,
         np.array([e for _, e in keys], dtype=np.float64),
         np.arange(batch_size),
         size,
+        graphs,
+        graph_index,
     )
 
 
@@ -103,6 +121,12 @@ class CostTable:
         w = coef[:, [0, 1, 2, 5]]
         w[:, 0] += coef[:, 3] * (self.ctx_sum / 1e3)  # prefix reads do not depend on k
         self.flat = np.matmul(w[:, None, :], layout.feats).ravel()  # [S * size] score but row_ctx
+        for i, s in enumerate(scorers):  # each graph's residual (policies/bucket_bias.py), if any
+            bias = costs.biases.get(s)
+            if bias:
+                w_s = coef[i].tolist()
+                values = np.array([bias.value(g, w_s) for g in layout.graphs[i]] + [0.0])
+                self.flat[i * layout.size : (i + 1) * layout.size] += values[layout.graph_index[i]]
         # every feature is >= 0, so a component with no negative coefficient needs no clipping at 0
         self.is_clipped = min(p) < 0 or min(v) < 0 or bool((self.flat < 0).any() or (coef[:, 4] < 0).any())
         if not self.is_clipped:  # fold the plan-independent terms in: total = flat[n] + linear terms

@@ -74,6 +74,14 @@ class SingleProblem:
             rows, tokens, eager = _scorer_features(graph_buckets.get(s), is_exp, size)
             base, wc = w0 + w3 * c, w4 * c
             score = [base + w1 * rows[n] + w2 * tokens[n] + wc * n + w5 * eager[n] for n in range(1, cap + 2)]
+            bias = costs.biases.get(s)
+            if bias:  # each graph's residual (policies/bucket_bias.py); none for eager shapes
+                score = [
+                    x
+                    if eager[n]
+                    else x + bias.value((int(rows[n]), int(tokens[n])), (w0, w1, w2, w3, w4, w5))
+                    for x, n in zip(score, range(1, cap + 2))
+                ]
             score = [x if x > 0.0 else 0.0 for x in score]
             total = [sc + pr + ve + overhead for sc, pr, ve in zip(score, propose, verify)]
             g = [e / (t if t > 1e-9 else 1e-9) for e, t in zip(expected, total)]

@@ -196,7 +196,9 @@ def test_save_load_roundtrip(tmp_path):
     early = CostModels.load(path, run_id=3)
     assert early.model("score", "batch_expansion").num_updates == 0
     costs.save(sqlite_utils.Database(path), run_id=7)  # saving again replaces, not duplicates
-    assert sqlite_utils.Database(path)["cost_models"].count_where("run_id = 7") == len(costs.models)
+    # one row per model, and one for the scorer's per-graph residuals (policies/bucket_bias.py)
+    assert sqlite_utils.Database(path)["cost_models"].count_where("run_id = 7") == len(costs.models) + 1
+    assert loaded.biases["batch_expansion"].stats == costs.biases["batch_expansion"].stats
 
 
 def test_load_errors_are_clear(tmp_path):
