@@ -183,10 +183,11 @@ class LoadedLog:
     passes: list[PassPart]
 
 
-def load_log(path: str, run_id: int | None = None, seed: int = 0) -> LoadedLog:
+def load_log(path: str, run_id: int | None = None, seed: int = 0, bucket_bias: bool = True) -> LoadedLog:
     """A log with its bits, refitted cost model and passes (see the module docstring)."""
     run = load_run(path, run_id)
-    bits, costs = complete_bits(run, seed), refit_costs(run, count_between=False)  # idle time: neither side
+    costs = refit_costs(run, count_between=False, bucket_bias=bucket_bias)  # idle time: neither side
+    bits = complete_bits(run, seed)
     times = request_times(path, run.run_id)
     passes = split_passes(times, run.settings.max_num_seqs)
     return LoadedLog(run, bits, costs, [sub_run(run, bits, p, times) for p in passes])
@@ -320,11 +321,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="add decode tok/s predicted with the live log's overhead model")  # fmt: skip
     ap.add_argument("--client-gaps", action="store_true",
                     help="replay each client's recorded round trip between its requests")  # fmt: skip
+    ap.add_argument("--no-bucket-bias", action="store_true",
+                    help="cost models without the per-graph residual (policies/bucket_bias.py)")  # fmt: skip
     args = ap.parse_args(argv)
     names = [_name(p) for p in args.live]
-    replayed = load_log(args.replayed, seed=args.seed)
+    bias = not args.no_bucket_bias
+    replayed = load_log(args.replayed, seed=args.seed, bucket_bias=bias)
     lives = [
-        (n, replayed if p == args.replayed else load_log(p, seed=args.seed)) for n, p in zip(names, args.live)
+        (n, replayed if p == args.replayed else load_log(p, seed=args.seed, bucket_bias=bias))
+        for n, p in zip(names, args.live)
     ]
     header = HEADER + ATTRIBUTION * args.attribute_overhead
     rows = fidelity_rows(replayed, lives, args.attribute_overhead, args.client_gaps)

@@ -34,14 +34,18 @@ from specsched.policies.shapes import StepShape
 _UNBOUNDED = 1 << 30
 
 
-def refit_costs(run: RecordedRun, forgetting: float = 1.0, count_between: bool = True) -> CostModels:
+def refit_costs(
+    run: RecordedRun, forgetting: float = 1.0, count_between: bool = True, bucket_bias: bool = True
+) -> CostModels:
     """Cost models fitted on the run's decode steps, from the device's seed coefficients
     (``forgetting`` 1.0: every step weighs the same, the run is taken as stationary; ``count_between``:
-    a step costs its ``cost_ms``, the time before it included, else its ``total_ms``)."""
+    a step costs its ``cost_ms``, the time before it included, else its ``total_ms``; ``bucket_bias``:
+    with the graph scorers' per-graph residuals, policies/bucket_bias.py)."""
     device = "cuda" if run.device.startswith("cuda") else "cpu"
     costs = CostModels(
-        run.settings.graph_buckets or None, device=device, forgetting=forgetting, count_between=count_between
-    )
+        run.settings.graph_buckets or None, device=device, forgetting=forgetting, count_between=count_between,
+        bucket_bias=bucket_bias,
+    )  # fmt: skip
     for rec in run.decode_steps:
         try:
             costs.observe(rec)
