@@ -106,6 +106,9 @@ def _open_log(app: AppConfig, cfg: DictConfig, engine) -> LogWriter | None:
         log.close()
         sys.exit(f"specsched: {e}; choose another log.path (or log=none)")
     logger.info("decision log %s, run %s", app.log.path, run_id)
+    costs = getattr(engine, "costs", None)
+    if costs is not None and not log.save_costs(costs):  # the graph buckets a replay pads to
+        logger.warning("decision log %s: the start-up cost models were not saved", app.log.path)
     return log
 
 

@@ -13,6 +13,7 @@ are in log_schema.py (re-exported here); docs/logging.md documents the tables.
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import threading
@@ -49,11 +50,12 @@ __all__ = [
 @dataclass
 class _Control:
     """A queue marker: flush, start a run (``run_row``), end it (``run_end``: the run row's closing
-    fields), or stop. The writer sets ``done``."""
+    fields), save cost models (``costs``), or stop. The writer sets ``done``."""
 
-    kind: str  # "flush" | "run" | "end" | "stop"
+    kind: str  # "flush" | "run" | "end" | "costs" | "stop"
     run_row: dict | None = None
     run_end: dict | None = None
+    costs: object | None = None  # a CostModels copy: its save(db, run_id) writes the cost_models rows
     ok: bool = False
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -152,6 +154,21 @@ class LogWriter:
             return False
         end = {"ended_at": time.time(), "num_compiles_after_start": int(num_compiles_after_start)}
         return self._control("end", timeout, run_end=end).ok
+
+    def save_costs(self, costs, timeout: float = 10.0) -> bool:
+        """Write a copy of the engine's cost models (``CostModels``) to the ``cost_models`` table under
+        this run: its coefficients and the graph buckets a replay pads to (without them a replay of
+        this log prices every scorer unpadded). Copied here, so the engine may go on learning; True
+        when on disk within ``timeout``."""
+        if self._is_closed or not self._run_started:
+            return False
+        ctl = _Control("costs", costs=copy.deepcopy(costs))
+        try:
+            self._queue.put(ctl, timeout=timeout)
+        except queue.Full:
+            return False
+        ctl.done.wait(timeout)
+        return ctl.ok
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Write everything enqueued so far. True when it is on disk within ``timeout``."""
@@ -281,6 +298,8 @@ class LogWriter:
                     store.run_row = ctl.run_row
                 if ctl.run_end is not None:
                     store.run_end = ctl.run_end
+                if ctl.costs is not None:
+                    store.costs = ctl.costs
             ok = True
             if num_new or controls or store.has_pending:
                 last_write = time.monotonic()

@@ -55,6 +55,7 @@ class LogStore:
         self.run_id: int | None = None
         self.run_row: dict | None = None  # until written
         self.run_end: dict | None = None  # the run row's closing fields, until written
+        self.costs = None  # cost models to save (CostModels: .save(db, run_id)), until written
         self.fatal: LogFormatError | None = None
         self.num_failures = 0
         self.num_written_steps = 0
@@ -69,7 +70,7 @@ class LogStore:
 
     @property
     def has_pending(self) -> bool:
-        return bool(self.run_row or self.run_end or self._steps or self._requests)
+        return bool(self.run_row or self.run_end or self.costs or self._steps or self._requests)
 
     @property
     def num_pending(self) -> int:
@@ -114,10 +115,12 @@ class LogStore:
                 if self.run_end:
                     sets = ", ".join(f"{k} = ?" for k in self.run_end)
                     db.execute(f"UPDATE runs SET {sets} WHERE id = ?", [*self.run_end.values(), run_id])
+                if self.costs is not None:
+                    self.costs.save(db, run_id)
         except Exception as e:  # noqa: BLE001 -- any write failure must leave serving alone
             self._fail(e)
             return False
-        self.run_id, self.run_row, self.run_end = run_id, None, None
+        self.run_id, self.run_row, self.run_end, self.costs = run_id, None, None, None
         self.num_written_steps += len(self._steps)
         self._steps, self._step_requests, self._requests = [], [], []
         if self._is_failing:

@@ -166,6 +166,9 @@ class Server:
             self._frozen = None
         if self.log is not None:
             try:
+                costs = getattr(self.engine, "costs", None)
+                if costs is not None:
+                    self.log.save_costs(costs)  # what the models learnt while serving (replaces start-up's)
                 self.log.end_run(compile_watch().num_after_ready)
                 self.log.close()
             except Exception:  # noqa: BLE001

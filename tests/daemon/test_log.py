@@ -255,6 +255,33 @@ def test_restart_appends_a_run(tmp_path):
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
+def test_cost_models_are_saved_with_the_run_and_give_a_replay_its_graph_buckets(tmp_path):
+    """save_costs writes a copy of the cost models under the run (start-up's, then replaced by the
+    end's): the graph buckets a replay pads to, the coefficients, the per-graph residuals. Without them
+    (the daemon's logs until 2026-12-04) a replay priced every scorer unpadded."""
+    from specsched.policies.cost_model import CostModels
+    from specsched.policies.replay_log import load_run
+
+    path = tmp_path / "log.sqlite"
+    rng = random.Random(3)
+    costs = CostModels({"batch_expansion": [1, 2, 4, 8, 16]}, device="cuda")
+    with LogWriter(fast_cfg(path)) as w:
+        run_id = w.start_run({"n": 1}, model="tiny", device="cuda", version="v")
+        assert w.save_costs(costs)
+        records = [make_record(i, rng) for i in range(40)]
+        for rec in records:
+            w.write_step(rec)
+            costs.observe(rec)  # the engine learns on; the saved copy does not move
+        assert CostModels.load(str(path)).model("score", "batch_expansion").num_updates == 0
+        assert w.save_costs(costs)
+    loaded = CostModels.load(str(path), run_id=run_id)
+    assert loaded.graph_buckets["batch_expansion"].tolist() == [1, 2, 4, 8, 16]
+    num = costs.model("score", "batch_expansion").num_updates
+    assert loaded.model("score", "batch_expansion").num_updates == num > 0
+    assert loaded.biases["batch_expansion"].stats == costs.biases["batch_expansion"].stats
+    assert load_run(str(path), run_id).settings.graph_buckets == {"batch_expansion": [1, 2, 4, 8, 16]}
+
+
 def test_locked_database_is_counted_logged_once_and_retried(tmp_path, caplog):
     path = tmp_path / "log.sqlite"
     rng = random.Random(2)

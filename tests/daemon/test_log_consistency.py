@@ -38,3 +38,7 @@ def test_log_rows_add_up_to_the_streamed_tokens(start_daemon):
         assert acc == accepted[rid]
         assert proposed > 0
     assert sum(v[1] for v in by_id.values()) > 0, "n-gram should have accepted something"
+    # the engine's cost models saved at shutdown (they learnt from every decode step): a replay of
+    # this log starts from them and pads to the graph buckets recorded with them
+    saved = dict(db.execute("SELECT key, num_updates FROM cost_models WHERE component = 'score'").fetchall())
+    assert saved and sum(saved.values()) == len(decode), (saved, len(decode))
