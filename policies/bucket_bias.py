@@ -18,6 +18,7 @@ largest graph) get none: their cost is the linear model's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import mul
 
 __all__ = ["BucketBias", "bucket_key"]
 
@@ -36,7 +37,7 @@ class BucketBias:
         if not 0.0 < rate <= 1.0 or shrink < 0.0:
             raise ValueError(f"need 0 < rate <= 1 and shrink >= 0, got rate={rate}, shrink={shrink}")
         self.rate, self.shrink = rate, shrink
-        self.stats: dict[tuple[int, int], list[float]] = {}  # graph -> [steps, mean y, *mean x]
+        self.stats: dict[tuple[int, int], list] = {}  # graph -> [steps, mean y, [mean x]]
 
     def __bool__(self) -> bool:
         return bool(self.stats)
@@ -47,11 +48,12 @@ class BucketBias:
             return
         found = self.stats.get(key)
         if found is None:
-            self.stats[key] = [1.0, float(y), *map(float, x)]
+            self.stats[key] = [1.0, float(y), [float(v) for v in x]]
             return
         found[0] += 1.0
         a = max(1.0 / found[0], self.rate)
-        found[1:] = [m + (v - m) * a for m, v in zip(found[1:], [y, *x])]
+        found[1] += (y - found[1]) * a
+        found[2] = [m + (v - m) * a for m, v in zip(found[2], x)]
 
     def value(self, key: tuple[int, int] | None, coef: Sequence[float]) -> float:
         """The ms to add to the linear prediction (coefficients ``coef``) of a step in graph ``key``:
@@ -59,13 +61,14 @@ class BucketBias:
         found = self.stats.get(key) if key is not None else None
         if found is None:
             return 0.0
-        n, mean_y = found[0], found[1]
-        residual = mean_y - sum(c * m for c, m in zip(coef, found[2:]))
-        return residual * n / (n + self.shrink)
+        n, mean_y, mean_x = found
+        return (mean_y - sum(map(mul, coef, mean_x))) * n / (n + self.shrink)
 
     def state(self) -> list[list[float]]:
         """``[rows, tokens, steps, mean ms, *mean features]`` per graph (the cost_models table)."""
-        return [[r, t, *v] for (r, t), v in sorted(self.stats.items())]
+        return [[r, t, n, y, *x] for (r, t), (n, y, x) in sorted(self.stats.items())]
 
     def load_state(self, entries: list[list[float]]) -> None:
-        self.stats = {(int(e[0]), int(e[1])): [float(v) for v in e[2:]] for e in entries}
+        self.stats = {
+            (int(e[0]), int(e[1])): [float(e[2]), float(e[3]), [float(v) for v in e[4:]]] for e in entries
+        }
