@@ -57,6 +57,9 @@ class ScorerOptions:
     """The ``scorer`` group: the scorers built at start (the policy picks among them each step)."""
 
     names: list[str] = field(default_factory=lambda: ["batch_expansion", "mqa"])
+    # the cost models add each captured graph's residual to the graph scorers' predictions
+    # (policies/bucket_bias.py); false: the linear model alone
+    graph_residual: bool = True
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -131,6 +134,7 @@ def to_engine_config(app: AppConfig) -> EngineConfig:
         draft=app.draft,
         synthetic_acceptance=app.proposer.synthetic_acceptance,
         synthetic_oracle=app.proposer.synthetic_oracle,
+        graph_residual=app.scorer.graph_residual,
     )
     return EngineConfig(
         model=app.model, cache=app.cache, scheduler=app.scheduler, spec=spec, policy=dict(app.policy)

@@ -121,7 +121,11 @@ def build_parts(
         proposers=proposers,
         scorers=scorers,
         policy=policy or build_policy(dict(cfg.policy)),
-        costs=CostModels(graph_buckets_of(scorers), device=model.lm_head.weight.device.type),
+        costs=CostModels(
+            graph_buckets_of(scorers),
+            device=model.lm_head.weight.device.type,
+            bucket_bias=cfg.spec.graph_residual,
+        ),
         acceptance=AcceptanceEstimator(),
         model_name=loaded.name,
         device=model.lm_head.weight.device,

@@ -130,6 +130,9 @@ class SpecConfig:
     # proposer=synthetic: the oracle JSON ({"prompts": [[ids]], "outputs": [[ids]]}, bench/serve.py's
     # write_oracle); None = empty until set_oracle (in process). Ignored by the other proposers.
     synthetic_oracle: str | None = None
+    # the cost models add each captured graph's residual to a graph scorer's score predictions
+    # (policies/bucket_bias.py); False: the linear model alone (hydra: scorer.graph_residual)
+    graph_residual: bool = True
 
     def __post_init__(self) -> None:
         if self.max_k < 0:

@@ -155,10 +155,12 @@ def test_mapping_onto_engine_config():
             "policy=threshold",
             "policy.batch_size=4",
             "scheduler.max_num_seqs=7",
+            "scorer.graph_residual=false",
         ]
     )
     assert type(app) is AppConfig
     ec = to_engine_config(app)
+    assert ec.spec.graph_residual is False and to_engine_config(compose_app()).spec.graph_residual is True
     assert isinstance(ec, EngineConfig)
     assert (ec.model.source, ec.spec.proposer, ec.spec.max_k, ec.spec.scorers) == (
         "tiny",

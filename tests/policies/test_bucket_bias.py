@@ -114,3 +114,18 @@ def test_table_single_and_predict_agree_with_the_residual():
         assert single.score[0][k] == pytest.approx(
             costs.predict("mqa_graph", "ngram", StepShape([k], [300])).score_ms, rel=1e-9
         )
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_engine_builds_its_cost_models_with_or_without_the_residual(on: bool):
+    """``spec.graph_residual`` (hydra ``scorer.graph_residual``) reaches the engine's cost models."""
+    from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
+    from specsched.engine.engine import Engine
+
+    cfg = EngineConfig(
+        model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=64),
+        spec=SpecConfig(proposer="ngram", scorers=["batch_expansion", "mqa"], max_k=3, graph_residual=on),
+        policy={"name": "goodput"},
+    )
+    assert Engine(cfg).costs.is_bucket_bias is on
