@@ -158,8 +158,9 @@ class LogWriter:
     def save_costs(self, costs, timeout: float = 10.0) -> bool:
         """Write a copy of the engine's cost models (``CostModels``) to the ``cost_models`` table under
         this run: its coefficients and the graph buckets a replay pads to (without them a replay of
-        this log prices every scorer unpadded). Copied here, so the engine may go on learning; True
-        when on disk within ``timeout``."""
+        this log prices every scorer unpadded). Copied here (so the engine may learn on afterwards):
+        call it while the engine is not stepping (start-up, shutdown). True when on disk within
+        ``timeout``."""
         if self._is_closed or not self._run_started:
             return False
         ctl = _Control("costs", costs=copy.deepcopy(costs))
