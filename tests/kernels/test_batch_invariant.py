@@ -76,20 +76,29 @@ MATMUL_CASES = {  # name: (M values, N, K, dtype, bias, tolerance vs the referen
 SHAPE = (4, 2, 16, 16)  # heads, kv_heads, head_dim, block_size
 
 
+def random_block_tables(
+    totals: list[int], block_size: int, gen: torch.Generator, spare: int
+) -> tuple[list[list[int]], int]:
+    """Disjoint block tables in random block order for sequences of ``totals`` tokens, in a cache of
+    ``spare`` more blocks than they need: (tables, number of cache blocks)."""
+    need = [-(-n // block_size) for n in totals]
+    perm = torch.randperm(sum(need) + spare, generator=gen).tolist()
+    tables, i = [], 0
+    for nb in need:
+        tables.append(perm[i : i + nb])
+        i += nb
+    return tables, len(perm)
+
+
 def attention_layouts(contexts: list[int], ks: list[int], seed: int) -> dict:
     """One set of queries (request i: k_i + 1 queries after a context of c_i keys) in every layout;
     each layout's output rows come in the same order (request by request, query by query)."""
     heads, kv_heads, dim, bs = SHAPE
     gen = torch.Generator().manual_seed(seed)
     totals = [c + k + 1 for c, k in zip(contexts, ks)]
-    need = [-(-n // bs) for n in totals]
-    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()
-    tables, i = [], 0
-    for nb in need:
-        tables.append(perm[i : i + nb])
-        i += nb
-    kc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen)
-    vc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen)
+    tables, num_blocks = random_block_tables(totals, bs, gen, spare=3)
+    kc = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
+    vc = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
     q = torch.randn(sum(ks) + len(ks), heads, dim, generator=gen)
     mqa = build_metadata([k + 1 for k in ks], totals, tables, bs)
     be_q, be_k, be_t = [], [], []
@@ -208,14 +217,9 @@ def test_gpu_mqa_query_tiles_across_key_tiles_equal_decode_bf16(shape: tuple[int
     k = 8
     contexts = [60, 61, 62, 63, 124, 189, 250, 252, 253, 254, 505, 1019, 3, 700]
     totals = [c + k + 1 for c in contexts]
-    need = [-(-n // bs) for n in totals]
-    perm = torch.randperm(sum(need) + 2, generator=gen).tolist()
-    tables, i = [], 0
-    for nb in need:
-        tables.append(perm[i : i + nb])
-        i += nb
-    kc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    vc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    tables, num_blocks = random_block_tables(totals, bs, gen, spare=2)
+    kc = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    vc = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
     q = (torch.randn(len(contexts) * (k + 1), heads, dim, generator=gen) * 2).to("cuda", torch.bfloat16)
     scale = dim**-0.5
 
