@@ -115,12 +115,17 @@ class LogStore:
                 if self.run_end:
                     sets = ", ".join(f"{k} = ?" for k in self.run_end)
                     db.execute(f"UPDATE runs SET {sets} WHERE id = ?", [*self.run_end.values(), run_id])
-                if self.costs is not None:
-                    self.costs.save(db, run_id)
         except Exception as e:  # noqa: BLE001 -- any write failure must leave serving alone
             self._fail(e)
             return False
-        self.run_id, self.run_row, self.run_end, self.costs = run_id, None, None, None
+        self.run_id, self.run_row, self.run_end = run_id, None, None
+        if self.costs is not None:  # apart, and tried once: cost models that cannot be saved must not
+            costs, self.costs = self.costs, None  # hold the step rows back
+            try:
+                costs.save(db, run_id)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("decision log %s: the cost models were not saved (%s: %s)", self.path,
+                               type(e).__name__, e)  # fmt: skip
         self.num_written_steps += len(self._steps)
         self._steps, self._step_requests, self._requests = [], [], []
         if self._is_failing:

@@ -282,6 +282,23 @@ def test_cost_models_are_saved_with_the_run_and_give_a_replay_its_graph_buckets(
     assert load_run(str(path), run_id).settings.graph_buckets == {"batch_expansion": [1, 2, 4, 8, 16]}
 
 
+def test_cost_models_that_cannot_be_saved_hold_no_step_back(tmp_path, caplog):
+    class Broken:
+        def save(self, db, run_id):
+            raise ValueError("no JSON for this")
+
+    path = tmp_path / "log.sqlite"
+    rng = random.Random(4)
+    with caplog.at_level(logging.WARNING, logger=LOGGER), LogWriter(fast_cfg(path)) as w:
+        w.start_run({"n": 1}, model="tiny", device="cpu", version="v")
+        w.save_costs(Broken())
+        for i in range(5):
+            w.write_step(make_record(i, rng))
+    assert open_log(path).execute("select count(*) from steps").fetchone()[0] == 5
+    said = [r.getMessage() for r in caplog.records]
+    assert any("cost models were not saved (ValueError: no JSON for this)" in m for m in said), said
+
+
 def test_locked_database_is_counted_logged_once_and_retried(tmp_path, caplog):
     path = tmp_path / "log.sqlite"
     rng = random.Random(2)
