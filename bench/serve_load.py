@@ -229,7 +229,7 @@ def run_pass(
         state.reset(concurrency, ramp_s, duration_s)
         got, error = pool.run(procs, endpoint, prompts, concurrency, num_requests, max_tokens, timeout_s,
                               is_alive, cover)  # fmt: skip
-    wall = time.perf_counter() - state.t0
+    wall = time.perf_counter() - state.t0 if state.t0 else 0.0  # t0 0: it failed before the start
     if duration_s:
         done = [r for _, r in got]
     else:

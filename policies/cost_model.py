@@ -253,10 +253,7 @@ class CostModels:
             self.num_decodes[scorer] = self.num_decodes.get(scorer, 0) + 1
         m_score.update(x_score, score_ms)
         if self.is_bucket_bias and scorer in self.graph_buckets:
-            bias = self.biases.get(scorer)
-            if bias is None:
-                bias = self.biases[scorer] = BucketBias()
-            bias.update(bucket_key(x_score), x_score, score_ms)
+            self._bias(scorer).update(bucket_key(x_score), x_score, score_ms)
         m_verify.update(x_verify, verify_ms)
         if m_overhead is not None:
             m_overhead.update(x_overhead, max(0.0, total_ms - propose_ms - score_ms - verify_ms))
@@ -302,10 +299,14 @@ class CostModels:
 
     def load_bias_state(self, scorer: str, entries: list[list[float]]) -> None:
         """``scorer``'s per-graph residuals as :meth:`BucketBias.state` gave them (a saved run's)."""
-        bias = self.biases.get(scorer)
-        if bias is None:
-            bias = self.biases[scorer] = BucketBias()
-        bias.load_state(entries)
+        self._bias(scorer).load_state(entries)
+
+    def _bias(self, scorer: str) -> BucketBias:
+        """``scorer``'s per-graph residuals, made empty on first use."""
+        found = self.biases.get(scorer)
+        if found is None:
+            found = self.biases[scorer] = BucketBias()
+        return found
 
     @classmethod
     def load(

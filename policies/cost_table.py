@@ -79,7 +79,10 @@ def _layout(keys: tuple, batch_size: int, size: int) -> _Layout:
     """The :class:`_Layout` of scorers given as ``(buckets, is_expansion)`` pairs."""
     feats = np.stack([bucket_table(b, e, batch_size, size) for b, e in keys])
     feats.flags.writeable = False
-    graphs, index = zip(*(_graphs(f) for f in feats))
+    # only graph scorers have graphs (and residuals); an eager scorer's counts all map past its none
+    graphs, index = zip(
+        *(_graphs(f) if b is not None else ((), np.zeros(size, np.int64)) for (b, _), f in zip(keys, feats))
+    )
     graph_index = np.stack(index)
     graph_index.flags.writeable = False
     return _Layout(

@@ -210,8 +210,9 @@ def test_gpu_mqa_query_tiles_across_key_tiles_equal_decode_bf16(shape: tuple[int
     """Issue 16's prompt-24 failure in kernel form (bf16, the GPU's own arithmetic): MQA rows of
     k = 8 whose query tiles straddle a multiple of the 64-key tile (and of the 256-key split), each
     query bitwise equal to the same query launched alone as a decode row and to its batch-expansion
-    row. Failed on the H200 before every deterministic tile took the masked code path (the query
-    after the boundary got other bits: FMA contraction in the unmasked path)."""
+    row. Written with the fix (every deterministic tile through the masked code path: the unmasked
+    path's FMA contraction gave the query after the boundary other bits) and run on the H200 only
+    after it (2 passed); the model-level prompt-24 test failed before the fix and passes after."""
     heads, kv_heads, dim, bs = shape
     gen = torch.Generator().manual_seed(dim)
     k = 8
