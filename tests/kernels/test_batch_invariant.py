@@ -27,10 +27,12 @@ from specsched.kernels.batch_invariant_attention import (
     paged_attention_per_query,
 )
 from specsched.kernels.batch_invariant_matmul import (
+    MatmulConfig,
     batch_invariant_linear,
     linear_ref,
     linear_rows_torch,
     linear_triton,
+    matmul_config,
 )
 from specsched.kernels.metadata import AttentionMetadata, build_metadata
 from specsched.kernels.testing import interpreted_results, run_jobs
@@ -68,6 +70,9 @@ MATMUL_CASES = {  # name: (M values, N, K, dtype, bias, tolerance vs the referen
     "fp32_bias": ([3, 1, 64, 65, 130], 96, 80, "float32", True, 1e-4),
     "fp32_wide_k": ([2, 7, 70], 40, 200, "float32", False, 1e-4),
     "bf16": ([2, 5, 66], 72, 48, "bfloat16", True, 0.1),
+    # K = 1100 > 1024 on a narrow N: matmul_config's fixed split-K (2 slices, the last one partial)
+    "fp32_split_k": ([2, 9, 70], 40, 1100, "float32", True, 1e-3),
+    "bf16_split_k": ([3, 1, 66], 48, 1100, "bfloat16", False, 0.5),
 }
 
 
@@ -243,6 +248,24 @@ def test_gpu_mqa_query_tiles_across_key_tiles_equal_decode_bf16(shape: tuple[int
 
 
 # --- torch paths, in-process -----------------------------------------------------------------------
+
+
+def test_matmul_config_splits_k_only_for_narrow_long_layers() -> None:
+    bf16 = torch.bfloat16
+    assert matmul_config(40, 1100, torch.float32).num_splits(1100) == 2  # the interpreted split-K case
+    down = matmul_config(576, 1536, bf16)  # SmolLM2's down projection
+    assert (down.block_n, down.split_k, down.k_per_split(1536), down.num_splits(1536)) == (32, 4, 384, 4)
+    for n, k in [(960, 576), (3072, 576), (49152, 576)]:  # SmolLM2's K = 576 layers and LM head
+        assert matmul_config(n, k, bf16).split_k == 1
+    for n, k in [(4096, 11008), (12288, 4096), (22016, 4096)]:  # 7B: wide N, no split
+        cfg = matmul_config(n, k, bf16)
+        assert cfg.split_k == 1 and cfg.block_n >= 64
+    cfg = MatmulConfig(64, 32, 64, num_warps=4, num_stages=3, split_k=8)
+    assert cfg.k_per_split(100) == 64 and cfg.num_splits(100) == 2  # fewer slices than asked: no empty one
+    with pytest.raises(ValueError, match="split_k"):
+        MatmulConfig(64, 32, 64, num_warps=4, num_stages=3, split_k=0)
+    with pytest.raises(ValueError, match="block_n"):
+        MatmulConfig(64, 24, 64, num_warps=4, num_stages=3)
 
 
 @pytest.mark.parametrize("bias", [True, False])
