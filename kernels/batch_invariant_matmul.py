@@ -215,7 +215,8 @@ def _launch(
         block_n = min(1024, triton.next_power_of_2(n))
         _sum_splits_kernel[(m, triton.cdiv(n, block_n))](
             part, bias if bias is not None else y, y, m, y.stride(0),
-            N=n, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_N=block_n, EMULATE_BF16=emulate_bf16(x.dtype),
+            N=n, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+            EMULATE_BF16=emulate_bf16(x.dtype),
         )  # fmt: skip
     return y
 
