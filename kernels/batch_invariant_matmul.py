@@ -89,19 +89,18 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     """The launch config of an [M, K] x [K, N] product, from (N, K, dtype) only (never M).
 
     One 64-row tile serves decode batches and prefill chunks alike: decode rows are bound by the
-    weight reads, which the tile count over N spreads, and padding rows cost tensor-core time only.
-    Narrow layers (N < 4096: SmolLM2's projections) take 32 columns per program, so more programs
-    stream the weights; the LM head's wide N takes 128. A narrow layer with a long K (SmolLM2's
-    down projection, K = 1536: 18 column tiles walking 24 K steps each) splits K into at most 4 fixed
-    slices of >= 384; elsewhere the second launch costs more than it saves. Measured on the H200 on
-    SmolLM2's shapes inside a CUDA graph (docs/benchmarks.md, "Deterministic matmul configs"):
-    32 columns 3.2 vs 3.7 us at M = 1 on q/k/v, split-K 4.2 vs 6.8 us on the down projection.
-    Shapes of N >= 4096 (7B) keep the 64/128 columns and no split. ``tl.dot`` needs every
-    dimension >= 16.
+    weight reads, which the tile count over N spreads (64 columns per program; 128 for the LM head's
+    wide N), and padding rows cost tensor-core time only. A narrow layer with a long K (SmolLM2's
+    down projection, N = 576, K = 1536: 9 column tiles walking 24 K steps each) splits K into at
+    most 4 fixed slices of >= 384. Measured on the H200 with a 30-layer stack of distinct weights in
+    one CUDA graph (docs/benchmarks.md, "Deterministic matmul configs"): the split takes SmolLM2's
+    down projections from 314 to 181 us at M = 1 and from 410 to 618 us at M = 2048; 32-column
+    tiles, faster at M <= 144, cost 45 % more at M = 2048 (prefill), so they are not used. Wide
+    layers (N >= 64 tiles: 7B) are left unsplit. ``tl.dot`` needs every dimension >= 16.
     """
     wide = dtype in (torch.float16, torch.bfloat16)
     block_k = min(64 if wide else 32, max(16, triton.next_power_of_2(k)))
-    block_n = 128 if n >= 16384 else 64 if n >= 4096 else 32
+    block_n = 128 if n >= 16384 else 64
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     split_k = 1
     if k > 1024 and triton.cdiv(n, block_n) < 64:

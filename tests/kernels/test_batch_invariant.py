@@ -254,7 +254,7 @@ def test_matmul_config_splits_k_only_for_narrow_long_layers() -> None:
     bf16 = torch.bfloat16
     assert matmul_config(40, 1100, torch.float32).num_splits(1100) == 2  # the interpreted split-K case
     down = matmul_config(576, 1536, bf16)  # SmolLM2's down projection
-    assert (down.block_n, down.split_k, down.k_per_split(1536), down.num_splits(1536)) == (32, 4, 384, 4)
+    assert (down.block_n, down.split_k, down.k_per_split(1536), down.num_splits(1536)) == (64, 4, 384, 4)
     for n, k in [(960, 576), (3072, 576), (49152, 576)]:  # SmolLM2's K = 576 layers and LM head
         assert matmul_config(n, k, bf16).split_k == 1
     for n, k in [(4096, 11008), (12288, 4096), (22016, 4096)]:  # 7B: wide N, no split
