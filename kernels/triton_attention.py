@@ -30,8 +30,12 @@ the key tiles it is reduced over and by the tile shapes, so the config fixes the
 splits at fixed positions, ``DETERMINISTIC_SPLIT_KEYS`` keys each (split s takes keys
 [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS)); the split count, ``cdiv(max_k, SPLIT_KEYS)``, is a runtime
 argument, so it adds no compiled variants. ``_combine_fixed_splits_kernel`` merges the splits one by
-one in split order; splits past a query's keys hold l = 0 and add exact zeros, and a query whose keys
-fit one split gets ``acc / l`` bitwise as from an unsplit launch. Tiles past a query's causal limit
+one in split order over the splits that hold the query's keys (its ``cdiv(q_pos + 1, SPLIT_KEYS)``
+first ones, counted by the split-0 program into an int32 workspace): the splits past them would add
+exact zeros, so skipping them (and the programs of splits with no key for any query of their tile,
+which return at once) changes no bit, while a graph captured at ``max_k`` = the model length no
+longer pays for its 32 mostly empty splits. A query whose keys fit one split gets ``acc / l``
+bitwise as from an unsplit launch. Tiles past a query's causal limit
 add exact zeros too (p = 0, alpha = 1), so which other queries share its tile does not matter. Every
 key tile takes the masked code path (one arithmetic for every tile: the unmasked path's FMA
 contraction differs on the GPU, and which tiles took it depended on the query tile's start).
@@ -94,7 +98,7 @@ def _attn_tile(
 
 @triton.jit(**runtime_args(ints=("stride_bt", "num_splits"), pointers=("cu_q_ptr", "seq_k_ptr", "bt_ptr")))
 def _paged_attn_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, seq_k_ptr, bt_ptr, ws_ml_ptr, ws_acc_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, seq_k_ptr, bt_ptr, ws_ml_ptr, ws_acc_ptr, ws_nv_ptr, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -149,6 +153,8 @@ def _paged_attn_kernel(
         lo, hi = 0, kv_end
     elif SPLIT_KEYS > 0:  # deterministic: the split-th fixed chunk of SPLIT_KEYS keys
         lo = split * SPLIT_KEYS
+        if lo >= kv_end:  # no key for any query of the tile: the merge reads no split past a query's
+            return
         hi = tl.minimum(lo + SPLIT_KEYS, kv_end)
         hi = tl.where(split == n_splits - 1, kv_end, hi)  # a max_k below the keys stays correct
     else:  # this program takes one BLOCK_N-aligned chunk of [0, kv_end)
@@ -185,6 +191,9 @@ def _paged_attn_kernel(
         tl.store(ws_ml_ptr + 2 * ws + 1, l_i, mask=m_valid)
         if SPLIT_KEYS > 0:  # a split with no keys for a query (l = 0) leaves its acc unwritten
             acc_mask = (m_valid & (l_i > 0.0))[:, None]
+            if (split == 0) & (kvh == 0):  # each query's splits with keys: the merge's trip count
+                nv = tl.minimum(tl.cdiv(q_pos + 1, SPLIT_KEYS), n_splits)
+                tl.store(ws_nv_ptr + q_rows, nv.to(tl.int32), mask=m_valid & (offs_m % GROUP_PAD == 0))
         else:
             acc_mask = m_valid[:, None]
         tl.store(ws_acc_ptr + ws[:, None] * BLOCK_D + offs_d[None, :], acc, mask=acc_mask)
@@ -216,23 +225,25 @@ def _combine_splits_kernel(
 
 @triton.jit(**runtime_args(ints=("num_rows", "num_splits"), pointers=("cu_q_ptr",)))
 def _combine_fixed_splits_kernel(
-    o_ptr, cu_q_ptr, ws_ml_ptr, ws_acc_ptr, num_rows, num_splits, stride_ot, stride_oh,
+    o_ptr, cu_q_ptr, ws_ml_ptr, ws_acc_ptr, ws_nv_ptr, num_rows, num_splits, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Deterministic mode's merge: the same formula, summed split by split in split order; splits
-    with l = 0 (no keys for this query) add exact zeros, so ``num_splits`` does not change the sum."""
+    """Deterministic mode's merge: the same formula, summed split by split in split order over the
+    token's splits with keys (``ws_nv``: a prefix of the splits); the others would add exact zeros
+    (l = 0, m = -1e30), so neither ``num_splits`` nor skipping them changes the sum."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(cu_q_ptr + num_rows):  # padding token past the last row
         return
     offs_d = tl.arange(0, BLOCK_D)
     base = (t.to(tl.int64) * NUM_HEADS + h) * num_splits
+    nv = tl.load(ws_nv_ptr + t)
     m_max = tl.load(ws_ml_ptr + 2 * base)
-    for s in range(1, num_splits):
+    for s in range(1, nv):
         m_max = tl.maximum(m_max, tl.load(ws_ml_ptr + 2 * (base + s)))
     num = tl.zeros([BLOCK_D], tl.float32)
     den = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(0, num_splits):
+    for s in range(0, nv):
         m_s = tl.load(ws_ml_ptr + 2 * (base + s))
         l_s = tl.load(ws_ml_ptr + 2 * (base + s) + 1)
         w = tl.exp2(m_s - m_max)
@@ -444,12 +455,14 @@ def paged_attention_triton(
     ws = (num_tokens, num_heads, splits) if splits > 1 else (1,)
     ws_ml = q.new_empty((*ws, 2), dtype=torch.float32)
     ws_acc = q.new_empty((*ws, cfg.block_d), dtype=torch.float32)
+    # deterministic split path: each token's number of splits with keys (written by split 0)
+    ws_nv = q.new_empty((num_tokens if fixed and splits > 1 else 1,), dtype=torch.int32)
     # The interpreter (triton 3.9) gets tl.dot wrong on bf16 operands: compute those dots in fp32.
     upcast = q.dtype == torch.bfloat16 and is_interpreted()
     grid = (meta.num_rows, triton.cdiv(meta.max_q, cfg.block_q), kv_heads * splits)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables, ws_ml, ws_acc,
-        float(scale) * _LOG2E,
+        ws_nv, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), splits,
@@ -461,8 +474,8 @@ def paged_attention_triton(
     )  # fmt: skip
     if splits > 1 and fixed:
         _combine_fixed_splits_kernel[(num_tokens, num_heads)](
-            out, meta.cu_seqlens_q, ws_ml, ws_acc, meta.num_rows, splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d,
+            out, meta.cu_seqlens_q, ws_ml, ws_acc, ws_nv, meta.num_rows, splits, out.stride(0),
+            out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d,
         )  # fmt: skip
     elif splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
