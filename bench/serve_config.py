@@ -15,11 +15,15 @@ KINDS = ("baseline", "fixed", "policy", "default")
 class DaemonRun:
     """One config of the grid: a name and the daemon's hydra overrides. ``kind`` (for the targets):
     baseline = non-speculative (the same-output reference, run first), fixed = a fixed (k, scorer)
-    row, default = the default policy with the default scorers, policy = any other."""
+    row, default = the default policy with the default scorers, policy = any other. ``reference``
+    (rounds mode only): the config whose first-round outputs this one's ``same output`` is checked
+    against, in place of the baseline's (e.g. a deterministic-mode row against the deterministic
+    non-speculative row, in one interleaved run with the mode off and on)."""
 
     name: str
     overrides: list[str] = field(default_factory=list)
     kind: str = "policy"
+    reference: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -104,6 +108,18 @@ class ServeConfig:
             raise ValueError(f"bench.serve.configs: need at least one config, names unique; got {names}")
         if sum(c.kind == "baseline" for c in self.configs) > 1:
             raise ValueError("bench.serve.configs: at most one config of kind baseline")
+        for c in self.configs:
+            if c.reference is None:
+                continue
+            target = next((t for t in self.configs if t.name == c.reference), None)
+            if target is None or target is c or target.reference is not None:
+                raise ValueError(
+                    f"bench.serve.configs[{c.name!r}].reference must name another config without a "
+                    f"reference of its own; got {c.reference!r} (configs: {names})"
+                )
+            if not self.rounds:
+                raise ValueError(f"bench.serve.configs[{c.name!r}].reference needs rounds mode "
+                                 "(bench.serve.rounds > 0)")  # fmt: skip
         if self.prompts not in ("chat", "ids"):
             raise ValueError(f"bench.serve.prompts must be chat or ids, got {self.prompts!r}")
         for key in ("num_prompts", "num_requests", "max_tokens", "passes", "prompt_len"):
@@ -161,6 +177,11 @@ class ServeConfig:
         if self.rounds_per_n is None:
             return self.rounds
         return self.rounds_per_n[self.concurrency.index(n)]
+
+    @property
+    def referenced(self) -> set[str]:
+        """Names of the configs some other config takes its same-output references from."""
+        return {c.reference for c in self.configs if c.reference is not None}
 
     @property
     def ordered(self) -> list[DaemonRun]:

@@ -127,7 +127,8 @@ def daemon_overrides(
 
 def config_info(run: DaemonRun, daemon: Daemon) -> dict:
     """A config's row of the configs table, filled in as its daemon starts, serves and stops."""
-    return {"name": run.name, "kind": run.kind, "overrides": run.overrides, "startup_s": None,
+    return {"name": run.name, "kind": run.kind, "overrides": run.overrides, "reference": run.reference,
+            "startup_s": None,
             "exit_status": None, "error": None, "pid": daemon.pid, "compiles_total": None,
             "daemon_log": str(daemon.log_file), "argv": daemon.argv[3:]}  # fmt: skip
 

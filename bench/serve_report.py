@@ -26,7 +26,8 @@ def configs_table(res: dict) -> str:
     out = []
     for c in res["configs"]:
         status = f"error: {c['error'][:200]}" if c["error"] else "ok"
-        out.append([c["name"], c["kind"], f"`{' '.join(c['overrides'])}`", fmt(c["startup_s"], 1),
+        kind = c["kind"] + (f" (same output vs {c['reference']})" if c.get("reference") else "")
+        out.append([c["name"], kind, f"`{' '.join(c['overrides'])}`", fmt(c["startup_s"], 1),
                     _na(c["compiles_total"]), _na(c["exit_status"]), status])  # fmt: skip
     text = table(["config", "kind", "overrides", "start-up s", "compiles after start-up (end)",
                   "exit", "status"], out)  # fmt: skip
@@ -125,7 +126,8 @@ def targets_table(res: dict) -> str:
         f"- pass-to-pass spread of tok/s, largest{' (same prompt mix)' if is_mix else ''}: "
         f"{f'{100 * max(spreads):.1f}%' if spreads else '–'} (goal ≤ {100 * SPREAD_GOAL:.0f}%)"
         + (f"; raw (each pass's own prompts): {100 * max(raw):.1f}%" if is_mix and raw else ""),
-        f"- same output as the baseline, lowest share: {fmt(min(same)) if same else '–'}",
+        f"- same output as the baseline (or the config's own reference), lowest share: "
+        f"{fmt(min(same)) if same else '–'}",
     ]
     return table(header, out) + "\n\n" + "\n".join(lines)
 
@@ -212,7 +214,8 @@ def serve_section(res: dict) -> str:
         "(one sample per token); compiles = delta of the daemon's `num_compiles_after_start` over the "
         "pass (n/a: not reported by this daemon); same output = share of the full-length requests (a "
         "timed pass's cut-short first ones left out) whose token ids equal the baseline's pass-1 output "
-        "for the prompt at the same N; accept. = accepted / proposed."
+        "for the prompt at the same N (a config whose kind names another config: that one's first-round "
+        "output); accept. = accepted / proposed."
     )
     if any(r.get("same_mix_tok_s") is not None for r in res["rows"]):
         note += (" Spread vs pass 1 on the same prompt mix: the dealt passes hold different requests, so"

@@ -48,7 +48,9 @@ def run_rounds(
 ) -> tuple[list[dict], list[dict]]:  # fmt: skip
     """Every config of ``cfg`` in rounds (module docstring). Returns (config rows, table rows) as
     :func:`specsched.bench.serve.run_config` does for one daemon; fills ``reference`` (N -> prompt ->
-    ids) from the baseline's first round when it is an empty dict."""
+    ids) from the baseline's first round when it is an empty dict. A config with its own
+    ``reference`` is checked against that config's first round instead (which then covers every
+    prompt, as the baseline's does)."""
     runs = cfg.ordered
     infos: dict[str, dict] = {}
     daemons: dict[str, Daemon] = {}
@@ -60,12 +62,15 @@ def run_rounds(
                 daemons[run.name] = daemon
         kinds = {run.name: run.kind for run in runs}
         fill = reference is not None and not reference
+        covering = set(cfg.referenced)  # first rounds that cover every prompt: they give references
+        if fill:
+            covering |= {name for name, kind in kinds.items() if kind == "baseline"}
         for n in cfg.concurrency:
             for r in range(cfg.rounds_at(n)):
                 for name in round_order([run.name for run in runs if run.name in daemons], n, r, cfg.seed):
                     progress.set_postfix_str(f"N={n} round {r + 1}: {name}")
                     _one_loop(cfg, name, daemons, infos, results, prompts, n,
-                              cover=fill and r == 0 and kinds[name] == "baseline")  # fmt: skip
+                              cover=r == 0 and name in covering)  # fmt: skip
             progress.update(1)
         for name, daemon in daemons.items():
             if daemon.is_alive():
@@ -80,11 +85,20 @@ def run_rounds(
             first = results.get((baseline, n), [])
             if first:
                 add_references(reference.setdefault(n, {}), first[0])
+    own: dict[str, dict[int, dict[int, list[int]]]] = {}  # referenced config -> N -> prompt -> ids
+    for name in cfg.referenced:
+        for n in cfg.concurrency:
+            first = results.get((name, n), [])
+            if first:
+                add_references(own.setdefault(name, {}).setdefault(n, {}), first[0])
     rows = []
     for run in runs:
         for n in cfg.concurrency:
             loops = results.get((run.name, n), [])
-            ref = None if reference is None or not reference else reference.get(n)
+            if run.reference is not None:
+                ref = own.get(run.reference, {}).get(n)
+            else:
+                ref = None if reference is None or not reference else reference.get(n)
             rows += _rows(cfg, run, n, loops, ref, len(prompts))
     return [infos[run.name] for run in runs], rows
 

@@ -51,6 +51,27 @@ def test_serve_config_rejects_bad_rounds(change, message):
         ServeConfig(**{"configs": CONFIGS, **change})
 
 
+@pytest.mark.parametrize(
+    "reference, rounds, message",
+    [
+        ("nope", 2, "must name another config"),
+        ("ngram goodput", 2, "must name another config"),  # itself
+        ("broken", 0, "needs rounds mode"),
+    ],
+)
+def test_serve_config_rejects_bad_references(reference, rounds, message):
+    configs = [*CONFIGS[:3], {**CONFIGS[3], "reference": reference}]
+    with pytest.raises(ValueError, match=message):
+        ServeConfig(configs=configs, duration_s=1, rounds=rounds)
+    chained = [{**CONFIGS[0]}, {**CONFIGS[2], "reference": "ngram goodput"},
+               {**CONFIGS[3], "reference": "non-speculative"}]  # fmt: skip
+    with pytest.raises(ValueError, match="without a reference of its own"):
+        ServeConfig(configs=chained, duration_s=1, rounds=2)
+    referring = [*CONFIGS[:3], {**CONFIGS[3], "reference": "ngram k=2 MQA"}]
+    ok = ServeConfig(configs=referring, duration_s=1, rounds=2)
+    assert ok.referenced == {"ngram k=2 MQA"}
+
+
 def test_rounds_at_each_concurrency():
     cfg = ServeConfig(configs=CONFIGS, duration_s=1, rounds=3, rounds_per_n=[2, 3, 3, 5])
     assert [cfg.rounds_at(n) for n in (1, 4, 16, 64)] == [2, 3, 3, 5]
@@ -108,3 +129,30 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
         "2/3 (N = 1/2) rounds, each one loop per" if interleave_s else "2 rounds, each one loop per"
     ) in text
     assert ("Tok/s of each round's loop" in text) == bool(interleave_s)
+
+
+@pytest.mark.slow
+def test_a_config_checks_its_outputs_against_its_own_reference(tmp_path):
+    """Other weights (model.seed=7) give other outputs than the baseline's: a speculative row on them
+    matches its reference (the non-speculative row on the same weights), not the baseline."""
+    seven = ["model.seed=7"]
+    configs = [
+        CONFIGS[0],
+        {"name": "non-spec seed 7", "kind": "fixed", "overrides": [*CONFIGS[0]["overrides"], *seven]},
+        {"name": "ngram seed 7", "kind": "fixed", "overrides": [*CONFIGS[2]["overrides"], *seven],
+         "reference": "non-spec seed 7"},
+        {"name": "ngram seed 7 vs baseline", "kind": "policy",
+         "overrides": [*CONFIGS[2]["overrides"], *seven]},
+    ]  # fmt: skip
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("bench", overrides=[
+            "bench=serve_tiny", f"bench.out_dir={tmp_path}", "bench.serve.duration_s=0.3",
+            "bench.serve.rounds=1", "bench.serve.round_overrides=[]", "bench.serve.concurrency=[2]",
+        ]).bench  # fmt: skip
+    cfg.serve.configs = OmegaConf.create(configs)
+    res = cli.run_bench(cfg, "test")
+    assert res["errors"] == {}
+    same = {r["config"]: r["same_output"] for r in res["serve"]["rows"] if r["pass"] == 1}
+    assert same["non-speculative"] == 1.0
+    assert same["ngram seed 7"] == 1.0  # against its own reference: lossless
+    assert same["non-spec seed 7"] < 1.0 and same["ngram seed 7 vs baseline"] < 1.0  # other weights
