@@ -19,7 +19,7 @@ from specsched.bench.markdown import fmt, table
 from specsched.engine.log_schema import LogFormatError, open_log
 
 PHASES = ("between", "schedule", "view", "decide", "reserve", "propose", "score", "overlap", "verify",
-          "commit", "record", "observe", "stats", "other")  # fmt: skip
+          "commit", "record", "observe", "stats", "events", "other")  # fmt: skip
 HOST_GOAL_MS = {1: 0.2, 64: 0.6}  # issue 17: the GPU-idle host time per step at these batch sizes
 
 
@@ -69,7 +69,9 @@ def host_note() -> str:
         "`steps.host_ms` of the decision logs): between = the daemon's loop since the last step "
         "(streaming the outputs, stats, commands); view = proposer peek + acceptance estimates; decide = "
         "the critical path's (≈0 when decided ahead); score = input build + launch; overlap = cost-model "
-        "update + next step's decide while the GPU scores; verify includes the wait for the GPU. "
+        "update + next step's decide while the GPU scores; verify includes the wait for the GPU; events = "
+        "the CUDA event records around the timed phases (4-6 calls into torch, each a point where the "
+        "daemon's other threads may take the interpreter lock). "
         "GPU-idle = between + step wall − (propose + score + verify) device ms."
     )
 

@@ -73,13 +73,14 @@ class StepTimer:
         return self
 
     def __enter__(self) -> None:
+        self.mark("other")
         if self.is_events:
             i = len(self._pending)
             if i == len(self._pool):
                 self._pool.append((self._new_event(), self._new_event()))
             self._pool[i][0].record()
             self._pending.append((self._field, i))
-        self.mark("other")
+            self.mark("events")  # the record calls apart: each lets the other threads take the GIL
         self._t0 = self._lap
 
     def __exit__(self, *exc) -> None:
@@ -90,6 +91,7 @@ class StepTimer:
         self.host_ms[name] = self.host_ms.get(name, 0.0) + ms
         if self.is_events:
             self._pool[self._pending[-1][1]][1].record()
+            self.mark("events")
         else:
             setattr(self._rec, field, getattr(self._rec, field) + ms)
 

@@ -165,6 +165,28 @@ def test_event_path_reuses_its_pool_and_fills_the_record_at_finish():
     assert rec.score_ms >= 2.0 and rec.propose_ms == 0.0
 
 
+def test_event_records_are_their_own_host_phase():
+    """The record calls (where other threads may take the GIL) go to ``events``: not to the phase,
+    not to the gaps (``other``)."""
+
+    class SlowEvent(FakeEvent):
+        def record(self) -> None:
+            time.sleep(0.003)
+            super().record()
+
+    timer = StepTimer("cpu", event_factory=SlowEvent)
+    rec = StepRecord(0, "decode", 0.0, 1, 1)
+    timer.start_step()
+    for field in PHASES:
+        with timer.phase(rec, field):
+            time.sleep(0.001)
+    timer.mark("commit")
+    ms = timer.host_ms
+    assert ms["events"] >= 2 * len(PHASES) * 3.0  # a start and an end record per phase
+    assert ms.get("other", 0.0) < 1.0 and ms["commit"] < 1.0
+    assert all(1.0 <= ms[f.removesuffix("_ms")] < 3.0 for f in PHASES)
+
+
 def test_engine_with_event_timer_keeps_records_consistent():
     engine = make_engine()
     engine.timer = StepTimer("cpu", event_factory=FakeEvent)
