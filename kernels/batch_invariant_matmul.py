@@ -93,7 +93,7 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     wide N), and padding rows cost tensor-core time only. A narrow layer with a long K (SmolLM2's
     down projection, N = 576, K = 1536: 9 column tiles walking 24 K steps each) splits K into at
     most 4 fixed slices of >= 384. Measured on the H200 with a 30-layer stack of distinct weights in
-    one CUDA graph (docs/benchmarks.md, "Deterministic matmul configs"): the split takes SmolLM2's
+    one CUDA graph (docs/benchmarks.md, "Where the mode's time goes", 2026-12-04): the split takes SmolLM2's
     down projections from 314 to 181 us at M = 1 and from 410 to 618 us at M = 2048; 32-column
     tiles, faster at M <= 144, cost 45 % more at M = 2048 (prefill), so they are not used. Wide
     layers (N >= 64 tiles: 7B) are left unsplit. ``tl.dot`` needs every dimension >= 16.
