@@ -35,7 +35,9 @@ model: the replay's own error, without the move to another log's text and machin
 ``--attribute-overhead`` adds a column for attribution, not prediction: the replay on the replayed
 log with the host-overhead component (``("overhead",)``: step total minus propose, score and verify)
 taken from the live log's refit, i.e. how much of the error is host time that differs between the
-two daemons (the policy's own ``decide`` among it).
+two daemons (the policy's own ``decide`` among it). The last column is the share of the predicted
+decode steps whose (scorer, batch group) the replayed log ran fewer than ``THIN_STEPS`` times
+(:func:`coverage`): those are priced by extrapolation or from the device's priors, not from data.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from specsched.bench.cost_error_table import group_of
 from specsched.bench.markdown import fmt, table
 from specsched.policies.cost_model import CostModels
 from specsched.policies.registry import build_policy
@@ -202,6 +205,7 @@ class Rate:
     steps: int = 0  # decode steps
     ms: float = 0.0
     prefill_ms: float = 0.0
+    num_thin: int = 0  # predicted decode steps priced from fewer than THIN_STEPS logged ones (coverage)
 
     def add(self, res: PolicyResult, run: RecordedRun, measured: bool) -> None:
         self.tokens += res.num_tokens
@@ -213,6 +217,10 @@ class Rate:
     @property
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.ms * 1e3 if self.ms > 0 else None
+
+    @property
+    def thin_share(self) -> float | None:
+        return self.num_thin / self.steps if self.steps else None
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -230,20 +238,40 @@ def live_rates(log: LoadedLog) -> dict[int, Rate]:
     return out
 
 
+THIN_STEPS = 20  # a (scorer, batch group) with fewer logged decode steps prices from its prior
+
+
+def coverage(run: RecordedRun) -> dict[tuple[str, tuple[int, int]], int]:
+    """The log's decode steps per (scorer, batch group of cost_error_table): what its refitted cost
+    models have seen. A replayed step of a (scorer, group) with few is priced by extrapolation or by
+    the device's seed coefficients (on 2026-12-04 those are llama2-7b's: a SmolLM2 log that never ran
+    batch expansion above batch 4 priced it 3-9x too slow at 16-64)."""
+    counts: dict[tuple[str, tuple[int, int]], int] = {}
+    for s in run.decode_steps:
+        key = (s.scorer, group_of(s.batch_size))
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def predicted_rates(log: LoadedLog, policy: dict, client_gaps: bool = False) -> dict[int, Rate]:
     """Rates per concurrency (0: every pass) of ``policy`` replayed on ``log``, pass by pass: with
     clients, closed loop (each client's requests one at a time), the batch drained between the
     pass's busy periods; ``client_gaps``: each request joins its client's recorded round trip after
-    the last one finished (:func:`sub_run`)."""
+    the last one finished (:func:`sub_run`). Each rate counts its steps priced from thin data
+    (:func:`coverage`)."""
     label, instance = policy_label(policy), build_policy(policy)
+    seen = coverage(log.run)
     out: dict[int, Rate] = {}
     for x in log.passes:
         clients = {r.client for r in x.run.requests}
         closed = None not in clients  # each client's requests one at a time, after its round trip
         res = simulate(x.run, x.bits, instance, log.costs, label, closed_loop=closed, segments=x.segments,
                        think_ms=x.think_ms if closed and client_gaps else None)  # fmt: skip
+        thin = sum(seen.get((t.scorer, group_of(t.batch_size)), 0) < THIN_STEPS for t in res.trace)
         for n in (x.p.concurrency, 0):
-            out.setdefault(n, Rate()).add(res, x.run, measured=False)
+            rate = out.setdefault(n, Rate())
+            rate.add(res, x.run, measured=False)
+            rate.num_thin += thin
     return out
 
 
@@ -270,7 +298,7 @@ def fidelity_rows(
     for name, live in lives:
         policy = live.run.settings.policy
         if policy is None:
-            rows.append([name, "–", "no policy recorded", *["–"] * (10 if attribute_overhead else 8)])
+            rows.append([name, "–", "no policy recorded", *["–"] * (11 if attribute_overhead else 9)])
             continue
         measured, predicted, own = (
             live_rates(live),
@@ -288,6 +316,7 @@ def fidelity_rows(
                 fmt(s.tokens_per_s, 1), fmt(error(s.tokens_per_s, m.tokens_per_s), 1),
                 fmt(m.decode_tokens_per_s, 1), fmt(p.decode_tokens_per_s, 1),
                 fmt(error(p.decode_tokens_per_s, m.decode_tokens_per_s), 1),
+                "–" if p.thin_share is None else f"{100 * p.thin_share:.0f}",
             ])  # fmt: skip
             if attribute_overhead:
                 o = swapped.get(n, Rate())
@@ -299,7 +328,8 @@ def fidelity_rows(
 
 
 HEADER = ["live config (policy)", "N", "live tok/s", "predicted tok/s", "error %", "self-replay tok/s",
-          "self error %", "live decode tok/s", "predicted decode tok/s", "decode error %"]  # fmt: skip
+          "self error %", "live decode tok/s", "predicted decode tok/s", "decode error %",
+          f"% steps priced from < {THIN_STEPS} logged"]  # fmt: skip
 ATTRIBUTION = ["decode tok/s, live log's overhead model", "its error %"]
 
 

@@ -14,7 +14,9 @@ import torch
 
 from specsched.bench.cost_error_table import cost_error_rows, group_of, grouped
 from specsched.bench.replay_fidelity import (
+    THIN_STEPS,
     RequestTimes,
+    coverage,
     live_rates,
     load_log,
     main,
@@ -49,7 +51,10 @@ def make_engine(policy: dict) -> Engine:
         cache=CacheConfig(block_size=4, num_blocks=1024),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
         spec=SpecConfig(
-            proposer="draft", scorers=["mqa"], max_k=8, draft=DraftConfig(source="self", num_layers=2)
+            proposer="draft",
+            scorers=["mqa", "batch_expansion"],
+            max_k=8,  # batch expansion built, never run
+            draft=DraftConfig(source="self", num_layers=2),
         ),
         policy=policy,
     )
@@ -172,6 +177,17 @@ def test_own_policy_predicts_its_own_tokens_per_s_and_a_wrong_one_does_not(logs)
     assert wrong[0].steps == live0[0].steps  # greedy, one token a step: the same steps as live
 
 
+def test_predicted_steps_of_an_unlogged_scorer_count_as_priced_from_thin_data(logs):
+    log = load_log(str(logs / "k8.sqlite"))
+    seen = coverage(log.run)
+    assert {scorer for scorer, _ in seen} == {"mqa"} and sum(seen.values()) == len(log.run.decode_steps)
+    own = predicted_rates(log, K8)[0]
+    other = predicted_rates(log, {"name": "fixed", "k": 2, "scorer": "batch_expansion"})[0]
+    assert other.steps > 0 and other.thin_share == 1.0  # never logged: every step from the prior
+    thin_groups = {g for (_, g), n in seen.items() if n < THIN_STEPS}
+    assert own.thin_share < 1.0 and (own.thin_share > 0) == bool(thin_groups)
+
+
 def test_cli_writes_the_table(logs, tmp_path, capsys):
     out = tmp_path / "t.md"
     k8, k0 = str(logs / "k8.sqlite"), str(logs / "k0.sqlite")
@@ -181,6 +197,7 @@ def test_cli_writes_the_table(logs, tmp_path, capsys):
     rows = [line for line in text.splitlines() if line.startswith("| k")]
     assert [r.split(" | ")[1] for r in rows[:6]] == ["1", "2", "all", "1", "2", "all"]
     assert "| k8 | mqa | 1 |" in text and "| k8 | mqa | 2-4 |" in text  # the cost-error table's rows
+    assert f"% steps priced from < {THIN_STEPS} logged" in text
 
 
 def test_cost_error_groups_by_batch_range(logs):
