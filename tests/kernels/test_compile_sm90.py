@@ -1,4 +1,4 @@
-"""The Triton kernels that changed without a GPU run compile for the H200 (sm_90) here, on the CPU:
+"""Our Triton kernels compile for the H200 (sm_90) here, on the CPU:
 Triton's frontend and ptxas run without a device. The interpreter (``TRITON_INTERPRET=1``) runs the
 kernels as Python and accepts code the compiler rejects (an early ``return`` where the frontend
 cannot place it, a loop bound of the wrong kind); this compiles them as the GPU would."""
@@ -85,3 +85,24 @@ def test_batch_invariant_linear_compiles_for_sm90(is_partial: bool) -> None:
             N=576, SPLITS=cfg.num_splits(1536), HAS_BIAS=False, BLOCK_N=1024, EMULATE_BF16=False
         )
         assert compile_sm90(mm._sum_splits_kernel, types, constexprs, num_warps=4) > 0
+
+
+def test_the_row_kernels_compile_for_sm90() -> None:
+    """RMSNorm (with the residual add), SiLU-and-mul and rotary + KV store, with their launch options
+    (no FMA contraction), at SmolLM2's shapes."""
+    from specsched.kernels import activation, norm, rotary
+    from specsched.kernels.triton_utils import NO_FP_FUSION
+
+    bf = "*bf16"
+    types = {"x_ptr": bf, "res_ptr": bf, "w_ptr": bf, "out_ptr": bf, "res_out_ptr": bf, "eps": "fp32",
+             "inv_h": "fp32"}  # fmt: skip
+    constexprs = dict(H=576, BLOCK=1024, HAS_RESIDUAL=True, EMULATE_BF16=False)
+    assert compile_sm90(norm._rms_norm_kernel, types, constexprs, num_warps=4, **NO_FP_FUSION) > 0
+    types = {"x_ptr": bf, "out_ptr": bf}
+    constexprs = dict(INTER=1536, BLOCK=1024, LIBDEVICE_EXP=True, EMULATE_BF16=False)
+    assert compile_sm90(activation._silu_and_mul_kernel, types, constexprs, num_warps=4, **NO_FP_FUSION) > 0
+    types = {"qkv_ptr": bf, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": bf, "kc_ptr": bf, "vc_ptr": bf,
+             "slot_ptr": "*i64"}  # fmt: skip
+    constexprs = dict(NUM_HEADS=9, NUM_KV_HEADS=3, HEAD_DIM=64, HALF_PAD=32, BLOCK_HQ=16, BLOCK_HKV=4,
+                      BLOCK_V=256, EMULATE_BF16=False)  # fmt: skip
+    assert compile_sm90(rotary._rotary_store_kv_kernel, types, constexprs, num_warps=4, **NO_FP_FUSION) > 0
