@@ -106,3 +106,11 @@ def test_the_row_kernels_compile_for_sm90() -> None:
     constexprs = dict(NUM_HEADS=9, NUM_KV_HEADS=3, HEAD_DIM=64, HALF_PAD=32, BLOCK_HQ=16, BLOCK_HKV=4,
                       BLOCK_V=256, EMULATE_BF16=False)  # fmt: skip
     assert compile_sm90(rotary._rotary_store_kv_kernel, types, constexprs, num_warps=4, **NO_FP_FUSION) > 0
+
+
+def test_the_split_merge_and_kv_store_compile_for_sm90() -> None:
+    types = {"o_ptr": "*bf16", "cu_q_ptr": "*i32", "ws_ml_ptr": "*fp32", "ws_acc_ptr": "*fp32"}
+    constexprs = dict(NUM_HEADS=9, NUM_SPLITS=6, SPLITS_PAD=8, HEAD_DIM=64, BLOCK_D=64)
+    assert compile_sm90(ta._combine_splits_kernel, types, constexprs, num_warps=4) > 0
+    types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64"}
+    assert compile_sm90(ta._store_kv_kernel, types, dict(ROW=192, BLOCK=256), num_warps=4) > 0
