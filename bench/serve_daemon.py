@@ -106,16 +106,49 @@ def prepare_weights(cfg: ServeConfig) -> dict:
     return {"conversion": conversion, "seconds": seconds, "error": None}
 
 
-def split_cpus(enabled: bool) -> tuple[set[int] | None, set[int] | None]:
-    """(daemon cores, client cores): the first and second half of this process's cores, so the load
-    generator does not take the daemon's (Linux, >= 4 cores, ``enabled``); else (None, None)."""
+SYSFS_CPU = "/sys/devices/system/cpu"
+
+
+def physical_cores(cpus: list[int], sysfs: str = SYSFS_CPU) -> list[list[int]]:
+    """``cpus`` grouped by the physical core they run on (hyperthreads of one core together, from
+    sysfs ``topology/thread_siblings_list``), in the order of each group's lowest CPU; one group per
+    CPU where the topology cannot be read."""
+    groups: dict[frozenset, list[int]] = {}
+    for c in cpus:
+        try:
+            with open(f"{sysfs}/cpu{c}/topology/thread_siblings_list") as f:
+                key = frozenset(_cpu_list(f.read()))
+        except (OSError, ValueError):
+            key = frozenset([c])
+        groups.setdefault(key, []).append(c)
+    return sorted(groups.values(), key=min)
+
+
+def _cpu_list(text: str) -> list[int]:
+    """A sysfs CPU list (``0,8`` or ``0-1``) as ints."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def split_cpus(enabled: bool, sysfs: str = SYSFS_CPU) -> tuple[set[int] | None, set[int] | None]:
+    """(daemon cores, client cores): the first and second half of this process's physical cores, each
+    with all of its hyperthreads, so the load generator never runs on a sibling of a daemon's CPU
+    (Linux, >= 4 CPUs, ``enabled``); else (None, None). Splitting logical CPUs in halves put each
+    daemon CPU's sibling among the clients' wherever the siblings are numbered apart (0 and 8 on a
+    16-CPU machine): the clients then slowed the daemon's engine thread by sharing its core."""
     if not enabled or not hasattr(os, "sched_getaffinity"):
         return None, None
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 4:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 4:
+        return None, None
+    cores = physical_cores(cpus, sysfs)
+    if len(cores) < 2:
         return None, None
     half = len(cores) // 2
-    return set(cores[:half]), set(cores[half:])
+    return {c for g in cores[:half] for c in g}, {c for g in cores[half:] for c in g}
 
 
 def daemon_overrides(

@@ -332,15 +332,40 @@ def test_cut_short_requests_are_neither_references_nor_compared():
     assert same_output_share(PassResult(1.0, other[:1]), ref) is None  # nothing to compare
 
 
-def test_split_cpus_gives_daemons_and_clients_disjoint_halves(monkeypatch):
+def test_split_cpus_gives_daemons_and_clients_disjoint_halves(monkeypatch, tmp_path):
     from specsched.bench.serve_daemon import split_cpus
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    daemon, clients = split_cpus(True)
+    daemon, clients = split_cpus(True, str(tmp_path))  # no topology to read: halves of the CPUs
     assert daemon == set(range(8)) and clients == set(range(8, 16))
     assert split_cpus(False) == (None, None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert split_cpus(True) == (None, None)  # too few cores to split
+
+
+def fake_sysfs(root, siblings: dict[int, str]) -> str:
+    for cpu, text in siblings.items():
+        d = root / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(text + "\n")
+    return str(root)
+
+
+def test_split_cpus_keeps_each_physical_core_on_one_side(monkeypatch, tmp_path):
+    from specsched.bench.serve_daemon import physical_cores, split_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    # hyperthreads numbered apart (CPU i and i + 8 share a core), as Linux numbers them on most x86
+    sysfs = fake_sysfs(tmp_path / "smt", {i: f"{i % 8},{i % 8 + 8}" for i in range(16)})
+    assert physical_cores(list(range(16)), sysfs)[:2] == [[0, 8], [1, 9]]
+    daemon, clients = split_cpus(True, sysfs)
+    assert daemon == {0, 1, 2, 3, 8, 9, 10, 11} and clients == {4, 5, 6, 7, 12, 13, 14, 15}
+    # ranges, and siblings numbered together
+    sysfs = fake_sysfs(tmp_path / "pairs", {i: f"{i - i % 2}-{i - i % 2 + 1}" for i in range(16)})
+    daemon, clients = split_cpus(True, sysfs)
+    assert daemon == set(range(8)) and clients == set(range(8, 16))
+    # no topology: one group per CPU, the old halves
+    assert split_cpus(True, str(tmp_path / "none")) == (set(range(8)), set(range(8, 16)))
 
 
 def timed_result(chunks: list[tuple[float, float, int]], opens_at: float, window_s: float) -> PassResult:
