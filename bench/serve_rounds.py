@@ -79,18 +79,20 @@ def run_rounds(
     finally:
         for name, daemon in daemons.items():
             infos[name]["exit_status"] = daemon.stop(cfg.stop_timeout_s)
-    baseline = next((run.name for run in runs if run.kind == "baseline"), None)
-    if reference is not None and not reference and baseline is not None:
-        for n in cfg.concurrency:
-            first = results.get((baseline, n), [])
-            if first:
-                add_references(reference.setdefault(n, {}), first[0])
-    own: dict[str, dict[int, dict[int, list[int]]]] = {}  # referenced config -> N -> prompt -> ids
-    for name in cfg.referenced:
+
+    def first_round(name: str, into: dict[int, dict[int, list[int]]]) -> None:
+        """``name``'s first-round outputs per N and prompt into ``into`` (N -> prompt -> ids)."""
         for n in cfg.concurrency:
             first = results.get((name, n), [])
             if first:
-                add_references(own.setdefault(name, {}).setdefault(n, {}), first[0])
+                add_references(into.setdefault(n, {}), first[0])
+
+    baseline = next((run.name for run in runs if run.kind == "baseline"), None)
+    if reference is not None and not reference and baseline is not None:
+        first_round(baseline, reference)
+    own: dict[str, dict[int, dict[int, list[int]]]] = {}  # referenced config -> N -> prompt -> ids
+    for name in cfg.referenced:
+        first_round(name, own.setdefault(name, {}))
     rows = []
     for run in runs:
         for n in cfg.concurrency:
