@@ -41,6 +41,7 @@ import triton.language as tl
 
 from specsched.kernels.triton_utils import (
     FLOAT_DTYPES,
+    FP_FUSION,
     check_launchable,
     emulate_bf16,
     is_interpreted,
@@ -209,13 +210,14 @@ def _launch(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
         EMULATE_BF16=emulate_bf16(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **FP_FUSION,
     )  # fmt: skip
     if is_partial:
         block_n = min(1024, triton.next_power_of_2(n))
         _sum_splits_kernel[(m, triton.cdiv(n, block_n))](
             part, bias if bias is not None else y, y, m, y.stride(0),
             N=n, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-            EMULATE_BF16=emulate_bf16(x.dtype),
+            EMULATE_BF16=emulate_bf16(x.dtype), **FP_FUSION,
         )  # fmt: skip
     return y
 

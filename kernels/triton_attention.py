@@ -52,7 +52,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from specsched.kernels.metadata import AttentionMetadata, check_attention_args
-from specsched.kernels.triton_utils import runtime_args
+from specsched.kernels.triton_utils import FP_FUSION, runtime_args
 
 _LOG2E = 1.4426950408889634
 DETERMINISTIC_SPLIT_KEYS = 256  # keys per split in deterministic mode: fixed positions, every launch
@@ -471,17 +471,18 @@ def paged_attention_triton(
         NUM_SPLITS=min(splits, 2) if fixed else splits,
         NUM_HEADS=num_heads, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast, SPLIT_KEYS=cfg.split_keys, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **FP_FUSION,
     )  # fmt: skip
     if splits > 1 and fixed:
         _combine_fixed_splits_kernel[(num_tokens, num_heads)](
             out, meta.cu_seqlens_q, ws_ml, ws_acc, ws_nv, meta.num_rows, splits, out.stride(0),
-            out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d,
+            out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, **FP_FUSION,
         )  # fmt: skip
     elif splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, meta.cu_seqlens_q, ws_ml, ws_acc, meta.num_rows, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-            HEAD_DIM=head_dim, BLOCK_D=cfg.block_d,
+            HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, **FP_FUSION,
         )  # fmt: skip
     return out
 
@@ -527,5 +528,5 @@ def store_kv_triton(
     row = k2.shape[1]
     _store_kv_kernel[(k.shape[0],)](
         k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0), k_cache.stride(1),
-        ROW=row, BLOCK=triton.next_power_of_2(row),
+        ROW=row, BLOCK=triton.next_power_of_2(row), **FP_FUSION,
     )  # fmt: skip

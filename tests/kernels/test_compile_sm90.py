@@ -14,6 +14,7 @@ triton = pytest.importorskip("triton")
 
 from specsched.kernels import batch_invariant_matmul as mm  # noqa: E402
 from specsched.kernels import triton_attention as ta  # noqa: E402
+from specsched.kernels.triton_utils import FP_FUSION  # noqa: E402
 
 try:
     from triton.backends.compiler import GPUTarget
@@ -50,7 +51,10 @@ def test_paged_attention_compiles_for_sm90(num_splits: int, split_keys: int) -> 
     constexprs = dict(GROUP=3, GROUP_PAD=4, BLOCK_Q=4, BLOCK_N=64, PAGE=16, HEAD_DIM=64, BLOCK_D=64,
                       NUM_SPLITS=num_splits, NUM_HEADS=9, PRECISION="tf32", UPCAST=False,
                       SPLIT_KEYS=split_keys)  # fmt: skip
-    assert compile_sm90(ta._paged_attn_kernel, ATTN_TYPES, constexprs, num_warps=4, num_stages=2) > 0
+    assert (
+        compile_sm90(ta._paged_attn_kernel, ATTN_TYPES, constexprs, num_warps=4, num_stages=2, **FP_FUSION)
+        > 0
+    )
 
 
 def test_fixed_split_merge_compiles_for_sm90() -> None:
@@ -62,7 +66,7 @@ def test_fixed_split_merge_compiles_for_sm90() -> None:
         "ws_nv_ptr": "*i32",
     }
     constexprs = dict(NUM_HEADS=9, HEAD_DIM=64, BLOCK_D=64)
-    assert compile_sm90(ta._combine_fixed_splits_kernel, types, constexprs, num_warps=4) > 0
+    assert compile_sm90(ta._combine_fixed_splits_kernel, types, constexprs, num_warps=4, **FP_FUSION) > 0
 
 
 @pytest.mark.parametrize("is_partial", [False, True], ids=["one_slice", "split_k"])
@@ -77,14 +81,14 @@ def test_batch_invariant_linear_compiles_for_sm90(is_partial: bool) -> None:
     constexprs = dict(N=576, K=1536, K_PER_SPLIT=cfg.k_per_split(1536) if is_partial else 1536,
                       IS_PARTIAL=is_partial, HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       BLOCK_K=cfg.block_k, PRECISION="tf32", UPCAST=False, EMULATE_BF16=False)  # fmt: skip
-    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FP_FUSION)
     assert compile_sm90(mm._linear_kernel, types, constexprs, **opts) > 0
     if is_partial:
         types = {"part_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16"}
         constexprs = dict(
             N=576, SPLITS=cfg.num_splits(1536), HAS_BIAS=False, BLOCK_N=1024, EMULATE_BF16=False
         )
-        assert compile_sm90(mm._sum_splits_kernel, types, constexprs, num_warps=4) > 0
+        assert compile_sm90(mm._sum_splits_kernel, types, constexprs, num_warps=4, **FP_FUSION) > 0
 
 
 def test_the_row_kernels_compile_for_sm90() -> None:
@@ -111,6 +115,6 @@ def test_the_row_kernels_compile_for_sm90() -> None:
 def test_the_split_merge_and_kv_store_compile_for_sm90() -> None:
     types = {"o_ptr": "*bf16", "cu_q_ptr": "*i32", "ws_ml_ptr": "*fp32", "ws_acc_ptr": "*fp32"}
     constexprs = dict(NUM_HEADS=9, NUM_SPLITS=6, SPLITS_PAD=8, HEAD_DIM=64, BLOCK_D=64)
-    assert compile_sm90(ta._combine_splits_kernel, types, constexprs, num_warps=4) > 0
+    assert compile_sm90(ta._combine_splits_kernel, types, constexprs, num_warps=4, **FP_FUSION) > 0
     types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64"}
-    assert compile_sm90(ta._store_kv_kernel, types, dict(ROW=192, BLOCK=256), num_warps=4) > 0
+    assert compile_sm90(ta._store_kv_kernel, types, dict(ROW=192, BLOCK=256), num_warps=4, **FP_FUSION) > 0
