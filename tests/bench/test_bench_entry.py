@@ -1,13 +1,17 @@
-"""The installed ``specsched-bench`` console script finds its configs from any directory (its config
-module was not importable from an editable install until bench/conf became a package)."""
+"""How the benchmarks are started: the installed ``specsched-bench`` console script finds its configs
+from any directory (its config module was not importable from an editable install until bench/conf
+became a package), and bench/run_gpu.sh maps every package of the project on the H200."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 BIN = os.path.dirname(sys.executable)
@@ -24,3 +28,15 @@ def test_specsched_bench_cfg_job_resolves_a_preset_from_another_directory(tmp_pa
     cfg = yaml.safe_load(r.stdout)["bench"]
     assert cfg["serve"]["enabled"] is True and cfg["serve"]["rounds"] == 2
     assert os.listdir(tmp_path) == []  # --cfg job runs nothing
+
+
+def test_run_gpu_maps_every_package_of_the_project() -> None:
+    """bench/run_gpu.sh imports the tree through a folder of symlinks (``specsched/<dir>``), not an
+    install: a package missing from its list fails only on the H200 (``specsched.gateway`` was, until
+    07fd02b)."""
+    root = Path(__file__).resolve().parents[2]
+    mapped = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    top = {d for d in mapped.values() if "/" not in d}  # specsched.<x> = "<x>"
+    line = next(x for x in (root / "bench" / "run_gpu.sh").read_text().splitlines() if "ln -s" in x)
+    linked = set(re.search(r"for d in ([\w ]+); do", line).group(1).split())
+    assert linked == top, (sorted(top - linked), sorted(linked - top))
