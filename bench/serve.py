@@ -29,6 +29,7 @@ from specsched.bench.serve_daemon import (
     Daemon,
     config_info,
     daemon_overrides,
+    engine_cpu,
     prepare_weights,
     safe_name,
     split_cpus,
@@ -173,7 +174,8 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
             os.sched_setaffinity(0, own_cpus)
     add_spread(rows)
     result = {"configs": configs, "rows": rows, "warm_start": None, "host_phases": host, "weights": weights,
-              "cpus": {"daemon": sorted(daemon_cpus or []), "clients": sorted(client_cpus or [])},
+              "cpus": {"daemon": sorted(daemon_cpus or []), "clients": sorted(client_cpus or []),
+                       "engine": engine_cpu(daemon_cpus)},
               "settings": {k: v for k, v in OmegaConf.to_container(section, resolve=True).items()
                            if k != "configs"}}  # fmt: skip
     first = next((c for c in configs if c["startup_s"] is not None), None)

@@ -42,6 +42,9 @@ class DaemonConfig:
     heartbeat_ivl_ms: int = 5000  # ZMTP heartbeats to detect dead peers; 0 = off
     heartbeat_timeout_ms: int = 15000
     stats_window_s: float = 10.0  # tokens/s window
+    # Linux: run the engine thread on this CPU only and the daemon's other threads on its other CPUs
+    # (daemon/affinity.py); null: leave placement to the OS
+    engine_cpu: int | None = None
     # CURVE (docs/operations.md): required for any endpoint that is not loopback / ipc / inproc
     curve: bool = False
     curve_key_file: str | None = None  # the server's secret certificate; generated (0600) when missing
@@ -61,6 +64,8 @@ class DaemonConfig:
         for name in ("max_prompt_tokens", "max_output_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"daemon.{name} must be >= 1 or null, got {getattr(self, name)}")
+        if self.engine_cpu is not None and self.engine_cpu < 0:
+            raise ValueError(f"daemon.engine_cpu must be >= 0 or null, got {self.engine_cpu}")
         t = self.request_timeout_s
         if t is not None and not (math.isfinite(t) and t > 0):
             raise ValueError(f"daemon.request_timeout_s must be > 0 or null, got {t}")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from specsched.daemon.affinity import check_cpu, pin_engine_thread
 from specsched.daemon.auth import CurveServer, endpoint_host
 from specsched.daemon.commands import Shutdown
 from specsched.daemon.io_thread import IOThread
@@ -92,6 +93,8 @@ class Server:
     def start(self) -> None:
         cfg = self.cfg
         cfg.check_auth()  # again: the config may have been changed after it was validated
+        if cfg.engine_cpu is not None:
+            check_cpu(cfg.engine_cpu)  # before anything is bound or started
         self._ctx = zmq.Context()
         try:
             if cfg.curve:
@@ -142,6 +145,8 @@ class Server:
             self.startup_stats = StartupStats(**self.startup.to_dict())
         for t in self._threads:
             t.start()
+        if cfg.engine_cpu is not None:
+            pin_engine_thread(self._threads[0].native_id, cfg.engine_cpu)
         if self.startup is not None:
             logger.info("%s", self.startup.describe())
         logger.info("specsched daemon listening on %s", self.bound_endpoint)

@@ -343,6 +343,28 @@ def test_split_cpus_gives_daemons_and_clients_disjoint_halves(monkeypatch, tmp_p
     assert split_cpus(True) == (None, None)  # too few cores to split
 
 
+def test_every_daemon_engine_thread_gets_the_same_cpu_of_the_daemon_half(monkeypatch, tmp_path):
+    from specsched.bench.serve_daemon import Daemon, engine_cpu, split_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    daemon, _ = split_cpus(True, str(tmp_path))
+    assert engine_cpu(daemon) == 7  # the highest daemon CPU, whatever the config
+    assert engine_cpu(None) is None and engine_cpu({3}) is None
+    started = []
+
+    class Popen:  # what Daemon would launch: its argv and environment
+        def __init__(self, argv, **kw):
+            started.append((argv, kw["env"]))
+            self.pid = 1
+
+    monkeypatch.setattr("specsched.bench.serve_daemon.subprocess.Popen", Popen)
+    for cpus in (daemon, None):
+        Daemon(["model=tiny"], tmp_path / "d.log", {}, cpus)
+    (pinned, env), (unpinned, _) = started
+    assert "daemon.engine_cpu=7" in pinned and not any("engine_cpu" in a for a in unpinned)
+    assert env["PYTHONHASHSEED"] == "0"
+
+
 def fake_sysfs(root, siblings: dict[int, str]) -> str:
     for cpu, text in siblings.items():
         d = root / f"cpu{cpu}" / "topology"

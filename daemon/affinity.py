@@ -1,0 +1,58 @@
+"""Pinning the daemon's engine thread to one CPU (``daemon.engine_cpu``, Linux).
+
+The engine thread runs the whole serving loop; everything else in the process (the IO thread, the
+decision log's writer, ZeroMQ's own threads, the main thread) competes with it for the interpreter
+lock and, when they share its CPU, for the CPU itself. Pinning the engine thread to one CPU and every
+other thread of the process to the remaining ones keeps its caches warm and its speed that of one
+known CPU. On the H200 host (2026-12-04 21:20, ``bench=serve_rounds``) two daemons of one config
+differed by up to 5 % in the host time of every phase, for their whole life: the engine thread's
+placement is the likely cause, and the benchmark now pins every daemon's engine thread to the same
+CPU so that configs compare on equal terms.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def check_cpu(cpu: int) -> set[int]:
+    """The process's other CPUs; raises ValueError when ``cpu`` is not one it may run on, or when
+    the platform cannot pin threads."""
+    if not hasattr(os, "sched_getaffinity"):
+        raise ValueError("daemon.engine_cpu needs Linux (os.sched_setaffinity); set it to null here")
+    allowed = os.sched_getaffinity(0)
+    if cpu not in allowed:
+        raise ValueError(f"daemon.engine_cpu={cpu} is not a CPU this process may run on: {sorted(allowed)}")
+    return allowed - {cpu}
+
+
+def thread_ids() -> list[int]:
+    """The kernel ids of this process's threads (Python's and native ones, e.g. ZeroMQ's)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
+
+
+def pin_engine_thread(engine_tid: int, cpu: int) -> None:
+    """Run thread ``engine_tid`` on ``cpu`` only and every other thread of the process on the other
+    CPUs it may use (where there are none, they keep sharing). Threads created later inherit their
+    creator's CPUs."""
+    others = check_cpu(cpu)
+    os.sched_setaffinity(engine_tid, {cpu})
+    if not others:
+        logger.warning("daemon.engine_cpu=%d is the process's only CPU: the other threads share it", cpu)
+        return
+    num_moved = 0
+    for tid in thread_ids():
+        if tid == engine_tid:
+            continue
+        try:
+            os.sched_setaffinity(tid, others)
+            num_moved += 1
+        except OSError:  # the thread ended meanwhile
+            pass
+    logger.info("engine thread pinned to CPU %d; %d other threads on CPUs %s", cpu, num_moved, sorted(others))
