@@ -27,7 +27,8 @@ cost as part of the step's cost and decides only as often as that cost allows:
 A plan is *carried* to a step's batch by request id (:func:`carry_plan`): requests that left are
 dropped, every k is capped by the request's cap now (n-gram matches and remaining lengths move on),
 and requests that joined since (fresh from prefill) take the k of the kept request with the nearest
-acceptance estimate. When more than ``MAX_JOINED`` of the batch is new, the next decide is due: with
+acceptance estimate. When more than ``max_joined`` of the batch (``scheduler.max_joined_share``,
+default ``MAX_JOINED``) is new, the next decide is due: with
 plan-ahead it is decided during this step's scoring (a decide on the critical path costs ~1 ms at
 batch 16 on the H200 host, and on 2026-12-04 those decides, fed into the budget, kept plans carried
 for up to 8 steps with the newcomers at k = 0: goodput 12% behind fixed k = 5 at N = 16); without
@@ -176,9 +177,12 @@ class Planner:
     :meth:`decide_ahead` while the GPU scores, :meth:`observe` with each decode step's times. The
     policy and cost models are passed in on every call (the engine's may be swapped between steps)."""
 
-    def __init__(self, budget: float | None, max_age: int, is_plan_ahead: bool) -> None:
+    def __init__(
+        self, budget: float | None, max_age: int, is_plan_ahead: bool, max_joined: float = MAX_JOINED
+    ) -> None:
         self.reuse = PlanReuse(budget, max_age)
         self.is_plan_ahead = is_plan_ahead
+        self.max_joined = max_joined  # a held plan is due once more than this share of the batch joined
         # the plan steps run now: (request ids it was decided for, plan, is it the one decided ahead
         # and not used yet)
         self.held: tuple[list[str], Plan, bool] | None = None
@@ -216,10 +220,11 @@ class Planner:
         # with plan-ahead a batch that changed much still runs the held plan (joined requests
         # drafting like their nearest kept ones) and the next plan is decided ahead during this
         # step's scoring, instead of a decide on this step's critical path
-        carried = carry_plan(ids, plan, view, None if self.is_plan_ahead else MAX_JOINED, self.held_caps)
+        carried = carry_plan(ids, plan, view, None if self.is_plan_ahead else self.max_joined, self.held_caps)
         if carried is None:
             return None
-        if self.is_plan_ahead and carried.info["num_joined"] > max(1, int(MAX_JOINED * len(view.requests))):
+        num_may_join = max(1, int(self.max_joined * len(view.requests)))
+        if self.is_plan_ahead and carried.info["num_joined"] > num_may_join:
             self.reuse.expire()
         self.held = ids, plan, False
         info = carried.info

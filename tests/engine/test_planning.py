@@ -274,3 +274,25 @@ def test_with_every_step_deciding_ahead_one_is_skipped_now_and_then_for_the_base
     assert all(p.info.get("plan_age", 0) >= 1 and p.info["decide_ms"] == 0.0 for p in carried_not_ahead)
     # the first step decides on the critical path; after it one decide ahead per step but the skipped
     assert policy.num_decides == 1 + n - len(carried_not_ahead)
+
+
+def test_max_joined_share_sets_when_joins_make_the_held_plan_due():
+    """``scheduler.max_joined_share``: with plan-ahead, a plan is carried to a changed batch either
+    way; it is due at once only when more than the share of the batch joined (at least 1 request)."""
+    from specsched.engine.config import SchedulerConfig
+    from specsched.engine.planning import Planner
+
+    ids = [f"r{i}" for i in range(16)]
+    changed = view_of(ids[:13] + ["x", "y", "z"], [8] * 16)  # 3 of 16 joined
+    due = []
+    for share in (0.125, 0.5):
+        planner = Planner(budget=0.05, max_age=32, is_plan_ahead=True, max_joined=share)
+        planner.reuse.observe_step(2.0)
+        planner.reuse.record_decide(2.0)  # interval 20
+        planner.held = ids, Plan([3] * 16, "mqa", "goodput"), True
+        plan = planner.plan(CountingGoodput(), None, changed)
+        assert plan.k == [3] * 16 and plan.info["num_joined"] == 3
+        due.append(planner.reuse.is_due)
+    assert due == [True, False]  # 3 > max(1, 2) at 0.125; 3 <= 8 at 0.5
+    with pytest.raises(ValueError, match="max_joined_share must be in"):
+        SchedulerConfig(max_joined_share=1.5)
