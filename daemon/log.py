@@ -82,6 +82,7 @@ class LogWriter:
         self._is_closed = False
         self._run_started = False
         self._store = LogStore(self.path, cfg, self._drop)  # the writer thread's state
+        self._nudge = threading.Event()  # log.pace=step: the engine waits for the device (nudge)
         self._thread = threading.Thread(target=self._loop, name="specsched-log", daemon=True)
         self._thread.start()
 
@@ -146,6 +147,12 @@ class LogWriter:
                 "accepted": accepted,
             }
         )
+
+    def nudge(self) -> None:
+        """``log.pace=step``: the engine thread is about to wait for the device (or to idle): the writer
+        takes what is queued now, while the engine needs no interpreter lock. A no-op otherwise."""
+        if self.cfg.pace == "step":
+            self._nudge.set()
 
     def end_run(self, num_compiles_after_start: int, timeout: float = 10.0) -> bool:
         """Close this run's row: ``ended_at`` and the Triton variants built while serving (written with
@@ -265,6 +272,7 @@ class LogWriter:
             self._queue.put(ctl, timeout=timeout)
         except queue.Full:
             return ctl
+        self._nudge.set()  # log.pace=step: a control does not wait for the engine
         ctl.done.wait(timeout)
         return ctl
 
@@ -272,28 +280,22 @@ class LogWriter:
     def _loop(self) -> None:
         """Take records until the flush interval ends, ``batch_size`` are waiting or a control arrives;
         with ``durable``, a request row shortens the wait to the next commit slot (group commit: at
-        most one write per ``commit_interval_ms``, with everything queued by then). Write, settle."""
+        most one write per ``commit_interval_ms``, with everything queued by then). Write, settle.
+        ``log.pace=step``: :meth:`_take_paced` instead."""
         cfg, store = self.cfg, self._store
         commit_s = cfg.commit_interval_ms / 1e3
         last_write = -commit_s
+        last_flush = time.monotonic()
         while True:
             controls: list[_Control] = []
-            deadline = time.monotonic() + cfg.flush_interval_s
-            num_new = 0
-            while num_new < cfg.batch_size and not controls:
-                remaining = deadline - time.monotonic()
-                try:  # past the deadline: still take what is queued already, without waiting
-                    item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(item, _Control):
-                    controls.append(item)
-                    continue
-                store.buffer(item)
-                num_new += 1
-                if cfg.durable and isinstance(item, dict):  # a finished request: its done is waiting
-                    deadline = min(deadline, max(time.monotonic(), last_write + commit_s))
+            if cfg.pace == "step":
+                num_new, is_due = self._take_paced(controls, last_write + commit_s, last_flush)
+            else:
+                num_new, is_due = self._take_each(controls, last_write + commit_s), True
             self._num_taken += num_new
+            if not is_due:  # buffered, not committed: nothing settles until the write
+                continue
+            last_flush = time.monotonic()
             for ctl in controls:
                 if ctl.run_row is not None:
                     store.run_row = ctl.run_row
@@ -315,6 +317,56 @@ class LogWriter:
                 ctl.done.set()
                 if ctl.kind == "stop":
                     return
+
+    def _take_each(self, controls: list[_Control], commit_at: float) -> int:
+        """``log.pace=record``: buffer each record as it arrives, until the flush interval ends,
+        ``batch_size`` are taken, a control comes or (durable) a request row's commit slot
+        (``commit_at``, or now) is reached. Returns the number taken."""
+        cfg, store = self.cfg, self._store
+        deadline = time.monotonic() + cfg.flush_interval_s
+        num_new = 0
+        while num_new < cfg.batch_size and not controls:
+            remaining = deadline - time.monotonic()
+            try:  # past the deadline: still take what is queued already, without waiting
+                item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Control):
+                controls.append(item)
+                continue
+            store.buffer(item)
+            num_new += 1
+            if cfg.durable and isinstance(item, dict):  # a finished request: its done is waiting
+                deadline = min(deadline, max(time.monotonic(), commit_at))
+        return num_new
+
+    def _take_paced(self, controls: list[_Control], commit_at: float, last_flush: float) -> tuple[int, bool]:
+        """``log.pace=step``: wait for :meth:`nudge` (the engine's device wait, or a control) or the
+        flush interval, then buffer everything queued. Returns (number taken, whether to write now:
+        a control, ``batch_size`` buffered, the flush interval over, or (durable) a request row whose
+        commit slot ``commit_at`` has come; else the next nudge writes it)."""
+        cfg, store = self.cfg, self._store
+        self._nudge.wait(max(0.0, last_flush + cfg.flush_interval_s - time.monotonic()))
+        self._nudge.clear()
+        num_new = 0
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Control):
+                controls.append(item)
+            else:
+                store.buffer(item)
+                num_new += 1
+        now = time.monotonic()
+        is_due = (
+            bool(controls)
+            or store.num_pending >= cfg.batch_size
+            or now >= last_flush + cfg.flush_interval_s
+            or (cfg.durable and store.has_requests and now >= commit_at)
+        )
+        return num_new, is_due
 
     def _settle(self) -> None:
         """Publish how far the queue is settled and tell the listeners (serving releases held dones)."""

@@ -16,6 +16,11 @@ class LogConfig:
     batch_size: int = 256  # records that trigger a write before the interval ends
     queue_max: int = 100_000  # records held in memory at most (queue + retry buffer); more are dropped
     busy_timeout_s: float = 1.0  # wait for a locked database before counting the write as failed
+    # When the writer thread takes records off its queue (each costs it ~20-40 us of Python, which
+    # the engine thread waits for whenever it lets go of the interpreter lock): "record" as each is
+    # enqueued; "step" once per engine step, when the engine waits for the device (its verification
+    # read), where the engine needs no lock (daemon/log.py: LogWriter.nudge)
+    pace: str = "record"
 
     def __post_init__(self) -> None:
         if self.path is not None and not str(self.path).strip():
@@ -32,5 +37,7 @@ class LogConfig:
             raise ValueError(
                 f"log.queue_max must be >= log.batch_size ({self.batch_size}), got {self.queue_max}"
             )
+        if self.pace not in ("record", "step"):
+            raise ValueError(f"log.pace must be record or step, got {self.pace!r}")
         if self.busy_timeout_s < 0:
             raise ValueError(f"log.busy_timeout_s must be >= 0, got {self.busy_timeout_s}")

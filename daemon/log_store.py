@@ -73,6 +73,11 @@ class LogStore:
         return bool(self.run_row or self.run_end or self.costs or self._steps or self._requests)
 
     @property
+    def has_requests(self) -> bool:
+        """A ``requests`` row is buffered (with ``log.durable`` its done waits for the commit)."""
+        return bool(self._requests)
+
+    @property
     def num_pending(self) -> int:
         """Records held for the next write (read from the serving threads too: a bound, not exact)."""
         return len(self._steps) + len(self._requests)

@@ -104,6 +104,11 @@ class Serving:
         self._chained_on_step = None  # an on_step callback the engine had before serving started
         is_durable = log is not None and getattr(log, "is_durable", False)
         self.held = HeldReplies(log, post, wake) if is_durable else None
+        # log.pace=step: the writer takes its records while the engine waits for the device, and when
+        # the engine idles (LogWriter.nudge: a no-op for log.pace=record)
+        self._nudge_log = getattr(log, "nudge", None)
+        if self._nudge_log is not None:
+            engine.on_device_wait = self._nudge_log
 
     def send(self, client: bytes, msg: Message) -> None:
         self._out.append((client, msg))
@@ -129,6 +134,8 @@ class Serving:
         try:
             while True:
                 is_idle = not self.engine.has_unfinished and self._deadline is None
+                if is_idle and self._nudge_log is not None:
+                    self._nudge_log()  # the last steps' records (and their requests' dones) go out now
                 try:
                     self._handle_safely(inbox.get(timeout=idle_s) if is_idle else inbox.get_nowait())
                     while True:

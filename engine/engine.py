@@ -53,6 +53,10 @@ class Engine:
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, p.num_blocks, prefill_limits=limits)
         self.requests: dict[str, Request] = {}
         self.on_step: Callable[[StepRecord], None] | None = None
+        # called right before each step's host read of the device's results (the verification read),
+        # where the engine thread waits without the interpreter lock: the daemon paces the decision
+        # log's writer by it (log.pace=step)
+        self.on_device_wait: Callable[[], None] | None = None
         self.stats = EngineStats()
         self.timer = StepTimer(self.device)  # phase times: perf_counter on the host, CUDA events on GPU
         self.is_overlapped_observe = self.timer.is_events  # see flush_observations
@@ -174,6 +178,8 @@ class Engine:
         timer.mark("overlap")  # on CUDA while the GPU scores: off the critical path up to its time
         with self._timed(rec, "verify_ms"):
             result = verify(logits, props, [r.sampling for r in reqs], [r.generator for r in reqs])
+            if self.on_device_wait is not None:
+                self.on_device_wait()
             emitted = result.to_lists()
         outputs = self._commit(reqs, emitted, props.num_draft, names)
         timer.mark("commit")
@@ -238,7 +244,10 @@ class Engine:
         done = [reqs[i] for i in sample]
         empty = Proposals.from_lists([[] for _ in done])  # host tensors: no device copy
         with self._timed(rec, "verify_ms"):
-            first = verify(logits, empty, [r.sampling for r in done], [r.generator for r in done]).to_lists()
+            result = verify(logits, empty, [r.sampling for r in done], [r.generator for r in done])
+            if self.on_device_wait is not None:
+                self.on_device_wait()
+            first = result.to_lists()
         now = time.time()
         for r in done:
             r.first_token_time = now
