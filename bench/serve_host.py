@@ -19,7 +19,7 @@ from specsched.bench.markdown import fmt, table
 from specsched.engine.log_schema import LogFormatError, open_log
 
 PHASES = ("between", "schedule", "view", "decide", "reserve", "propose", "score", "overlap", "verify",
-          "commit", "record", "observe", "stats", "events", "other")  # fmt: skip
+          "commit", "record", "observe", "stats", "first_event", "events", "other")  # fmt: skip
 HOST_GOAL_MS = {1: 0.2, 64: 0.6}  # issue 17: the GPU-idle host time per step at these batch sizes
 
 
@@ -69,9 +69,10 @@ def host_note() -> str:
         "`steps.host_ms` of the decision logs): between = the daemon's loop since the last step "
         "(streaming the outputs, stats, commands); view = proposer peek + acceptance estimates; decide = "
         "the critical path's (≈0 when decided ahead); score = input build + launch; overlap = cost-model "
-        "update + next step's decide while the GPU scores; verify includes the wait for the GPU; events = "
-        "the CUDA event records around the timed phases (4-6 calls into torch, each a point where the "
-        "daemon's other threads may take the interpreter lock). "
+        "update + next step's decide while the GPU scores; verify includes the wait for the GPU; "
+        "first_event = the step's first CUDA event record (its first release of the interpreter lock, "
+        "where the daemon's other threads do the work the last step gave them); events = the other "
+        "event records around the timed phases (3-5 calls into torch). "
         "GPU-idle = between + step wall − (propose + score + verify) device ms."
     )
 

@@ -80,7 +80,10 @@ class StepTimer:
                 self._pool.append((self._new_event(), self._new_event()))
             self._pool[i][0].record()
             self._pending.append((self._field, i))
-            self.mark("events")  # the record calls apart: each lets the other threads take the GIL
+            # the record calls apart: each lets the other threads take the GIL; the step's first apart
+            # again: the first release of the lock in a step is where work the other threads were
+            # given since the last step (outputs to send, log records) lands
+            self.mark("events" if i else "first_event")
         self._t0 = self._lap
 
     def __exit__(self, *exc) -> None:
