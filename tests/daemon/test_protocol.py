@@ -266,3 +266,41 @@ def test_docs_describe_every_field_and_error_code():
     for cls in (SpecOptions, ChatMessage, Usage, SpecUsage, ProposerStats, ScorerStats, StartupStats):
         for f in fields(cls):
             assert re.search(rf"\b{f.name}\b", text), f"{cls.__name__}.{f.name} is not documented"
+
+
+def _reference_plain(value):
+    """The encoder's first, plain walk (fields() per value): what the fast path must reproduce."""
+    import dataclasses
+    import enum
+
+    if dataclasses.is_dataclass(value):
+        return {f.name: _reference_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _reference_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_reference_plain(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+ODD_VALUES = [  # enums, tuples and nested lists where the fast path takes its other branches
+    Error("a", ErrorCode.INVALID_FIELD, "generate.max_tokens: ..."),
+    Chunk("b", (4, 5), "x"),
+    StatsReply("n", engine={"k": (1, [2, ErrorCode.OVERLOADED]), 3: None, "f": 1.5, "b": b"\x00"}),
+]
+
+
+@pytest.mark.parametrize("msg", CLIENT_MESSAGES + SERVER_MESSAGES + ODD_VALUES, ids=lambda m: m.TYPE)
+def test_encode_gives_the_bytes_of_the_plain_walk(msg):
+    import dataclasses
+
+    from specsched.daemon.messages import PROTOCOL_VERSION
+
+    out = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if value is None and f.name in getattr(msg, "OMIT_NONE", ()):
+            continue
+        out[f.name] = _reference_plain(value)
+    assert encode(msg) == msgpack.packb(out, use_bin_type=True)
