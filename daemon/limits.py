@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specsched.daemon.affinity import check_cpu
 from specsched.daemon.auth import check_endpoint, check_key
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -64,8 +65,10 @@ class DaemonConfig:
         for name in ("max_prompt_tokens", "max_output_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"daemon.{name} must be >= 1 or null, got {getattr(self, name)}")
-        if self.engine_cpu is not None and self.engine_cpu < 0:
-            raise ValueError(f"daemon.engine_cpu must be >= 0 or null, got {self.engine_cpu}")
+        if self.engine_cpu is not None:
+            if self.engine_cpu < 0:
+                raise ValueError(f"daemon.engine_cpu must be >= 0 or null, got {self.engine_cpu}")
+            check_cpu(self.engine_cpu)  # at start, before the model loads: one this process may use
         t = self.request_timeout_s
         if t is not None and not (math.isfinite(t) and t > 0):
             raise ValueError(f"daemon.request_timeout_s must be > 0 or null, got {t}")

@@ -76,3 +76,5 @@ def test_a_cpu_the_process_may_not_use_is_refused_by_name():
         check_cpu(bad)
     with pytest.raises(ValueError, match="engine_cpu must be >= 0"):
         DaemonConfig(engine_cpu=-1)
+    with pytest.raises(ValueError, match=rf"daemon.engine_cpu={bad} is not a CPU"):
+        DaemonConfig(engine_cpu=bad)  # when the config is resolved, before the model loads
