@@ -148,10 +148,15 @@ class LogWriter:
             }
         )
 
+    @property
+    def is_paced(self) -> bool:
+        """``log.pace=step``: the writer takes records only when nudged (or at the flush interval)."""
+        return self.cfg.pace == "step"
+
     def nudge(self) -> None:
         """``log.pace=step``: the engine thread is about to wait for the device (or to idle): the writer
         takes what is queued now, while the engine needs no interpreter lock. A no-op otherwise."""
-        if self.cfg.pace == "step":
+        if self.is_paced:
             self._nudge.set()
 
     def end_run(self, num_compiles_after_start: int, timeout: float = 10.0) -> bool:
@@ -288,7 +293,7 @@ class LogWriter:
         last_flush = time.monotonic()
         while True:
             controls: list[_Control] = []
-            if cfg.pace == "step":
+            if self.is_paced:
                 num_new, is_due = self._take_paced(controls, last_write + commit_s, last_flush)
             else:
                 num_new, is_due = self._take_each(controls, last_write + commit_s), True

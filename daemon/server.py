@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from specsched.daemon.affinity import check_cpu, pin_engine_thread
+from specsched.daemon.affinity import pin_engine_thread
 from specsched.daemon.auth import CurveServer, endpoint_host
 from specsched.daemon.commands import Shutdown
 from specsched.daemon.io_thread import IOThread
@@ -93,8 +93,6 @@ class Server:
     def start(self) -> None:
         cfg = self.cfg
         cfg.check_auth()  # again: the config may have been changed after it was validated
-        if cfg.engine_cpu is not None:
-            check_cpu(cfg.engine_cpu)  # before anything is bound or started
         self._ctx = zmq.Context()
         try:
             if cfg.curve:

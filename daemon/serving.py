@@ -105,8 +105,8 @@ class Serving:
         is_durable = log is not None and getattr(log, "is_durable", False)
         self.held = HeldReplies(log, post, wake) if is_durable else None
         # log.pace=step: the writer takes its records while the engine waits for the device, and when
-        # the engine idles (LogWriter.nudge: a no-op for log.pace=record)
-        self._nudge_log = getattr(log, "nudge", None)
+        # the engine idles (LogWriter.nudge); log.pace=record: nothing on the step's path
+        self._nudge_log = log.nudge if getattr(log, "is_paced", False) else None
         if self._nudge_log is not None:
             engine.on_device_wait = self._nudge_log
 

@@ -17,18 +17,19 @@ from specsched.engine.request import SamplingParams
 from .test_log import count, make_record, request_row, wait_settled
 
 
-def paced(path, **kw) -> LogWriter:
+def paced(path, num_steps: int = 0, seed: int = 0, **kw) -> LogWriter:
+    """A started ``log.pace=step`` writer with ``num_steps`` step records enqueued."""
     w = LogWriter(LogConfig(path=str(path), pace="step", **kw))
     w.start_run({}, model="m", device="cpu", version="v")
+    rng = random.Random(seed)
+    for i in range(num_steps):
+        w.write_step(make_record(i, rng))
     return w
 
 
 def test_records_wait_for_a_nudge_then_a_durable_request_commits(tmp_path):
     path = tmp_path / "log.sqlite"
-    w = paced(path, flush_interval_s=30.0)
-    rng = random.Random(3)
-    for i in range(3):
-        w.write_step(make_record(i, rng))
+    w = paced(path, num_steps=3, seed=3, flush_interval_s=30.0)
     seq = request_row(w, "a")
     time.sleep(0.3)
     assert w.settled_seq == 0 and count(path, "requests") == 0  # nobody nudged: nothing taken
@@ -40,10 +41,7 @@ def test_records_wait_for_a_nudge_then_a_durable_request_commits(tmp_path):
 
 def test_steps_alone_wait_for_the_flush_interval_and_flush_needs_no_nudge(tmp_path):
     path = tmp_path / "log.sqlite"
-    w = paced(path, flush_interval_s=30.0)
-    rng = random.Random(4)
-    for i in range(5):
-        w.write_step(make_record(i, rng))
+    w = paced(path, num_steps=5, seed=4, flush_interval_s=30.0)
     w.nudge()
     time.sleep(0.3)
     assert w.settled_seq == 0  # taken at the nudge, but no request waits: not written yet
