@@ -76,6 +76,11 @@ class Proposer(ABC):
     def propose(self, batch: list[Request], k: list[int]) -> Proposals:
         """Propose up to ``k[i]`` tokens for request i (0 allowed)."""
 
+    def on_prefill(self, batch: list[Request]) -> None:  # noqa: B027 (optional hook)
+        """Called while the target runs a prefill forward over (chunks of) ``batch``'s prompts (on CUDA
+        while the GPU runs: host work here is off the critical path up to the forward's time); the
+        whole prompt of each request is known, its first output token is not."""
+
     def on_scoring(self, batch: list[Request]) -> None:  # noqa: B027 (optional hook)
         """Called while the target scores this step's drafts of ``batch`` (on CUDA while the GPU runs:
         host work here is off the step's critical path up to the forward's time); the requests' tokens

@@ -223,5 +223,18 @@ class NgramProposer(Proposer):
                 if n == len(req.prompt_ids) + len(req.output_ids) and c.index.num_indexed < n:
                     c.index.extend(c.tokens, n)
 
+    def on_prefill(self, batch: list[Request]) -> None:
+        """Copy each request's tokens and index the n-grams that end before its last one now (while
+        the GPU prefills), so that its first :meth:`peek` indexes only the one or two end positions
+        its prefill adds: the prompt's n-grams are the bulk of a request's index, and a first peek
+        building them put them on a decode step's critical path. (Not up to the last token: a
+        request prefilled again after a preemption gets no new token, and an index past the
+        suffix would send its next match to the full scan.)"""
+        for req in batch:
+            c = self._entry(req)
+            stop = len(c.tokens) - 1
+            if c.index.num_indexed < stop:
+                c.index.extend(c.tokens, stop)
+
     def on_finish(self, request: Request) -> None:
         self._cache.pop(request.request_id, None)

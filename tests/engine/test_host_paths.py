@@ -176,3 +176,26 @@ def test_kept_stops_at_eos_stop_ids_and_limits():
     assert kept(toks, num_out=48) == (toks[:2], FinishReason.LENGTH)
     room = engine.max_model_len - 10  # output tokens that fit the context beside the prompt
     assert kept(toks, num_out=room - 2, max_tokens=10**6) == (toks[:2], FinishReason.LENGTH)
+
+
+def test_prefill_step_indexes_the_prompt_for_the_first_decode_peek():
+    """The engine hands each prefill's requests to their proposer (``on_prefill``) before the step's
+    read, so a request's first decode peek finds its prompt's n-grams indexed (it indexes at most the
+    token its prefill emitted, not the prompt on the decode step's critical path); outputs unchanged."""
+    engine = make_engine(256)
+    prop = engine.proposers["ngram"]
+    first_peek: dict[str, tuple[int, int]] = {}  # request id -> (positions indexed before it, tokens)
+    inner = prop.peek
+
+    def peek(batch):
+        for r in batch:
+            c = prop._cache.get(r.request_id)
+            first_peek.setdefault(r.request_id, (c.index.num_indexed if c else 0, r.num_tokens))
+        return inner(batch)
+
+    prop.peek = peek
+    got = run(engine, 0)
+    assert got == run(make_engine(256), 0)
+    assert len(first_peek) == 8
+    for rid, (indexed, num_tokens) in first_peek.items():
+        assert indexed >= num_tokens - 2, (rid, indexed, num_tokens)

@@ -224,3 +224,30 @@ def test_on_scoring_indexes_ahead_without_changing_the_drafts():
     other = make_request("s0", [1, 2, 1])  # another Request under a known id: left alone, rebuilt later
     prop.on_scoring([other])
     assert prop.propose([other], [2]).draft_tokens.tolist() == [2, 1]
+
+
+def test_on_prefill_indexes_the_prompt_without_changing_the_drafts():
+    """on_prefill (the prompt indexed while the GPU prefills) leaves the index one end position short
+    of the tokens, so the first peek indexes at most the prefill's token, and every later peek and
+    proposal equals brute force: fresh prompts, a request prefilled again without a new token (a
+    preemption), and one whose tokens changed under the same id."""
+    rng = random.Random(6)
+    prop = NgramProposer(NgramConfig(min_n=1, max_n=4))
+    reqs = [make_request(f"p{i}", [rng.randrange(6) for _ in range(rng.randint(1, 60))]) for i in range(6)]
+    prop.on_prefill(reqs)
+    for r in reqs:
+        assert prop._cache[r.request_id].index.num_indexed == max(len(r.prompt_ids) - 1, 0)
+    for step in range(30):
+        if step == 10:  # preempted and prefilled again: the tokens do not grow before the next peek
+            prop.on_prefill(reqs[:2])
+        if step == 20:  # same id, other tokens: the entry is rebuilt
+            reqs[3] = make_request("p3", [rng.randrange(6) for _ in range(25)])
+            prop.on_prefill([reqs[3]])
+        peek = prop.peek(reqs)
+        assert peek.max_k == [len(brute_lookup(r.token_ids, 1, 4, 1 << 20)) for r in reqs], step
+        ks = [rng.randint(0, 6) for _ in reqs]
+        want = [brute_lookup(r.token_ids, 1, 4, k) for r, k in zip(reqs, ks)]
+        assert prop.propose(reqs, ks).draft_tokens.tolist() == [t for w in want for t in w], step
+        if step not in (9, 19):
+            for r in reqs:
+                r.output_ids += [rng.randrange(6) for _ in range(rng.randint(1, 5))]

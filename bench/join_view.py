@@ -1,0 +1,121 @@
+"""What a request joining the decode batch costs the step it joins, on the CPU.
+
+A request's first decode step used to pay for its n-gram index: the step's ``view`` (the proposers'
+peek) indexed the whole prompt on the critical path. On the H200 on 2026-12-04 (21:20,
+``bench=serve_rounds``, n-gram + fixed k = 8 on the MQA graph) the view of a decode step at batch 16
+took 0.27 ms with nobody joining and 0.15 ms more per joining request (0.43 / 0.58 / 0.68 ms for 1 /
+2 / 3); at batch 64 1.0 ms with nobody joining and 2-3 ms with 8-20. The engine now hands each
+prefill's requests to their proposer while the GPU runs the prefill forward (``Proposer.on_prefill``),
+so the first peek indexes only the token the prefill emitted.
+
+This runs the real engine (tiny random model, n-gram proposer, fixed k = 8 on eager MQA) under a
+closed loop that keeps ``batch`` requests in the engine (a new one joins as soon as one finishes),
+prompts of ``--prompt-len`` tokens ending in a repeated motif (n-gram matches), 16-48 output tokens
+each, with the start-up heap frozen as the daemon does. For each decode step at the full batch, its
+``view`` host ms by the number of requests in their first decode step; and the prefill steps' host
+ms (on the CPU the index is built there now; on CUDA it overlaps the prefill forward).
+
+    python -m specsched.bench.join_view [--batch 4 16 64] [--prompt-len 300] [--requests 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from collections import defaultdict
+
+import torch
+from tqdm import tqdm
+
+from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specsched.engine.engine import Engine
+from specsched.engine.heap import freeze_heap
+from specsched.engine.records import StepRecord
+from specsched.engine.request import Request, SamplingParams
+
+MAX_JOINING = 4  # the table's last row pools this many joining requests and more
+
+
+def build_engine(batch: int) -> Engine:
+    cfg = EngineConfig(
+        model=ModelConfig(source="tiny", device="cpu", dtype="float32", max_model_len=2048),
+        cache=CacheConfig(block_size=16, num_blocks=max(256, batch * 40)),
+        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=4096),
+        spec=SpecConfig(proposer="ngram", scorers=["batch_expansion", "mqa"], max_k=8),
+        policy={"name": "fixed", "k": 8, "scorer": "mqa"},
+    )
+    return Engine(cfg)
+
+
+def run(batch: int, prompt_len: int, num_per_slot: int, seed: int = 0) -> list[StepRecord]:
+    """The closed loop's step records (``num_per_slot * batch`` requests in all)."""
+    engine = build_engine(batch)
+    vocab = engine.model.cfg.vocab_size
+    freeze_heap()
+    rng = random.Random(seed)
+    records: list[StepRecord] = []
+    engine.on_step = records.append
+
+    def add(i: int) -> None:
+        motif = [rng.randrange(3, vocab) for _ in range(rng.randint(8, 40))]
+        head = [rng.randrange(3, vocab) for _ in range(max(0, prompt_len - 3 * len(motif)))]
+        sampling = SamplingParams(max_tokens=rng.randint(16, 48), ignore_eos=True)
+        engine.add_request(Request(f"j{i}", (head + motif * 3)[:prompt_len], sampling))
+
+    total = num_per_slot * batch
+    for i in range(batch):
+        add(i)
+    num_added = batch
+    with tqdm(total=total, desc=f"batch {batch}", unit="req", leave=False) as bar:
+        while engine.has_unfinished:
+            before = engine.num_running + engine.num_waiting
+            engine.step()
+            bar.update(before - engine.num_running - engine.num_waiting)
+            while num_added < total and engine.num_running + engine.num_waiting < batch:
+                add(num_added)
+                num_added += 1
+    return records
+
+
+def summarize(records: list[StepRecord], batch: int) -> tuple[dict[int, list[float]], list[float]]:
+    """(view ms of the full-batch decode steps by joining requests, prefill steps' host ms)."""
+    seen: set[str] = set()
+    views: dict[int, list[float]] = defaultdict(list)
+    prefill: list[float] = []
+    for rec in records:
+        if rec.kind == "prefill":
+            prefill.append(sum(rec.host_ms.values()))
+            continue
+        ids = [q.request_id for q in rec.requests]
+        joining = sum(1 for i in ids if i not in seen)
+        seen.update(ids)
+        if rec.batch_size == batch:
+            views[min(joining, MAX_JOINING)].append(rec.host_ms.get("view", 0.0))
+    return views, prefill
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=300)
+    ap.add_argument("--requests", type=int, default=6, help="requests per batch slot")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    print("| batch | requests joining | steps | view ms (median) | view ms (mean) |")
+    print("|---|---|---|---|---|")
+    prefills = []
+    for b in args.batch:
+        views, prefill = summarize(run(b, args.prompt_len, args.requests), b)
+        prefills.append((b, prefill))
+        for j in sorted(views):
+            v = views[j]
+            label = f"{j}+" if j == MAX_JOINING else str(j)
+            print(f"| {b} | {label} | {len(v)} | {statistics.median(v):.3f} | {statistics.fmean(v):.3f} |")
+    print()
+    for b, p in prefills:
+        print(f"batch {b}: {len(p)} prefill steps, host ms median {statistics.median(p):.3f}")
+
+
+if __name__ == "__main__":
+    main()
