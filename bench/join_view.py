@@ -16,12 +16,18 @@ each, with the start-up heap frozen as the daemon does. For each decode step at 
 ms (on the CPU the index is built there now; on CUDA it overlaps the prefill forward).
 
     python -m specsched.bench.join_view [--batch 4 16 64] [--prompt-len 300] [--requests 6]
+    python -m specsched.bench.join_view --log run.sqlite [--batch 16 64]
+
+``--log`` reads the same table from a daemon's decision log instead (its decode steps at each batch
+size, a request joining at its first ``step_requests`` row): how the H200 numbers above were read.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import sqlite3
 import statistics
 from collections import defaultdict
 
@@ -95,23 +101,56 @@ def summarize(records: list[StepRecord], batch: int) -> tuple[dict[int, list[flo
     return views, prefill
 
 
+def from_log(path: str, batch: int) -> dict[int, list[float]]:
+    """The view ms of a decision log's decode steps of ``batch`` requests, by requests joining."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        joining: dict[tuple[int, int], int] = defaultdict(int)
+        seen: set[tuple[int, str]] = set()
+        for run_id, step, rid in db.execute(
+            "SELECT run_id, step, request_id FROM step_requests ORDER BY run_id, step"
+        ):
+            if (run_id, rid) not in seen:
+                seen.add((run_id, rid))
+                joining[(run_id, step)] += 1
+        views: dict[int, list[float]] = defaultdict(list)
+        rows = db.execute(
+            "SELECT run_id, step, host_ms FROM steps WHERE kind = 'decode' AND batch_size = ?", (batch,)
+        )
+        for run_id, step, host_ms in rows:
+            j = min(joining[(run_id, step)], MAX_JOINING)
+            views[j].append(json.loads(host_ms or "{}").get("view", 0.0))
+        return views
+    finally:
+        db.close()
+
+
+def print_views(batch: int, views: dict[int, list[float]]) -> None:
+    for j in sorted(views):
+        v = views[j]
+        label = f"{j}+" if j == MAX_JOINING else str(j)
+        print(f"| {batch} | {label} | {len(v)} | {statistics.median(v):.3f} | {statistics.fmean(v):.3f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--requests", type=int, default=6, help="requests per batch slot")
+    ap.add_argument("--log", help="read a decision log instead of running the engine")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print("| batch | requests joining | steps | view ms (median) | view ms (mean) |")
     print("|---|---|---|---|---|")
+    if args.log:
+        for b in args.batch:
+            print_views(b, from_log(args.log, b))
+        return
     prefills = []
     for b in args.batch:
         views, prefill = summarize(run(b, args.prompt_len, args.requests), b)
         prefills.append((b, prefill))
-        for j in sorted(views):
-            v = views[j]
-            label = f"{j}+" if j == MAX_JOINING else str(j)
-            print(f"| {b} | {label} | {len(v)} | {statistics.median(v):.3f} | {statistics.fmean(v):.3f} |")
+        print_views(b, views)
     print()
     for b, p in prefills:
         print(f"batch {b}: {len(p)} prefill steps, host ms median {statistics.median(p):.3f}")
