@@ -23,6 +23,7 @@ from specsched.engine.stats import EngineStats
 from specsched.engine.step_timer import StepTimer
 from specsched.kernels.rejection_sampling import verify
 from specsched.policies.base import BatchView, Plan, Policy
+from specsched.policies.fixed import predict_plan
 from specsched.proposers.base import Proposals
 from specsched.scorers.inputs import chunk_host_inputs, tokens_from
 
@@ -174,6 +175,8 @@ class Engine:
             props = self._propose(reqs, ks, names)
         with self._timed(rec, "score_ms"):
             logits = self.scorers[plan.scorer].score(reqs, props)  # [sum(k_i+1), vocab]
+        if self._is_prediction_deferred:  # the costs as the decide saw them: before the observe
+            predict_plan(plan, view, self.costs)
         self._while_scoring(reqs, names)
         timer.mark("overlap")  # on CUDA while the GPU scores: off the critical path up to its time
         with self._timed(rec, "verify_ms"):
@@ -189,7 +192,10 @@ class Engine:
         return outputs, rec
 
     def _decide(self, reqs: list[Request], view: BatchView) -> Plan:
-        plan = self.planner.plan(self.policy, self.costs, view)
+        """The step's plan; a policy with ``is_prediction_deferred`` decides without the cost models
+        and its plan's prediction is filled while the GPU scores (:meth:`_decode`)."""
+        costs = None if self._is_prediction_deferred else self.costs
+        plan = self.planner.plan(self.policy, costs, view)
         if plan.scorer not in self.scorers:
             raise ValueError(
                 f"policy {plan.policy!r} chose scorer {plan.scorer!r}, which is not built here; "
@@ -368,6 +374,10 @@ class Engine:
         return self.timer.phase(rec, field)
 
     # ---- status -------------------------------------------------------------------------------------
+    @property
+    def _is_prediction_deferred(self) -> bool:
+        return getattr(self.policy, "is_prediction_deferred", False)  # duck-typed policies: no
+
     @property
     def is_plan_ahead(self) -> bool:
         """The next step's plan is decided while the GPU scores this one (``scheduler.plan_ahead``)."""

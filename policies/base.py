@@ -73,6 +73,11 @@ class Policy(ABC):
     # ``observe``) is as good as one decided on time: the engine may then decide while the GPU
     # scores. False for policies that react to the last step's outcome (hf_heuristic, threshold).
     is_plan_ahead_safe: bool = False
+    # True when decide reads the cost models only to predict the plan's step time for the log (the
+    # static policies): the engine then decides with ``costs=None`` and fills the prediction
+    # (:func:`specsched.policies.fixed.predict_plan`, the same costs) while the GPU scores, off the
+    # step's critical path.
+    is_prediction_deferred: bool = False
 
     @abstractmethod
     def decide(self, view: BatchView, costs) -> Plan:  # costs: specsched.policies.cost_model.CostModels

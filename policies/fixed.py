@@ -41,14 +41,21 @@ def make_plan(
     info = dict(info or {})
     if len(k) != len(view.requests):
         raise ValueError(f"policy {policy!r}: {len(k)} k for {len(view.requests)} requests")
-    expected = _expected_sum(view.requests, k)
-    predicted = None
-    if costs is not None and view.requests:
-        stats = shape_stats(list(k), [r.context_len for r in view.requests])  # StepShape(...).stats()
-        cost = costs.predict_stats(scorer, step_proposer(view), stats)
-        predicted = cost.total_ms
-        info.update({f"predicted_{name}": value for name, value in cost.as_dict().items()})
-    return Plan(list(k), scorer, policy, predicted_ms=predicted, expected_tokens=expected, info=info)
+    plan = Plan(list(k), scorer, policy, expected_tokens=_expected_sum(view.requests, k), info=info)
+    return predict_plan(plan, view, costs) if costs is not None else plan
+
+
+def predict_plan(plan: Plan, view: BatchView, costs: CostModels) -> Plan:
+    """``plan`` (decided for ``view``'s requests) with its predicted step time from ``costs``: the
+    total in ``predicted_ms``, each component in ``info["predicted_{propose,score,verify,overhead}_ms"]``
+    (in place; returned). A policy whose decide does not read the prediction
+    (``Policy.is_prediction_deferred``) leaves it to the engine, which calls this while the GPU scores."""
+    if view.requests:
+        stats = shape_stats(list(plan.k), [r.context_len for r in view.requests])  # StepShape(...).stats()
+        cost = costs.predict_stats(plan.scorer, step_proposer(view), stats)
+        plan.predicted_ms = cost.total_ms
+        plan.info.update({f"predicted_{name}": value for name, value in cost.as_dict().items()})
+    return plan
 
 
 def _expected_sum(views: list[RequestView], k: list[int]) -> float:
@@ -107,6 +114,7 @@ class FixedPolicy(Policy):
 
     name = "fixed"
     config_cls = FixedConfig
+    is_prediction_deferred = True  # costs only predict the step for the log
 
     def __init__(self, config: FixedConfig | None = None) -> None:
         self.config = config or FixedConfig()
@@ -134,6 +142,7 @@ class ThresholdPolicy(Policy):
 
     name = "threshold"
     config_cls = ThresholdConfig
+    is_prediction_deferred = True  # costs only predict the step for the log
 
     def __init__(self, config: ThresholdConfig | None = None) -> None:
         self.config = config or ThresholdConfig()
@@ -162,6 +171,7 @@ class DisableByBatchPolicy(Policy):
 
     name = "disable_by_batch"
     config_cls = DisableByBatchConfig
+    is_prediction_deferred = True  # costs only predict the step for the log
 
     def __init__(self, config: DisableByBatchConfig | None = None) -> None:
         self.config = config or DisableByBatchConfig()

@@ -39,6 +39,7 @@ class HfHeuristicPolicy(Policy):
 
     name = "hf_heuristic"
     config_cls = HfHeuristicConfig
+    is_prediction_deferred = True  # costs only predict the step for the log
 
     def __init__(self, config: HfHeuristicConfig | None = None) -> None:
         self.config = config or HfHeuristicConfig()

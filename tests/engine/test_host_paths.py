@@ -23,7 +23,7 @@ def make_engine(num_blocks: int) -> Engine:
     return Engine(cfg)
 
 
-def run(engine: Engine, seed: int) -> tuple[list[list[int]], list[tuple]]:
+def run_records(engine: Engine, seed: int) -> tuple[list[list[int]], list[StepRecord]]:
     rng = random.Random(seed)
     records: list[StepRecord] = []
     engine.on_step = records.append
@@ -38,11 +38,16 @@ def run(engine: Engine, seed: int) -> tuple[list[list[int]], list[tuple]]:
         engine.add_request(reqs[-1])
     while any(not r.is_finished for r in reqs):
         engine.step()
+    return [r.output_ids for r in reqs], records
+
+
+def run(engine: Engine, seed: int) -> tuple[list[list[int]], list[tuple]]:
+    outputs, records = run_records(engine, seed)
     rows = [
         (r.step, r.kind, r.batch_size, r.num_tokens, r.scorer, r.num_emitted, [vars(q) for q in r.requests])
         for r in records
     ]
-    return [r.output_ids for r in reqs], rows
+    return outputs, rows
 
 
 def test_on_scoring_and_preemption_keep_outputs_and_records():
@@ -199,3 +204,43 @@ def test_prefill_step_indexes_the_prompt_for_the_first_decode_peek():
     assert len(first_peek) == 8
     for rid, (indexed, num_tokens) in first_peek.items():
         assert indexed >= num_tokens - 2, (rid, indexed, num_tokens)
+
+
+def test_deferred_prediction_logs_what_the_decide_would_have_predicted():
+    """A static policy decides without the cost models (``is_prediction_deferred``: its decide gets
+    ``costs=None``) and the engine fills the prediction after the scoring launch: every decode
+    record's predicted ms and plan info equal what ``predict_plan`` gave on the engine's costs at the
+    decide (the cost models learn from measured times, so this is checked within one run), with the
+    overlapped observe on (as on CUDA) and off, preemptions included."""
+    import copy
+
+    from specsched.policies.fixed import FixedConfig, FixedPolicy, predict_plan
+
+    class Deferred(FixedPolicy):
+        def __init__(self, engine: Engine) -> None:
+            super().__init__(FixedConfig(k=3, scorer="mqa"))
+            self.engine, self.at_decide = engine, []
+
+        def decide(self, view, costs):
+            assert costs is None
+            plan = super().decide(view, costs)
+            assert plan.predicted_ms is None
+            want = predict_plan(copy.deepcopy(plan), view, self.engine.costs)
+            self.at_decide.append((want.predicted_ms, want.info))
+            return plan
+
+    for overlapped in (False, True):
+        engine = make_engine(24)
+        engine.policy = Deferred(engine)
+        engine.is_overlapped_observe = overlapped
+        _, records = run_records(engine, 1)
+        got = [
+            (r.predicted_ms, {k: v for k, v in r.plan_info.items() if k != "decide_ms"})
+            for r in records
+            if r.kind == "decode"
+        ]
+        assert got == engine.policy.at_decide and len(got) > 10
+        assert all(ms is not None and ms > 0 for ms, _ in got)
+        assert all(
+            r.predicted_score_ms == r.plan_info["predicted_score_ms"] for r in records if r.kind == "decode"
+        )
