@@ -113,6 +113,7 @@ class IOThread:
         self._router, self._wake_rx = router, wake_rx
         self._inbox, self._outbox, self._engine_done = inbox, outbox, engine_done
         self._inflight: dict[bytes, set[str]] = {}  # client -> its request ids the engine holds
+        self._is_paced = getattr(self.cfg, "send_pace", "loop") == "step"
         self._num_inflight = 0
         self.num_bad_messages = 0
         self.num_rejected = 0
@@ -140,10 +141,14 @@ class IOThread:
         poller.register(self._wake_rx, zmq.POLLIN)
         while True:
             events = dict(poller.poll(100))
-            if self._wake_rx in events:
+            is_woken = self._wake_rx in events
+            if is_woken:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
-            self._drain_outbox()
+            # daemon.send_pace=step: replies go when the engine wakes this thread (at its device wait),
+            # not whenever a request arrives; a poll that timed out sends what is there
+            if is_woken or not self._is_paced or not events:
+                self._drain_outbox()
             if self._router in events:
                 for _ in range(256):  # then send again: replies are not starved by a flood
                     try:

@@ -46,6 +46,10 @@ class DaemonConfig:
     # Linux: run the engine thread on this CPU only and the daemon's other threads on its other CPUs
     # (daemon/affinity.py); null: leave placement to the OS
     engine_cpu: int | None = None
+    # when a step's replies (chunks, dones) go out: "loop" = as each loop iteration ends; "step" = while
+    # the engine's next step waits for the device (its verification read), so the IO thread's Python
+    # work does not take the interpreter lock from the engine's host work (at once when idle)
+    send_pace: str = "loop"
     # CURVE (docs/operations.md): required for any endpoint that is not loopback / ipc / inproc
     curve: bool = False
     curve_key_file: str | None = None  # the server's secret certificate; generated (0600) when missing
@@ -69,6 +73,8 @@ class DaemonConfig:
             if self.engine_cpu < 0:
                 raise ValueError(f"daemon.engine_cpu must be >= 0 or null, got {self.engine_cpu}")
             check_cpu(self.engine_cpu)  # at start, before the model loads: one this process may use
+        if self.send_pace not in ("loop", "step"):
+            raise ValueError(f"daemon.send_pace must be loop or step, got {self.send_pace!r}")
         t = self.request_timeout_s
         if t is not None and not (math.isfinite(t) and t > 0):
             raise ValueError(f"daemon.request_timeout_s must be > 0 or null, got {t}")

@@ -107,7 +107,13 @@ class Serving:
         # log.pace=step: the writer takes its records while the engine waits for the device, and when
         # the engine idles (LogWriter.nudge); log.pace=record: nothing on the step's path
         self._nudge_log = log.nudge if getattr(log, "is_paced", False) else None
-        if self._nudge_log is not None:
+        # daemon.send_pace=step: the IO thread is woken for what flush posted at the next step's
+        # device wait (or at the next flush, if no step waited for the device since)
+        self.is_send_paced = getattr(cfg, "send_pace", "loop") == "step"
+        self._is_wake_due = False  # posted, the IO thread not woken for it yet (send_pace=step)
+        if self.is_send_paced:
+            engine.on_device_wait = self._on_device_wait
+        elif self._nudge_log is not None:
             engine.on_device_wait = self._nudge_log
 
     def send(self, client: bytes, msg: Message) -> None:
@@ -123,8 +129,29 @@ class Serving:
         if finals:
             self._finals = []
             self.held.send_after(finals)
-        if out or finals:
+        if not (out or finals or self._is_wake_due):
+            return
+        # paced: while a step follows at once, its device wait wakes the IO thread; a wake still due
+        # from the last flush (no device wait since) goes now
+        if (
+            self.is_send_paced
+            and not self._is_wake_due
+            and self.engine.has_unfinished
+            and self._deadline is None
+        ):
+            self._is_wake_due = True
+        else:
+            self._is_wake_due = False
             self.wake()
+
+    def _on_device_wait(self) -> None:
+        """The engine waits for the device (send_pace=step): wake the IO thread for what was posted,
+        and nudge a step-paced log."""
+        if self._is_wake_due:
+            self._is_wake_due = False
+            self.wake()
+        if self._nudge_log is not None:
+            self._nudge_log()
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self, inbox: queue.Queue) -> None:

@@ -1,0 +1,119 @@
+"""``daemon.send_pace=step``: a loop iteration's replies are posted at once but the IO thread is woken
+for them at the engine's next device wait (its verification read), or at the next flush when no step
+waited since, or at once when the engine idles; clients see the same replies in the same order."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from specsched.client.sync_client import AsyncClient
+from specsched.daemon.limits import DaemonConfig
+from specsched.daemon.messages import Chunk
+from specsched.daemon.serving import Serving
+
+
+class FakeEngine:
+    """What Serving reads of the engine for pacing: ``has_unfinished`` and the device-wait hook."""
+
+    def __init__(self) -> None:
+        self.has_unfinished = True
+        self.on_device_wait = None
+        self.on_step = None
+
+
+def serving(pace: str, log=None) -> tuple[Serving, FakeEngine, list, list]:
+    engine, posts, wakes = FakeEngine(), [], []
+    cfg = SimpleNamespace(send_pace=pace, stats_window_s=10.0, idle_sleep_ms=1.0)
+    srv = Serving(engine, cfg, posts.append, lambda: wakes.append(len(posts)), log)
+    return srv, engine, posts, wakes
+
+
+def chunk(i: int) -> Chunk:
+    return Chunk(f"r{i}", [i], "", 0, 0)
+
+
+def test_paced_replies_wake_the_io_thread_at_the_next_device_wait():
+    srv, engine, posts, wakes = serving("step")
+    assert engine.on_device_wait is not None
+    srv.send(b"c", chunk(0))
+    srv.flush()
+    assert len(posts) == 1 and wakes == []  # posted, not woken: a step follows
+    engine.on_device_wait()
+    assert wakes == [1]
+    engine.on_device_wait()  # nothing new posted: no second wake
+    srv.flush()
+    assert wakes == [1]
+
+
+def test_a_wake_due_since_the_last_flush_goes_at_the_next_one():
+    srv, engine, posts, wakes = serving("step")
+    srv.send(b"c", chunk(0))
+    srv.flush()
+    srv.flush()  # no device wait in between (a loop iteration without a step): wake now
+    assert wakes == [1]
+    srv.send(b"c", chunk(1))
+    srv.flush()
+    srv.send(b"c", chunk(2))
+    srv.flush()  # the first still due: both go with this wake
+    assert wakes == [1, 3] and len(posts) == 3
+
+
+def test_an_idle_engine_or_a_shutdown_sends_at_once():
+    srv, engine, posts, wakes = serving("step")
+    engine.has_unfinished = False
+    srv.send(b"c", chunk(0))
+    srv.flush()
+    assert wakes == [1]
+    engine.has_unfinished = True
+    srv._deadline = 0.0  # shutting down
+    srv.send(b"c", chunk(1))
+    srv.flush()
+    assert wakes == [1, 2]
+
+
+def test_loop_pace_wakes_at_every_flush_and_hooks_nothing():
+    srv, engine, posts, wakes = serving("loop")
+    assert engine.on_device_wait is None
+    for i in range(3):
+        srv.send(b"c", chunk(i))
+        srv.flush()
+    assert wakes == [1, 2, 3]
+
+
+def test_the_device_wait_also_nudges_a_step_paced_log():
+    nudges = []
+    log = SimpleNamespace(is_paced=True, is_durable=False, nudge=lambda: nudges.append(1))
+    srv, engine, posts, wakes = serving("step", log)
+    srv.send(b"c", chunk(0))
+    srv.flush()
+    engine.on_device_wait()
+    assert wakes == [1] and nudges == [1]
+
+
+def test_send_pace_is_validated():
+    with pytest.raises(ValueError, match="daemon.send_pace must be loop or step"):
+        DaemonConfig(send_pace="often")
+
+
+@pytest.mark.parametrize("log", [None, {"pace": "step"}], ids=["no log", "step-paced durable log"])
+def test_daemon_with_paced_sends_streams_every_request_in_order(start_daemon, log):
+    d = start_daemon(daemon={"send_pace": "step"}, log_db=log is not None, log=log)
+
+    async def one(i: int) -> tuple[list[int], list[int]]:
+        async with AsyncClient(d.endpoint, timeout_s=60) as c:
+            prompt = [5, 6, 7, 5, 6, 7, 8 + i]
+            want = (await c.generate(prompt_ids=prompt, max_tokens=10)).token_ids
+            s = c.stream(prompt_ids=prompt, max_tokens=10)
+            got = [t async for ch in s for t in ch.token_ids]
+            assert s.done.usage.completion_tokens == len(got)
+            return want, got
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    for want, got in asyncio.run(main()):
+        assert len(want) == 10 and got == want
+    d.stop()
