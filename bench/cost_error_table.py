@@ -16,6 +16,7 @@ are any: what no model of the shape could beat, the step-to-step jitter of the m
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from collections import defaultdict
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specsched.bench.markdown import fmt, table
+from specsched.engine.log_schema import LogFormatError
 from specsched.engine.records import StepRecord
 from specsched.policies.cost_error import held_out_error
 from specsched.policies.cost_model import CostModels
@@ -124,12 +126,15 @@ def cost_error_markdown(logs: Sequence[tuple[str, RecordedRun]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    paths = list(sys.argv[1:] if argv is None else argv)
-    if not paths:
-        sys.stderr.write("usage: python -m specsched.bench.cost_error_table LOG.sqlite [LOG.sqlite ...]\n")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("logs", nargs="+", help="decision logs (SQLite)")
+    args = ap.parse_args(argv)
+    try:
+        runs = [(p.rsplit("/", 1)[-1].removesuffix(".sqlite"), load_run(p)) for p in args.logs]
+    except LogFormatError as e:
+        sys.stderr.write(f"cost_error_table: {e}\n")
         return 2
-    sys.stdout.write(cost_error_markdown([(p.rsplit("/", 1)[-1].removesuffix(".sqlite"), load_run(p))
-                                          for p in paths]) + "\n")  # fmt: skip
+    sys.stdout.write(cost_error_markdown(runs) + "\n")
     return 0
 
 
