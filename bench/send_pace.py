@@ -1,0 +1,159 @@
+"""What the IO thread's sends cost the engine thread, by ``daemon.send_pace`` (CPU, no GPU needed).
+
+The loop of :mod:`specsched.bench.log_pace` (Python host work that lets go of the interpreter lock
+every ~0.1 ms as torch calls do, a fixed device wait without the lock, more host work), with the
+daemon's reply path beside it instead of the log: each step posts ``--batch`` chunk messages (a few
+token ids and their text, as a streaming step sends) to an outbox, and an IO thread built like the
+daemon's (a ZeroMQ poller on a wake socket, ``encode_reply`` per message, a ROUTER socket sending to
+a DEALER client in another process that reads everything) sends them. ``loop`` wakes the IO thread as
+each step's replies are posted (the default ``daemon.send_pace=loop``); ``step`` wakes it at the next
+step's device wait (``send_pace=step``); ``none`` posts nothing. Modes alternate over ``--rounds``
+(the order flipped each round); the table gives the loop's host ms per step beyond the device wait.
+
+    python -m specsched.bench.send_pace [--batch 16] [--steps 3000] [--rounds 2] [--wait-us 800]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import queue
+import statistics
+import threading
+import time
+
+import zmq
+
+from specsched.bench.log_pace import device_wait, host_work
+from specsched.daemon.io_thread import encode_reply
+from specsched.daemon.messages import Chunk
+
+MODES = ("none", "loop", "step")
+
+
+def _client(endpoint: str, ready) -> None:
+    """Another process: a DEALER that reads every reply until it gets the end marker."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"client")
+    sock.connect(endpoint)
+    sock.send(b"hello")
+    ready.set()
+    while sock.recv() != b"end":
+        pass
+    sock.close(0)
+    ctx.term()
+
+
+class Sender:
+    """The daemon's IO thread, reduced to its reply path: woken through an inproc socket, it drains the
+    outbox (lists of messages) and sends each message encoded."""
+
+    def __init__(self, ctx: zmq.Context, router: zmq.Socket) -> None:
+        self.outbox: queue.Queue = queue.Queue()
+        self._wake_tx = ctx.socket(zmq.PAIR)
+        self._wake_rx = ctx.socket(zmq.PAIR)
+        self._wake_tx.bind("inproc://send-pace-wake")
+        self._wake_rx.connect("inproc://send-pace-wake")
+        self._router, self._stop = router, False
+        self.thread = threading.Thread(target=self._run, name="io", daemon=True)
+
+    def wake(self) -> None:
+        self._wake_tx.send(b"")
+
+    def stop(self) -> None:
+        self._stop = True
+        self.wake()
+        self.thread.join()
+        self._wake_tx.close(0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_rx, zmq.POLLIN)
+        while not self._stop:
+            if not poller.poll(100):
+                continue
+            while self._wake_rx.poll(0):
+                self._wake_rx.recv()
+            while True:
+                try:
+                    batch = self.outbox.get_nowait()
+                except queue.Empty:
+                    break
+                for client, msg in batch:
+                    self._router.send_multipart([client, encode_reply(msg)], zmq.NOBLOCK)
+        self._wake_rx.close(0)
+
+
+def run(mode: str, batch: int, steps: int, wait_us: float, sender: Sender) -> list[float]:
+    """Host ms per step (the device wait excluded) of ``steps`` loop steps, the first 10 % dropped."""
+    out, is_due = [], False
+    for step in range(steps):
+        t0 = time.perf_counter()
+        host_work(80)
+        if is_due:  # send_pace=step: the engine's device wait wakes the IO thread
+            sender.wake()
+            is_due = False
+        w0 = time.perf_counter()
+        device_wait(wait_us)
+        waited = time.perf_counter() - w0
+        host_work(40)
+        if mode != "none":
+            replies = [(b"client", Chunk(f"r{i}", [step % 50000, 17], " the", 6, 5)) for i in range(batch)]
+            sender.outbox.put(replies)
+            if mode == "loop":
+                sender.wake()
+            else:
+                is_due = True
+        out.append((time.perf_counter() - t0 - waited) * 1e3)
+    if is_due:
+        sender.wake()
+    return out[steps // 10 :]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--wait-us", type=float, default=800.0)
+    args = ap.parse_args(argv)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    ready = mp.get_context("spawn").Event()
+    client = mp.get_context("spawn").Process(target=_client, args=(endpoint, ready), daemon=True)
+    client.start()
+    ready.wait(30)
+    router.recv_multipart()  # the client's hello: its identity is routable now
+    sender = Sender(ctx, router)
+    sender.thread.start()
+    got: dict[str, list[float]] = {m: [] for m in MODES}
+    try:
+        for r in range(args.rounds):
+            for m in MODES if r % 2 == 0 else MODES[::-1]:
+                got[m] += run(m, args.batch, args.steps, args.wait_us, sender)
+                time.sleep(0.2)  # the last step's replies leave before the next mode
+    finally:
+        sender.stop()
+        router.send_multipart([b"client", b"end"])
+        client.join(30)
+        router.close(0)
+        ctx.term()
+    base = statistics.mean(got["none"])
+    print(
+        f"batch {args.batch}, {args.rounds} rounds of {args.steps} steps, device wait {args.wait_us:.0f} us"
+    )
+    print("| daemon.send_pace | host ms / step, mean | median | p90 | mean − no sends |")
+    print("|---|---|---|---|---|")
+    for m in MODES:
+        t = sorted(got[m])
+        mean = statistics.mean(t)
+        p50, p90 = statistics.median(t), t[int(0.9 * len(t))]
+        print(f"| {m} | {mean:.3f} | {p50:.3f} | {p90:.3f} | {mean - base:+.3f} |")
+
+
+if __name__ == "__main__":
+    main()
