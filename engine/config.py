@@ -26,6 +26,10 @@ class ModelConfig:
     # bit (batch-invariant GEMMs, attention split at fixed key positions): speculation then is exactly
     # lossless in bf16 too. Needs attn_backend auto or triton on CUDA (torch: CPU only). Costs speed.
     deterministic: bool = False
+    # Forwards of <= 16 token rows on CUDA (decode / verify) run RMSNorm (+ residual add) inside the
+    # QKV, gate/up and LM-head GEMMs and SiLU-mul inside the down GEMM (kernels/fused_linear.py):
+    # fewer launches per layer. Off until measured on the H200; not with deterministic (docs/models.md).
+    fused_linear: bool = False
     # Prefill chunks of up to this many tokens and prompts run on CUDA graphs (each row's last
     # token's logits; tokens capped by scheduler.max_num_batched_tokens, prompts by max_num_seqs).
     # With the graphs captured, the scheduler keeps every prefill step within them: an eager
@@ -45,6 +49,13 @@ class ModelConfig:
             raise ValueError(f"model.kernel_warmup must be auto, on or off, got {self.kernel_warmup!r}")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"model.deterministic must be true or false, got {self.deterministic!r}")
+        if not isinstance(self.fused_linear, bool):
+            raise ValueError(f"model.fused_linear must be true or false, got {self.fused_linear!r}")
+        if self.fused_linear and self.deterministic:
+            raise ValueError(
+                "model.fused_linear cannot be combined with model.deterministic: only forwards of up to "
+                "16 rows are fused, so a token's logits would depend on its batch's size (docs/models.md)"
+            )
         if self.deterministic and self.attn_backend not in ("auto", "triton", "torch"):
             raise ValueError(
                 f"model.deterministic needs attn_backend auto, triton or torch (CPU); "

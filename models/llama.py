@@ -14,6 +14,17 @@ linear layer (and the LM head) runs the batch-invariant matmul
 embedding gather, RoPE's cos/sin (elementwise) and the rotary + KV-store kernel (one program per
 token), RMSNorm (one program, or one torch row reduction, per token), SiLU-mul (elementwise), the
 row gather of ``logits_indices``. The default path is untouched.
+
+Fused linear layers (``fused_linear=True``, ``model.fused_linear``): forwards of at most
+:data:`~specsched.kernels.fused_linear.FUSED_MAX_ROWS` token rows on CUDA (decode and verify steps)
+run each layer's residual add + RMSNorm inside the QKV and gate/up GEMMs, SiLU-mul inside the down
+GEMM, and the final norm inside the LM head (:mod:`specsched.kernels.fused_linear`): three launches
+per layer fewer than the default path (two norms, SiLU-mul), and none of the split-K reduction kernels
+cuBLAS adds to those GEMMs at small M. Same rounding points; only the GEMMs' fp32 accumulation order
+differs. Larger forwards, and every forward off CUDA, take the default path (under
+``TRITON_INTERPRET=1`` the fused kernels run on the CPU, for tests). Not with ``deterministic``: the
+fused kernels are row-invariant, but forwards above 16 rows are not fused, so a token's logits would
+depend on its batch's size again. Parameters and their names are unchanged.
 """
 
 from __future__ import annotations
@@ -28,9 +39,11 @@ from specsched.kernels.activation import silu_and_mul
 from specsched.kernels.attention import AttentionFn, get_attention_backend
 from specsched.kernels.batch_invariant_attention import deterministic_attention_backend
 from specsched.kernels.batch_invariant_matmul import batch_invariant_linear
+from specsched.kernels.fused_linear import FUSED_MAX_ROWS, norm_linear, silu_mul_linear
 from specsched.kernels.metadata import AttentionMetadata
 from specsched.kernels.norm import add_rms_norm, rms_norm
 from specsched.kernels.rotary import rotary_store_kv
+from specsched.kernels.triton_utils import is_interpreted
 from specsched.models.config import LlamaConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([NB, BS, Hkv, D], [NB, BS, Hkv, D])
@@ -158,6 +171,20 @@ class LlamaAttention(nn.Module):
         o = attn(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
+    def forward_from_qkv(
+        self,
+        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size]: qkv_proj's output (fused with the norm)
+        cos: torch.Tensor,  # [T, D/2]
+        sin: torch.Tensor,  # [T, D/2]
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        attn: AttentionFn,
+    ) -> torch.Tensor:  # [T, hidden]
+        """:meth:`forward` after the QKV projection."""
+        q = rotary_store_kv(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, self.num_heads, self.num_kv_heads)
+        o = attn(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(qkv.shape[0], self.q_size))
+
 
 class LlamaMLP(nn.Module):
     """SwiGLU with one fused gate/up projection (HF's ``gate_proj``/``up_proj`` concatenated on load)."""
@@ -205,6 +232,23 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, hidden], T <= FUSED_MAX_ROWS
+        residual: torch.Tensor | None,  # [T, hidden]; None at layer 0
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        attn: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # as forward
+        """:meth:`forward` with the norms and SiLU-mul fused into the GEMMs (the module docstring)."""
+        ln1, ln2, sa, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
+        qkv, residual = norm_linear(x, residual, ln1.weight, ln1.eps, sa.qkv_proj.weight, sa.qkv_proj.bias)
+        h = sa.forward_from_qkv(qkv, cos, sin, kv, meta, attn)
+        gate_up, residual = norm_linear(h, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight)
+        return silu_mul_linear(gate_up, mlp.down_proj.weight), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -215,7 +259,13 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, attn_backend: str = "torch", deterministic: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        attn_backend: str = "torch",
+        deterministic: bool = False,
+        fused_linear: bool = False,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.model = LlamaModel(cfg)
@@ -225,9 +275,12 @@ class LlamaForCausalLM(nn.Module):
         self.attn: AttentionFn = get_attention_backend(attn_backend)
         self.attn_backend = attn_backend
         self.deterministic = False
+        self.fused_linear = False
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         if deterministic:
             self.set_deterministic(True)
+        if fused_linear:
+            self.set_fused_linear(True)
 
     def set_attn_backend(self, name: str) -> None:
         if self.deterministic and name != self.attn_backend:
@@ -242,6 +295,8 @@ class LlamaForCausalLM(nn.Module):
 
     def set_deterministic(self, on: bool) -> None:
         """Deterministic mode on or off (module docstring): every linear layer and the attention."""
+        if on and self.fused_linear:
+            raise ValueError("deterministic mode cannot run with fused_linear (not batch-invariant)")
         if on:
             self.attn = deterministic_attention_backend(self.attn_backend)  # raises for flash_attn
         else:
@@ -250,6 +305,16 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, Linear):
                 m.deterministic = on
         self.deterministic = on
+
+    def set_fused_linear(self, on: bool) -> None:
+        """The fused small-M linear layers on or off (module docstring)."""
+        if on and self.deterministic:
+            raise ValueError("fused_linear cannot run with deterministic mode (not batch-invariant)")
+        self.fused_linear = on
+
+    def uses_fused_linear(self, x: torch.Tensor) -> bool:
+        """Whether a forward over rows ``x`` [T, hidden] takes the fused path."""
+        return self.fused_linear and x.shape[0] <= FUSED_MAX_ROWS and (x.is_cuda or is_interpreted())
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_layers: int | None = None) -> KVCache:
         """Zeroed paged KV cache for ``num_layers`` layers (default all)."""
@@ -290,10 +355,17 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv in zip(self.model.layers[:n], kv_cache[:n]):
-            x, residual = layer(x, residual, cos, sin, kv, meta, self.attn)
+        if self.fused_linear and self.uses_fused_linear(x):
+            for layer, kv in zip(self.model.layers[:n], kv_cache[:n]):
+                x, residual = layer.forward_fused(x, residual, cos, sin, kv, meta, self.attn)
+        else:
+            for layer, kv in zip(self.model.layers[:n], kv_cache[:n]):
+                x, residual = layer(x, residual, cos, sin, kv, meta, self.attn)
         if logits_indices is not None:
             x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
+        if self.fused_linear and self.uses_fused_linear(x):
+            norm, head = self.model.norm, self.lm_head
+            return norm_linear(x, residual, norm.weight, norm.eps, head.weight, head.bias)[0].float()
         return self.lm_head(self.model.norm.add_and_norm(x, residual)[0]).float()
 
 

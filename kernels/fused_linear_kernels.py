@@ -1,0 +1,115 @@
+"""The Triton kernels of :mod:`specsched.kernels.fused_linear` (its docstring: what they compute,
+how they round, why a row does not depend on the others), launched only by its wrappers.
+
+Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); program (i, j) owns rows i*BLOCK_M.. (masked past M) and
+output columns j*BLOCK_N.., and reduces them over the whole of K in BLOCK_K chunks, in order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from specsched.kernels.triton_utils import round_to, runtime_args
+
+
+@triton.jit
+def _rows_chunk(x_ptr, res_ptr, offs_m, kk, mask, stride_x, stride_r, dtype: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):  # fmt: skip
+    """[BLOCK_M, BLOCK_K] of ``x + residual`` rounded to ``dtype`` (or of ``x``)."""
+    x = tl.load(x_ptr + offs_m[:, None] * stride_x + kk[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_r + kk[None, :], mask=mask, other=0.0)
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), dtype, EMULATE_BF16)
+    return x
+
+
+@triton.jit
+def _dot_chunk(acc, a, w_ptr, offs_n, kk, n_valid, k_valid, stride_w, PRECISION: tl.constexpr,
+               UPCAST: tl.constexpr):  # fmt: skip
+    """``acc += a @ W[offs_n, kk].T`` (fp32 accumulator)."""
+    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + kk[None, :],
+                mask=n_valid[:, None] & k_valid[None, :], other=0.0)  # fmt: skip
+    if UPCAST:  # the interpreter's tl.dot is wrong on bf16: exact fp32 products instead
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _store_out(acc, b_ptr, y_ptr, offs_m, offs_n, m_valid, n_valid, stride_y, HAS_BIAS: tl.constexpr,
+               EMULATE_BF16: tl.constexpr):  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    y = round_to(acc, y_ptr.dtype.element_ty, EMULATE_BF16)
+    mask = m_valid[:, None] & n_valid[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], y, mask=mask)
+
+
+@triton.jit(**runtime_args(ints=("M",)))
+def _norm_linear_kernel(
+    x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, M,
+    stride_x, stride_r, stride_w, stride_y, stride_ro, eps, inv_k,
+    N: tl.constexpr, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_valid, n_valid = offs_m < M, offs_n < N
+    dtype = y_ptr.dtype.element_ty
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # pass 1: sum of squares per row (and the new residual)
+        kk = k0 + offs_k
+        mask = m_valid[:, None] & (kk < K)[None, :]
+        s = _rows_chunk(x_ptr, res_ptr, offs_m, kk, mask, stride_x, stride_r, dtype, HAS_RESIDUAL,
+                        EMULATE_BF16)  # fmt: skip
+        if HAS_RESIDUAL:
+            if tl.program_id(1) == 0:  # written once: by the first column block
+                tl.store(res_out_ptr + offs_m[:, None] * stride_ro + kk[None, :], s, mask=mask)
+        s = s.to(tl.float32)
+        sq += tl.sum(s * s, 1)
+    rstd = tl.rsqrt(sq * inv_k + eps)  # mean as torch's CUDA reduction forms it: sum * fl(1/K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # pass 2: normalise a chunk, multiply it with W's chunk
+        kk = k0 + offs_k
+        k_valid = kk < K
+        s = _rows_chunk(x_ptr, res_ptr, offs_m, kk, m_valid[:, None] & k_valid[None, :], stride_x,
+                        stride_r, dtype, HAS_RESIDUAL, EMULATE_BF16).to(tl.float32)  # fmt: skip
+        xn = round_to(s * rstd[:, None], dtype, EMULATE_BF16).to(tl.float32)
+        nw = tl.load(nw_ptr + kk, mask=k_valid, other=0.0).to(tl.float32)
+        a = round_to(nw[None, :] * xn, dtype, EMULATE_BF16)
+        acc = _dot_chunk(acc, a, w_ptr, offs_n, kk, n_valid, k_valid, stride_w, PRECISION, UPCAST)
+    _store_out(acc, b_ptr, y_ptr, offs_m, offs_n, m_valid, n_valid, stride_y, HAS_BIAS, EMULATE_BF16)
+
+
+@triton.jit(**runtime_args(ints=("M",)))
+def _silu_mul_linear_kernel(
+    g_ptr, w_ptr, y_ptr, M, stride_g, stride_w, stride_y,
+    N: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_valid, n_valid = offs_m < M, offs_n < N
+    dtype = y_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        kk = k0 + offs_k
+        k_valid = kk < INTER
+        mask = m_valid[:, None] & k_valid[None, :]
+        ptrs = g_ptr + offs_m[:, None] * stride_g + kk[None, :]
+        g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(ptrs + INTER, mask=mask, other=0.0).to(tl.float32)
+        if LIBDEVICE_EXP:  # as torch's CUDA silu (activation.py)
+            e = libdevice.exp(-g)
+        else:  # the interpreter has no libdevice
+            e = tl.exp(-g)
+        act = round_to(tl.math.div_rn(g, 1.0 + e), dtype, EMULATE_BF16).to(tl.float32)
+        h = round_to(act * u, dtype, EMULATE_BF16)
+        acc = _dot_chunk(acc, h, w_ptr, offs_n, kk, n_valid, k_valid, stride_w, PRECISION, UPCAST)
+    _store_out(acc, y_ptr, y_ptr, offs_m, offs_n, m_valid, n_valid, stride_y, False, EMULATE_BF16)

@@ -1,0 +1,368 @@
+"""Fused small-M linear layers (RMSNorm + linear, SiLU-mul + linear): Triton kernels vs the torch
+references, the references vs the unfused composition, wrapper errors, batch invariance.
+
+CPU: the kernels run under ``TRITON_INTERPRET=1`` in a subprocess (as test_norm.py); this file is that
+subprocess's script when run with ``--interpreted``. GPU (marked ``gpu``): SmolLM2 and 7B shapes in
+bf16, row invariance and CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specsched.kernels.activation import silu_and_mul, silu_and_mul_ref
+from specsched.kernels.fused_linear import (
+    FusedLinearConfig,
+    norm_linear,
+    norm_linear_ref,
+    norm_linear_triton,
+    silu_mul_linear,
+    silu_mul_linear_ref,
+    silu_mul_linear_triton,
+)
+from specsched.kernels.norm import add_rms_norm, rms_norm
+from specsched.kernels.testing import interpreted_results, run_jobs
+from specsched.kernels.triton_utils import diff_stats, is_interpreted
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Tolerance of kernel vs reference, relative to S = sum_k |a_k| |w_k| (+ |bias|), a = the normalised
+# (SiLU-mul'ed) input. With u the dtype's unit roundoff: both results are rounded once from fp32 (u|y|
+# each, |y| <= S); both fp32 sums, accumulated in different orders, are within K 2^-24 S of the exact
+# sum; and the rounded input a may differ by one ulp (2u|a_k|) where the fp32 statistics (or exp)
+# differ in the last bits and the value sits at a rounding boundary, a few ulps in fp32 (16 2^-24).
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def tolerance(dtype: str, k: int) -> float:
+    return 4 * UNIT_ROUNDOFF[dtype] + (2 * k + 16) * 2.0**-24
+
+
+def rounding_matches(stats: dict, dtype: str) -> bool:
+    """In bf16/fp16 a result differs from the reference only where the two fp32 sums straddle a
+    rounding boundary (measured: 0-1 % of elements). Skipping a rounding of the prologue (e.g. the
+    normalised row before the weight, or silu before ``up``) moves most sums by about an ulp of the
+    output and flips a large share of them."""
+    return dtype == "float32" or stats["num_diff"] <= max(2, 0.03 * stats["numel"])
+
+
+def error_over_bound(y: torch.Tensor, ref: torch.Tensor, a: torch.Tensor, w: torch.Tensor, bias,
+                     dtype: str) -> float:  # fmt: skip
+    """max |y - ref| / (tolerance * S) over the elements: <= 1 passes."""
+    s = a.double().abs() @ w.double().abs().T
+    if bias is not None:
+        s = s + bias.double().abs()
+    err = (y.double() - ref.double()).abs()
+    return float((err / (tolerance(dtype, a.shape[1]) * s).clamp_min(1e-300)).max()) if err.numel() else 0.0
+
+
+def make_norm_inputs(m: int, k: int, n: int, dtype: torch.dtype, *, seed: int = 0, device: str = "cpu",
+                     row_stride: int = 0):  # fmt: skip
+    """x (optionally a column slice of a wider buffer), residual, norm weight, W, bias; row 0 of x +
+    residual is all zeros when m > 2 (its normalised row must be exactly 0)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = (torch.randn(m, max(k, row_stride), generator=gen, device=device) * 3).to(dtype)[:, :k]
+    residual = (torch.randn(m, k, generator=gen, device=device) * 5).to(dtype)
+    if m > 2:
+        residual[0] = -x[0]
+    norm_w = (1.0 + 0.2 * torch.randn(k, generator=gen, device=device)).to(dtype)
+    w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen, device=device).to(dtype)
+    return x, residual, norm_w, w, bias
+
+
+def make_silu_inputs(m: int, inter: int, n: int, dtype: torch.dtype, *, seed: int = 0, device: str = "cpu"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate_up = (torch.randn(m, 2 * inter, generator=gen, device=device) * 3).to(dtype)
+    if m > 1 and inter >= 4:  # exp overflow / underflow and zero in the gate
+        gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0])
+    w = (torch.randn(n, inter, generator=gen, device=device) / inter**0.5).to(dtype)
+    return gate_up, w
+
+
+# name: (M, K, N, dtype, residual?, bias?, (block_n, block_k) or None = the default config, row stride)
+NORM_CASES: dict[str, tuple] = {
+    "m1_k200_n100_bf16_res_bias": (1, 200, 100, "bfloat16", True, True, None, 0),
+    "m3_k72_n48_fp16_res": (3, 72, 48, "float16", True, False, None, 0),
+    "m16_k136_n64_fp32_bias": (16, 136, 64, "float32", False, True, None, 0),
+    "m16_k200_n100_bf16_res_blocks16x32": (16, 200, 100, "bfloat16", True, False, (16, 32), 0),
+    "m7_k96_n80_fp32_res_blocks32x32": (7, 96, 80, "float32", True, True, (32, 32), 0),
+    "m9_k160_n56_fp16_no_res": (9, 160, 56, "float16", False, False, None, 0),
+    "m20_k64_n48_bf16_res_two_row_tiles": (20, 64, 48, "bfloat16", True, True, None, 0),
+    "m5_k80_n64_bf16_strided": (5, 80, 64, "bfloat16", True, False, None, 112),
+    "m1_k80_n64_fp32_strided": (1, 80, 64, "float32", False, True, None, 112),
+}
+# name: (M, I, N, dtype, (block_n, block_k) or None)
+SILU_CASES: dict[str, tuple] = {
+    "m1_i100_n48_bf16": (1, 100, 48, "bfloat16", None),
+    "m3_i200_n64_fp16": (3, 200, 64, "float16", None),
+    "m16_i72_n100_fp32": (16, 72, 100, "float32", None),
+    "m16_i136_n48_bf16_blocks16x32": (16, 136, 48, "bfloat16", (16, 32)),
+    "m11_i96_n80_fp16_blocks32x16": (11, 96, 80, "float16", (32, 16)),
+}
+
+
+def _config(blocks) -> FusedLinearConfig | None:
+    return FusedLinearConfig(*blocks, num_warps=4, num_stages=2) if blocks else None
+
+
+def run_norm_case(m, k, n, dtype, has_res, has_bias, blocks, row_stride) -> dict:
+    x, residual, norm_w, w, bias = make_norm_inputs(m, k, n, DTYPES[dtype], seed=k + m, row_stride=row_stride)
+    residual, bias = (residual if has_res else None), (bias if has_bias else None)
+    before = [t.clone() for t in (x, residual, norm_w, w) if t is not None]
+    y, new_res = norm_linear_triton(x, residual, norm_w, 1e-5, w, bias, config=_config(blocks))
+    ref, ref_res = norm_linear_ref(x, residual, norm_w, 1e-5, w, bias)
+    normed = add_rms_norm(x, residual, norm_w, 1e-5)[0] if has_res else rms_norm(x, norm_w, 1e-5)
+    after = [t for t in (x, residual, norm_w, w) if t is not None]
+    return {
+        "y": diff_stats(y, ref),
+        "error_over_bound": error_over_bound(y, ref, normed, w, bias, dtype),
+        "residual_equal": bool(torch.equal(new_res, ref_res)),
+        "residual_is_x": new_res is x,
+        "inputs_unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
+        "zero_row_is_bias": bool(m <= 2 or not has_res or torch.equal(y[0], bias if has_bias else 0 * y[0])),
+    }
+
+
+def run_silu_case(m, inter, n, dtype, blocks) -> dict:
+    gate_up, w = make_silu_inputs(m, inter, n, DTYPES[dtype], seed=inter + m)
+    before = gate_up.clone()
+    y = silu_mul_linear_triton(gate_up, w, config=_config(blocks))
+    ref = silu_mul_linear_ref(gate_up, w)
+    return {
+        "y": diff_stats(y, ref),
+        "error_over_bound": error_over_bound(y, ref, silu_and_mul_ref(gate_up), w, None, dtype),
+        "inputs_unchanged": bool(torch.equal(gate_up, before)),
+    }
+
+
+def run_row_invariance(dtype: str) -> dict:
+    """Row i of a launch is bitwise the same alone (M = 1), beside other rows, at another row of the
+    tile, and in the second 16-row tile (M = 20)."""
+    x, residual, norm_w, w, bias = make_norm_inputs(20, 136, 64, DTYPES[dtype], seed=3)
+    gate_up, w_down = make_silu_inputs(20, 100, 48, DTYPES[dtype], seed=4)
+    full = norm_linear_triton(x, residual, norm_w, 1e-6, w, bias)[0]
+    full_d = silu_mul_linear_triton(gate_up, w_down)
+    bad = []
+    for i in (0, 5, 15, 17):
+        alone = norm_linear_triton(x[i : i + 1], residual[i : i + 1], norm_w, 1e-6, w, bias)[0]
+        others = torch.randn_like(x[:16]) * 7
+        others[3] = x[i]
+        res_o = torch.randn_like(residual[:16])
+        res_o[3] = residual[i]
+        moved = norm_linear_triton(others, res_o, norm_w, 1e-6, w, bias)[0][3]
+        d_alone = silu_mul_linear_triton(gate_up[i : i + 1], w_down)
+        g_o = torch.randn_like(gate_up[:3]) * 9
+        g_o[1] = gate_up[i]
+        d_moved = silu_mul_linear_triton(g_o, w_down)[1]
+        checks = {
+            "alone": torch.equal(alone[0], full[i]),
+            "moved": torch.equal(moved, full[i]),
+            "down_alone": torch.equal(d_alone[0], full_d[i]),
+            "down_moved": torch.equal(d_moved, full_d[i]),
+        }
+        bad += [f"row {i} {name}" for name, ok in checks.items() if not ok]
+    return {"bad": bad}
+
+
+def run_empty() -> dict:
+    x, residual, norm_w, w, bias = make_norm_inputs(0, 64, 48, torch.bfloat16)
+    y, new_res = norm_linear_triton(x, residual, norm_w, 1e-5, w, bias)
+    gate_up, w_down = make_silu_inputs(0, 32, 16, torch.bfloat16)
+    return {
+        "shapes": [list(y.shape), list(new_res.shape), list(silu_mul_linear_triton(gate_up, w_down).shape)]
+    }
+
+
+def interpreted_main() -> None:
+    jobs = {f"norm_{name}": (lambda c=case: run_norm_case(*c)) for name, case in NORM_CASES.items()}
+    jobs |= {f"silu_{name}": (lambda c=case: run_silu_case(*c)) for name, case in SILU_CASES.items()}
+    jobs |= {f"invariance_{d}": (lambda d=d: run_row_invariance(d)) for d in ("bfloat16", "float32")}
+    jobs["empty"] = run_empty
+    run_jobs(jobs)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    return interpreted_results(__file__)
+
+
+@pytest.mark.parametrize("name", list(NORM_CASES))
+def test_interpreted_norm_linear_matches_reference(interpreted: dict, name: str) -> None:
+    r = interpreted[f"norm_{name}"]
+    assert "error" not in r, r.get("error")
+    dtype, has_res = NORM_CASES[name][3], NORM_CASES[name][4]
+    print(name, r["y"], f"error/bound {r['error_over_bound']:.3f}")
+    assert r["error_over_bound"] <= 1.0, r
+    assert rounding_matches(r["y"], dtype), r["y"]
+    assert r["residual_equal"], "x + residual must round exactly as torch's add"
+    assert r["residual_is_x"] == (not has_res), "without a residual the new residual is x itself"
+    assert r["inputs_unchanged"], "the kernel wrote into its inputs"
+    assert r["zero_row_is_bias"], "an all-zero row must normalise to zeros (y = bias)"
+
+
+@pytest.mark.parametrize("name", list(SILU_CASES))
+def test_interpreted_silu_mul_linear_matches_reference(interpreted: dict, name: str) -> None:
+    r = interpreted[f"silu_{name}"]
+    assert "error" not in r, r.get("error")
+    print(name, r["y"], f"error/bound {r['error_over_bound']:.3f}")
+    assert r["error_over_bound"] <= 1.0, r
+    assert rounding_matches(r["y"], SILU_CASES[name][3]), r["y"]
+    assert r["inputs_unchanged"], "the kernel wrote into its input"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_interpreted_rows_are_batch_invariant(interpreted: dict, dtype: str) -> None:
+    r = interpreted[f"invariance_{dtype}"]
+    assert "error" not in r, r.get("error")
+    assert r["bad"] == []
+
+
+def test_interpreted_empty_batch(interpreted: dict) -> None:
+    r = interpreted["empty"]
+    assert "error" not in r, r.get("error")
+    assert r["shapes"] == [[0, 48], [0, 64], [0, 16]]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_references_are_the_unfused_composition(dtype: str) -> None:
+    """Bitwise on the CPU: the model's unfused path (norm dispatchers, then F.linear) and the public
+    wrappers (which run the references off CUDA)."""
+    x, residual, norm_w, w, bias = make_norm_inputs(6, 96, 40, DTYPES[dtype], seed=2)
+    normed, new_res = add_rms_norm(x, residual, norm_w, 1e-6)
+    for y, r in (norm_linear_ref(x, residual, norm_w, 1e-6, w, bias),
+                 norm_linear(x, residual, norm_w, 1e-6, w, bias)):  # fmt: skip
+        assert torch.equal(y, F.linear(normed, w, bias)) and torch.equal(r, new_res)
+    y, r = norm_linear(x, None, norm_w, 1e-6, w)
+    assert torch.equal(y, F.linear(rms_norm(x, norm_w, 1e-6), w)) and r is x
+    gate_up, w_down = make_silu_inputs(5, 48, 40, DTYPES[dtype])
+    want = F.linear(silu_and_mul(gate_up), w_down)
+    assert torch.equal(silu_mul_linear_ref(gate_up, w_down), want)
+    assert torch.equal(silu_mul_linear(gate_up, w_down), want)
+
+
+def test_bad_arguments_raise() -> None:
+    x, residual, norm_w, w, bias = make_norm_inputs(3, 32, 48, torch.float32)
+    cases = [
+        ((x.view(3, 4, 8), residual, norm_w, 1e-5, w), r"x must be \[M, K > 0\], got shape \(3, 4, 8\)"),
+        ((x.long(), None, norm_w, 1e-5, w), "x must be float32/float16/bfloat16, got torch.int64"),
+        ((x, residual[:2], norm_w, 1e-5, w), r"residual must be \[3, 32\], got shape \(2, 32\)"),
+        ((x, residual.half(), norm_w, 1e-5, w), "residual dtype torch.float16 differs from x dtype"),
+        ((x, residual, norm_w[:31], 1e-5, w), r"norm_weight must be \[32\], got shape \(31,\)"),
+        ((x, residual, norm_w.bfloat16(), 1e-5, w), "norm_weight dtype torch.bfloat16 differs"),
+        ((x, residual, norm_w, 1e-5, w[:, :31]), r"weight must be \[N, K=32\], got shape \(48, 31\)"),
+        ((x, residual, norm_w, 1e-5, w[0]), r"weight must be \[N, K=32\], got shape \(32,\)"),
+        ((x, residual, norm_w, 1e-5, w.half()), "weight dtype torch.float16 differs from x dtype"),
+        ((x, residual, norm_w, 1e-5, w.to("meta")), "weight is on meta, x on cpu"),
+        ((x, residual.to("meta"), norm_w, 1e-5, w), "residual is on meta, x on cpu"),
+        ((x, residual, norm_w, 1e-5, w, bias[:47]), r"bias must be \[48\], got shape \(47,\)"),
+        ((x, residual, norm_w, 1e-5, w, bias.double()), "bias dtype torch.float64 differs"),
+    ]  # fmt: skip
+    for args, match in cases:
+        for fn in (norm_linear, norm_linear_triton):
+            with pytest.raises(ValueError, match=match):
+                fn(*args)
+    gate_up, w_down = make_silu_inputs(3, 50, 16, torch.bfloat16)
+    cases = [
+        ((gate_up[:, :99], w_down), r"gate_up must be \[M, 2 \* intermediate\], got shape \(3, 99\)"),
+        ((gate_up.int(), w_down), "gate_up must be float32/float16/bfloat16, got torch.int32"),
+        ((gate_up, w_down[:, :49]), r"weight must be \[N, K=50\], got shape \(16, 49\)"),
+        ((gate_up, w_down.float()), "weight dtype torch.float32 differs from gate_up dtype torch.bfloat16"),
+        ((gate_up, w_down.to("meta")), "weight is on meta, gate_up on cpu"),
+    ]  # fmt: skip
+    for args, match in cases:
+        for fn in (silu_mul_linear, silu_mul_linear_triton):
+            with pytest.raises(ValueError, match=match):
+                fn(*args)
+
+
+def test_triton_launch_on_cpu_needs_interpreter() -> None:
+    if is_interpreted():
+        pytest.skip("this process imported triton with TRITON_INTERPRET=1")
+    x, residual, norm_w, w, _ = make_norm_inputs(2, 32, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        norm_linear_triton(x, residual, norm_w, 1e-5, w)
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        silu_mul_linear_triton(torch.zeros(2, 64), w)
+
+
+# --- GPU -------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# (K, N) of norm_linear and (I, N) of silu_mul_linear: SmolLM2-135M's QKV, gate/up, LM head, down;
+# Llama-2-7B's QKV, down
+GPU_NORM_SHAPES = [(576, 960), (576, 3072), (576, 49152), (4096, 12288)]
+GPU_SILU_SHAPES = [(1536, 576), (11008, 4096)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("shape", GPU_NORM_SHAPES, ids=lambda s: f"k{s[0]}_n{s[1]}")
+def test_gpu_norm_linear_real_shapes_bf16(m: int, shape: tuple[int, int]) -> None:
+    k, n = shape
+    x, residual, norm_w, w, _ = make_norm_inputs(m, k, n, torch.bfloat16, seed=m, device="cuda")
+    y, new_res = norm_linear(x, residual, norm_w, 1e-5, w)
+    ref, ref_res = norm_linear_ref(x, residual, norm_w, 1e-5, w)
+    stats = diff_stats(y, ref)
+    ratio = error_over_bound(y, ref, add_rms_norm(x, residual, norm_w, 1e-5)[0], w, None, "bfloat16")
+    print(f"norm_linear M={m} K={k} N={n} bf16: {stats}, error/bound {ratio:.3f}")
+    assert torch.equal(new_res, ref_res)
+    assert ratio <= 1.0 and rounding_matches(stats, "bfloat16"), stats
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("shape", GPU_SILU_SHAPES, ids=lambda s: f"i{s[0]}_n{s[1]}")
+def test_gpu_silu_mul_linear_real_shapes_bf16(m: int, shape: tuple[int, int]) -> None:
+    inter, n = shape
+    gate_up, w = make_silu_inputs(m, inter, n, torch.bfloat16, seed=m, device="cuda")
+    y, ref = silu_mul_linear(gate_up, w), silu_mul_linear_ref(gate_up, w)
+    stats = diff_stats(y, ref)
+    ratio = error_over_bound(y, ref, silu_and_mul_ref(gate_up), w, None, "bfloat16")
+    print(f"silu_mul_linear M={m} I={inter} N={n} bf16: {stats}, error/bound {ratio:.3f}")
+    assert ratio <= 1.0 and rounding_matches(stats, "bfloat16"), stats
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_gpu_rows_are_batch_invariant(dtype: str) -> None:
+    x, residual, norm_w, w, bias = make_norm_inputs(16, 576, 960, DTYPES[dtype], seed=9, device="cuda")
+    gate_up, w_down = make_silu_inputs(16, 1536, 576, DTYPES[dtype], seed=9, device="cuda")
+    full, full_d = norm_linear(x, residual, norm_w, 1e-5, w, bias)[0], silu_mul_linear(gate_up, w_down)
+    for m in (1, 3, 8):
+        assert torch.equal(norm_linear(x[:m], residual[:m], norm_w, 1e-5, w, bias)[0], full[:m]), m
+        assert torch.equal(silu_mul_linear(gate_up[:m], w_down), full_d[:m]), m
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_replay_with_new_inputs() -> None:
+    x, residual, norm_w, w, bias = make_norm_inputs(4, 576, 3072, torch.bfloat16, seed=1, device="cuda")
+    gate_up, w_down = make_silu_inputs(4, 1536, 576, torch.bfloat16, seed=1, device="cuda")
+    norm_linear(x, residual, norm_w, 1e-5, w, bias)  # compile outside capture
+    silu_mul_linear(gate_up, w_down)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, new_res = norm_linear(x, residual, norm_w, 1e-5, w, bias)
+        down = silu_mul_linear(gate_up, w_down)
+    for seed in (2, 3):
+        x2, r2, *_ = make_norm_inputs(4, 576, 3072, torch.bfloat16, seed=seed, device="cuda")
+        g2, _ = make_silu_inputs(4, 1536, 576, torch.bfloat16, seed=seed, device="cuda")
+        x.copy_(x2), residual.copy_(r2), gate_up.copy_(g2)
+        graph.replay()
+        ref, ref_res = norm_linear_ref(x2, r2, norm_w, 1e-5, w, bias)
+        assert torch.equal(new_res, ref_res)
+        assert error_over_bound(y, ref, add_rms_norm(x2, r2, norm_w, 1e-5)[0], w, bias, "bfloat16") <= 1.0
+        ref_d = silu_mul_linear_ref(g2, w_down)
+        assert error_over_bound(down, ref_d, silu_and_mul_ref(g2), w_down, None, "bfloat16") <= 1.0
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpreted"]:
+    interpreted_main()
