@@ -251,3 +251,31 @@ def test_on_prefill_indexes_the_prompt_without_changing_the_drafts():
         if step not in (9, 19):
             for r in reqs:
                 r.output_ids += [rng.randrange(6) for _ in range(rng.randint(1, 5))]
+
+
+def test_a_finished_requests_entry_is_freed_off_the_commit():
+    """on_finish drops the entry (a new request under the id starts afresh) but frees it only in the
+    next on_scoring or on_prefill; past MAX_FINISHED waiting entries it frees them at once."""
+    from specsched.proposers.ngram import MAX_FINISHED
+
+    prop = NgramProposer(NgramConfig(min_n=1, max_n=3))
+    reqs = [make_request(f"f{i}", [1, 2, 3, 1, 2]) for i in range(3)]
+    prop.peek(reqs)
+    prop.on_finish(reqs[0])
+    assert "f0" not in prop._cache and len(prop._finished) == 1
+    again = make_request("f0", [7, 8, 7])  # the id reused: its own tokens, not the finished ones
+    assert prop.propose([again], [2]).draft_tokens.tolist() == [8, 7]
+    prop.on_scoring(reqs[1:])
+    assert prop._finished == []
+    prop.on_finish(reqs[1])
+    prop.on_prefill([make_request("p", [4, 5])])
+    assert prop._finished == []
+    prop.on_finish(make_request("never-seen", [1]))  # no entry: nothing to free
+    assert prop._finished == []
+    many = [make_request(f"m{i}", [1, 2, 1]) for i in range(MAX_FINISHED + 1)]
+    prop.peek(many)
+    for r in many[:MAX_FINISHED]:
+        prop.on_finish(r)
+    assert len(prop._finished) == MAX_FINISHED
+    prop.on_finish(many[-1])  # one past the bound: all freed at once
+    assert prop._finished == []
