@@ -7,7 +7,9 @@ other policies measured live?
 For each live log: its recorded policy config (the ``policy`` node of its ``runs.config``, read by
 :func:`specsched.policies.replay_log.load_run`) is replayed on the ``--replayed`` log with the replay
 machinery of :mod:`specsched.policies.replay` (its match bits, completed once; its cost model, refitted
-on all its decode steps), and the predicted tokens/s is set against the live log's measured tokens/s.
+on all its decode steps, for a policy that does not decide ahead without the recorded policy's decide
+spill: :func:`~specsched.policies.replay.costs_for`), and the predicted tokens/s is set against the
+live log's measured tokens/s.
 
 **tokens/s, one definition on both sides** (:class:`~specsched.policies.replay.PolicyResult`):
 output tokens (each request's prefill token included) / (decode ms + prefill ms). Live, the decode ms
@@ -62,7 +64,15 @@ from specsched.bench.replay_passes import (
 )
 from specsched.policies.cost_model import CostModels
 from specsched.policies.registry import build_policy
-from specsched.policies.replay import PolicyResult, policy_label, recorded_result, refit_costs, simulate
+from specsched.policies.replay import (
+    PolicyResult,
+    costs_for,
+    decide_spill_ms,
+    policy_label,
+    recorded_result,
+    refit_costs,
+    simulate,
+)
 from specsched.policies.replay_log import MatchBits, RecordedRun, complete_bits, load_run
 
 __all__ = ["RequestTimes", "split_passes", "think_times", "load_log", "live_rates", "predicted_rates",
@@ -75,16 +85,22 @@ class LoadedLog:
     bits: MatchBits
     costs: CostModels
     passes: list[PassPart]
+    # refitted without the recorded policy's decide spill (policies/replay.py: decide_spill_ms), for
+    # policies that do not decide ahead; None when the log has no decide ahead
+    costs_without_spill: CostModels | None = None
 
 
 def load_log(path: str, run_id: int | None = None, seed: int = 0, bucket_bias: bool = True) -> LoadedLog:
     """A log with its bits, refitted cost model and passes (see the module docstring)."""
     run = load_run(path, run_id)
     costs = refit_costs(run, count_between=False, bucket_bias=bucket_bias)  # idle time: neither side
+    static = None
+    if decide_spill_ms(run.decode_steps):
+        static = refit_costs(run, count_between=False, bucket_bias=bucket_bias, without_decide_spill=True)
     bits = complete_bits(run, seed)
     times = request_times(path, run.run_id)
     passes = split_passes(times, run.settings.max_num_seqs)
-    return LoadedLog(run, bits, costs, [sub_run(run, bits, p, times) for p in passes])
+    return LoadedLog(run, bits, costs, [sub_run(run, bits, p, times) for p in passes], static)
 
 
 @dataclass
@@ -156,7 +172,8 @@ def predicted_rates(log: LoadedLog, policy: dict, client_gaps: bool = False) -> 
     for x in log.passes:
         clients = {r.client for r in x.run.requests}
         closed = None not in clients  # each client's requests one at a time, after its round trip
-        res = simulate(x.run, x.bits, instance, log.costs, label, closed_loop=closed, segments=x.segments,
+        costs = costs_for(instance, log.costs, log.costs_without_spill)
+        res = simulate(x.run, x.bits, instance, costs, label, closed_loop=closed, segments=x.segments,
                        think_ms=x.think_ms if closed and client_gaps else None)  # fmt: skip
         thin = sum(seen.get((t.scorer, group_of(t.batch_size)), 0) < THIN_STEPS for t in res.trace)
         for n in (x.p.concurrency, 0):
@@ -170,7 +187,7 @@ def with_overhead(log: LoadedLog, other: LoadedLog) -> LoadedLog:
     """``log`` with its cost model's host-overhead component replaced by ``other``'s (a copy)."""
     costs = copy.deepcopy(log.costs)
     costs.models[("overhead",)] = copy.deepcopy(other.costs.model("overhead"))
-    return dataclasses.replace(log, costs=costs)
+    return dataclasses.replace(log, costs=costs, costs_without_spill=None)  # the overhead is other's
 
 
 def error(predicted: float | None, live: float | None) -> float | None:

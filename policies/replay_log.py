@@ -31,6 +31,12 @@ from specsched.policies.registry import POLICIES
 
 PRIOR_STRENGTH = 2.0  # pseudo-observations of the run mean in a request's imputation rate
 _MEASURED = ("propose_ms", "score_ms", "verify_ms", "total_ms")
+# of a step's plan_info, only whether it runs a plan decided ahead and how many steps ran it before
+# (policies/replay.py: decide_spill_ms); a plan_info that is not JSON reads as neither
+_PLAN_AHEAD = ", ".join(
+    f"case when json_valid(plan_info) then json_extract(plan_info, '$.{key}') end as {key}"
+    for key in ("is_planned_ahead", "plan_age")
+)
 _STEP_COLUMNS = (
     "step kind start_time batch_size num_tokens scorer policy proposer is_synthetic predicted_propose_ms "
     "predicted_score_ms predicted_verify_ms predicted_ms propose_ms score_ms verify_ms total_ms num_emitted"
@@ -174,12 +180,15 @@ def _load(db, path: str, run_id: int | None) -> RecordedRun:
     steps: dict[int, StepRecord] = {}
     host = ", host_ms" if "host_ms" in db["steps"].columns_dict else ""  # schema >= 3
     for row in db.query(
-        f"select {', '.join(_STEP_COLUMNS)}{host} from steps where run_id = ? order by step", [run_id]
+        f"select {', '.join(_STEP_COLUMNS)}{host}, {_PLAN_AHEAD} from steps where run_id = ? order by step",
+        [run_id],
     ):
         for name in _MEASURED:  # NULL measured times count as 0 ms
             row[name] = row[name] or 0.0
         row["is_synthetic"] = bool(row["is_synthetic"])
         row["host_ms"] = _host_ms(row.pop("host_ms", None))
+        is_ahead, age = row.pop("is_planned_ahead"), row.pop("plan_age")
+        row["plan_info"] = {"is_planned_ahead": True, "plan_age": age or 0} if is_ahead else {}
         steps[row["step"]] = StepRecord(**row)
     rows: dict[str, list[tuple[int, StepRequestRecord]]] = {}
     max_k = ", max_k" if "max_k" in db["step_requests"].columns_dict else ""  # schema >= 3
