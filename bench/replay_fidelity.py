@@ -90,12 +90,15 @@ class LoadedLog:
     costs_without_spill: CostModels | None = None
 
 
-def load_log(path: str, run_id: int | None = None, seed: int = 0, bucket_bias: bool = True) -> LoadedLog:
-    """A log with its bits, refitted cost model and passes (see the module docstring)."""
+def load_log(
+    path: str, run_id: int | None = None, seed: int = 0, bucket_bias: bool = True, decide_spill: bool = True
+) -> LoadedLog:
+    """A log with its bits, refitted cost model and passes (see the module docstring); without
+    ``decide_spill`` every policy is replayed on the recorded costs (the spill left in)."""
     run = load_run(path, run_id)
     costs = refit_costs(run, count_between=False, bucket_bias=bucket_bias)  # idle time: neither side
     static = None
-    if decide_spill_ms(run.decode_steps):
+    if decide_spill and decide_spill_ms(run.decode_steps):
         static = refit_costs(run, count_between=False, bucket_bias=bucket_bias, without_decide_spill=True)
     bits = complete_bits(run, seed)
     times = request_times(path, run.run_id)
@@ -261,10 +264,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="replay each client's recorded round trip between its requests")  # fmt: skip
     ap.add_argument("--no-bucket-bias", action="store_true",
                     help="cost models without the per-graph residual (policies/bucket_bias.py)")  # fmt: skip
+    ap.add_argument("--keep-decide-spill", action="store_true",
+                    help="replay every policy on the recorded costs, the replayed policy's decide spill "
+                         "included (policies/replay.py: costs_for)")  # fmt: skip
     args = ap.parse_args(argv)
     names = [_name(p) for p in args.live]
     bias = not args.no_bucket_bias
-    replayed = load_log(args.replayed, seed=args.seed, bucket_bias=bias)
+    replayed = load_log(
+        args.replayed, seed=args.seed, bucket_bias=bias, decide_spill=not args.keep_decide_spill
+    )
     lives = [
         (n, replayed if p == args.replayed else load_log(p, seed=args.seed, bucket_bias=bias))
         for n, p in zip(names, args.live)

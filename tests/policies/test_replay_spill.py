@@ -86,3 +86,16 @@ def test_a_policy_that_does_not_decide_ahead_is_replayed_without_the_spill(tmp_p
     assert costs_for(fixed, with_spill, without) is without
     assert costs_for(goodput, with_spill, without) is with_spill
     assert costs_for(fixed, with_spill, None) is with_spill
+
+
+def test_replay_fidelity_loads_both_cost_models_unless_told_to_keep_the_spill(tmp_path):
+    from specsched.bench.replay_fidelity import load_log
+
+    path = tmp_path / "log.sqlite"
+    steps = [step(0, 2, 1.0), step(1, 2, 4.0, total=12.0), step(2, 2, 1.0, AHEAD), step(3, 2, 1.0)]
+    write_log(path, CONFIG, steps, [("r0", 20, 4), ("r1", 20, 4)])
+    assert load_log(str(path)).costs_without_spill is not None
+    assert load_log(str(path), decide_spill=False).costs_without_spill is None
+    plain = tmp_path / "plain.sqlite"
+    write_log(plain, CONFIG, [step(i, 2, 1.0) for i in range(4)], [("r0", 20, 4), ("r1", 20, 4)])
+    assert load_log(str(plain)).costs_without_spill is None  # nothing decided ahead: one model
