@@ -117,3 +117,48 @@ def test_daemon_with_paced_sends_streams_every_request_in_order(start_daemon, lo
     for want, got in asyncio.run(main()):
         assert len(want) == 10 and got == want
     d.stop()
+
+
+@pytest.mark.parametrize("pace", ["loop", "step"])
+def test_the_io_thread_drains_posted_replies_on_a_request_only_when_unpaced(pace, tmp_path):
+    """A reply posted to the outbox without a wake: an unpaced IO thread sends it as soon as anything
+    wakes it (a client's request: the reply comes before that request's answer); a paced one holds it
+    until a wake or its poll times out (the request's answer comes first)."""
+    import msgpack
+    import zmq
+
+    from specsched.daemon.server import DaemonConfig, Server
+    from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig
+    from specsched.engine.engine import Engine
+
+    engine = Engine(
+        EngineConfig(model=ModelConfig(source="tiny", device="cpu"), cache=CacheConfig(num_blocks=64))
+    )
+    srv = Server(
+        engine, DaemonConfig(endpoint="tcp://127.0.0.1:0", shutdown_grace_s=0.0, send_pace=pace), None
+    )
+    srv.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"paced-client")
+    sock.connect(srv.bound_endpoint)
+    try:
+        sock.send(msgpack.packb({"v": 1, "type": "health", "id": "h0"}))
+        assert sock.poll(30_000) and msgpack.unpackb(sock.recv())["id"] == "h0"  # connected, routable
+        want = ["r7", "h1"] if pace == "loop" else ["h1", "r7"]
+        for _ in range(3):  # paced: the IO thread's 100 ms poll may time out between the two
+            srv._outbox.put([(b"paced-client", chunk(7))])  # posted, nobody woken
+            sock.send(msgpack.packb({"v": 1, "type": "health", "id": "h1"}))
+            got = []
+            for _ in range(2):
+                assert sock.poll(30_000)
+                got.append(msgpack.unpackb(sock.recv())["id"])
+            if got == want:
+                break
+        assert got == want
+    finally:
+        sock.close(0)
+        ctx.term()
+        srv.request_shutdown()
+        assert srv.join(timeout=30)
+        srv.close()
