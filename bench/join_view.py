@@ -25,6 +25,7 @@ size, a request joining at its first ``step_requests`` row): how the H200 number
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sqlite3
@@ -57,8 +58,17 @@ def build_engine(batch: int) -> Engine:
 def run(batch: int, prompt_len: int, num_per_slot: int, seed: int = 0) -> list[StepRecord]:
     """The closed loop's step records (``num_per_slot * batch`` requests in all)."""
     engine = build_engine(batch)
+    freeze_heap()  # as the daemon does; thawed at the end (a test process goes on)
+    try:
+        return _closed_loop(engine, batch, prompt_len, num_per_slot, seed)
+    finally:
+        gc.unfreeze()
+
+
+def _closed_loop(
+    engine: Engine, batch: int, prompt_len: int, num_per_slot: int, seed: int
+) -> list[StepRecord]:
     vocab = engine.model.cfg.vocab_size
-    freeze_heap()
     rng = random.Random(seed)
     records: list[StepRecord] = []
     engine.on_step = records.append

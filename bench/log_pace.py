@@ -99,14 +99,19 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(args.rounds):
         for m in modes if r % 2 == 0 else modes[::-1]:
             got[m] += run(m, args.batch, args.steps, args.wait_us, args.finish_every)
-    base = statistics.mean(got["none"])
     print(
         f"batch {args.batch}, {args.rounds} rounds of {args.steps} steps, device wait {args.wait_us:.0f} us"
     )
-    print("| log.pace | host ms / step, mean | median | p90 | mean − no log |")
+    print_modes("log.pace", "no log", got)
+
+
+def print_modes(option: str, baseline: str, got: dict[str, list[float]]) -> None:
+    """The table of host ms per step by mode of ``option``; the first mode is the baseline."""
+    base = statistics.mean(next(iter(got.values())))
+    print(f"| {option} | host ms / step, mean | median | p90 | mean − {baseline} |")
     print("|---|---|---|---|---|")
-    for m in modes:
-        t = sorted(got[m])
+    for m, t in got.items():
+        t = sorted(t)
         mean = statistics.mean(t)
         p50, p90 = statistics.median(t), t[int(0.9 * len(t))]
         print(f"| {m} | {mean:.3f} | {p50:.3f} | {p90:.3f} | {mean - base:+.3f} |")

@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import queue
-import statistics
 import threading
 import time
 
 import zmq
 
-from specsched.bench.log_pace import device_wait, host_work
+from specsched.bench.log_pace import device_wait, host_work, print_modes
 from specsched.daemon.io_thread import encode_reply
 from specsched.daemon.messages import Chunk
 
@@ -142,17 +141,10 @@ def main(argv: list[str] | None = None) -> None:
         client.join(30)
         router.close(0)
         ctx.term()
-    base = statistics.mean(got["none"])
     print(
         f"batch {args.batch}, {args.rounds} rounds of {args.steps} steps, device wait {args.wait_us:.0f} us"
     )
-    print("| daemon.send_pace | host ms / step, mean | median | p90 | mean − no sends |")
-    print("|---|---|---|---|---|")
-    for m in MODES:
-        t = sorted(got[m])
-        mean = statistics.mean(t)
-        p50, p90 = statistics.median(t), t[int(0.9 * len(t))]
-        print(f"| {m} | {mean:.3f} | {p50:.3f} | {p90:.3f} | {mean - base:+.3f} |")
+    print_modes("daemon.send_pace", "no sends", got)
 
 
 if __name__ == "__main__":

@@ -166,10 +166,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         attn: AttentionFn,
     ) -> torch.Tensor:  # [T, hidden]
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        q = rotary_store_kv(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, self.num_heads, self.num_kv_heads)
-        o = attn(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(x.shape[0], self.q_size))
+        return self.forward_from_qkv(self.qkv_proj(x), cos, sin, kv, meta, attn)
 
     def forward_from_qkv(
         self,

@@ -21,7 +21,6 @@ class FakeEngine:
     def __init__(self) -> None:
         self.has_unfinished = True
         self.on_device_wait = None
-        self.on_step = None
 
 
 def serving(pace: str, log=None) -> tuple[Serving, FakeEngine, list, list]:
