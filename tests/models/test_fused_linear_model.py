@@ -320,7 +320,8 @@ def test_gpu_smollm2_fused_spec_vs_non_spec_bf16(smollm2_path, smollm2_cache_dir
 @needs_cuda
 def test_gpu_serving_after_the_warm_up_builds_no_fused_variant(monkeypatch) -> None:
     """The warm-up (and graph capture) build every variant of the fused kernels: serving with the
-    option on (eager MQA runs them outside the graphs) builds none."""
+    option on builds none. The policy is fixed on the eager MQA scorer, so the serving steps run the
+    fused kernels outside the graphs (goodput on the H200 chose the graphs for every step, 12-05)."""
     from specsched.engine.engine import Engine
     from specsched.engine.request import SamplingParams
     from specsched.kernels.compile_watch import compile_watch
@@ -339,7 +340,7 @@ def test_gpu_serving_after_the_warm_up_builds_no_fused_variant(monkeypatch) -> N
         cache=CacheConfig(block_size=4, num_blocks=256),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48),
         spec=SpecConfig(max_k=4, proposer="ngram", scorers=SCORERS),
-        policy={"name": "goodput"},
+        policy={"name": "fixed", "k": 3, "scorer": "mqa"},
     )
     engine = Engine(cfg)
     assert engine.warmup is not None and engine.model.fused_linear
