@@ -132,7 +132,7 @@ def bench_rows(key: str, model, m: int, args, out: dict[str, list[list[str]]]) -
     if "layer" in args.parts:
         graphs = {"unfused": graph_of(lambda: layer(*layer_args)),
                   "fused": graph_of(lambda: layer.forward_fused(*layer_args))}  # fmt: skip
-        out["layer"].append(row(key, m, graphs, args))
+        _emit(out, "layer", row(key, m, graphs, args))
     if "forward" in args.parts:
         graphs, logits = {}, {}
         for name in ("unfused", "fused"):
@@ -142,9 +142,16 @@ def bench_rows(key: str, model, m: int, args, out: dict[str, list[list[str]]]) -
         for g in graphs.values():
             g.replay()
         a, b = logits["unfused"].float(), logits["fused"].float()
-        out["forward"].append(row(key, m, graphs, args) + [f"{float((a - b).norm() / a.norm()):.1e}"])
+        _emit(out, "forward", row(key, m, graphs, args) + [f"{float((a - b).norm() / a.norm()):.1e}"])
     if "gemm" in args.parts:
-        out["gemm"] += gemm_rows(key, model, m, args)
+        for r in gemm_rows(key, model, m, args):
+            _emit(out, "gemm", r)
+
+
+def _emit(out: dict[str, list[list[str]]], part: str, cells: list[str]) -> None:
+    """Keep a row for the tables and print it at once: a run stopped at its time limit keeps its rows."""
+    out[part].append(cells)
+    print(f"{part}: | " + " | ".join(cells) + " |", flush=True)
 
 
 def row(key: str, m: int, graphs: dict[str, torch.cuda.CUDAGraph], args) -> list[str]:
