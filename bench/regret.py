@@ -28,10 +28,12 @@ from __future__ import annotations
 import copy
 import logging
 import random
+import re
 import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -101,15 +103,49 @@ class Sample:
 def run_window(run: RunConfig, state, cell: Cell, min_steps: int, tokens: int | None = None):
     """A fresh engine and policy from a copy of the profiled ``state`` (cost models, acceptance),
     whole passes over the cell's prompts until ``min_steps`` decode steps (one pass when
-    ``tokens`` cuts each request short): (the :class:`Sample` fields, the decode records)."""
+    ``tokens`` cuts each request short): (the :class:`Sample` fields, the decode records, every
+    step's record)."""
     engine = make_engine(cell.spec, run.proposers, run.proposer, run.make_policy())
     engine.costs, engine.acceptance = copy.deepcopy(state[0]), copy.deepcopy(state[1])
     return _passes(engine, cell, min_steps, tokens)
 
 
+def write_window_log(
+    log_dir: str, cell: Cell, label: str, repeat: int, steps: list[StepRecord], costs
+) -> str:
+    """One timed window as one run of the cell's decision log (``<log_dir>/<cell>_b<batch>.sqlite``,
+    e.g. ``real_ngram_b1``; written after the window, outside its timing): every step, prefills too,
+    and the cost models the window started from (``cost_models``), for specsched-replay and
+    bench/plan_gap.py. ``runs.config`` names the cell, the config and the repeat. Returns the path."""
+    from specsched.bench.e2e import open_run_log, run_identity
+
+    what = cell.proposer if cell.proposer.startswith(cell.suite) else f"{cell.suite} {cell.proposer}"
+    name = re.sub(r"[^A-Za-z0-9.]+", "_", f"{what} b{cell.batch}").strip("_")
+    path = str(Path(log_dir) / f"{name}.sqlite")
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    identity = run_identity("regret", cell.spec, cell.batch, cell.proposer, cell.acceptance, label)
+    device = str(cell.spec.model.lm_head.weight.device)
+    log = open_run_log(path, {**identity, "repeat": repeat}, cell.spec.name, device)
+    try:
+        log.save_costs(costs)
+        for rec in steps:
+            log.write_step(rec)
+        log.end_run(0)
+    finally:
+        log.close()
+    return path
+
+
 def _passes(engine, cell: Cell, min_steps: int, tokens: int | None = None):
-    records: list[StepRecord] = []
-    engine.on_step = lambda rec: records.append(rec) if rec.kind == "decode" else None
+    records: list[StepRecord] = []  # decode steps
+    steps: list[StepRecord] = []  # every step (prefills too), for the decision log
+
+    def on_step(rec: StepRecord) -> None:
+        steps.append(rec)
+        if rec.kind == "decode":
+            records.append(rec)
+
+    engine.on_step = on_step
     groups = [cell.prompts[i : i + cell.batch] for i in range(0, len(cell.prompts), cell.batch)]
     params = SamplingParams(max_tokens=tokens or cell.max_new_tokens, ignore_eos=True)
     device = cell.spec.model.lm_head.weight.device
@@ -134,7 +170,8 @@ def _passes(engine, cell: Cell, min_steps: int, tokens: int | None = None):
         scorer_steps=dict(Counter(r.scorer for r in records)),
         decides_per_step=len(decide) / len(records) if records else None,
     )  # fmt: skip
-    return fields, records
+    engine.on_step = None
+    return fields, records, steps
 
 
 def profile_state(cell: Cell, cfg):
@@ -160,13 +197,16 @@ def run_cell(cell: Cell, cfg, seed: int) -> dict:
     state = profile_state(cell, cfg)
     for run in cell.runs if cfg.compile_tokens else []:  # each config's own shapes compile, untimed
         run_window(run, state, cell, 0, cfg.compile_tokens)
+    log_dir = cfg.get("log_dir")
     samples: list[Sample] = []
     records: list[StepRecord] = []
     for r in range(cfg.repeats):
         order = list(cell.runs)
         random.Random(seed * 1000 + r).shuffle(order)
         for run in order:
-            fields, recs = run_window(run, state, cell, cfg.min_steps)
+            fields, recs, steps = run_window(run, state, cell, cfg.min_steps)
+            if log_dir:
+                write_window_log(log_dir, cell, run.label, r, steps, state[0])
             samples.append(Sample(run.label, r, **fields))
             records += recs
             logger.info("regret %s batch %d repeat %d %s: %.1f tok/s (%d steps)", cell.proposer,

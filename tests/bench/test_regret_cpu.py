@@ -3,6 +3,7 @@ repeats, and the table's ratios are the ones its rows imply."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
@@ -20,7 +21,8 @@ CONFIGS = [NON_SPEC, "fixed k=2 batch_expansion", "fixed k=2 mqa", "policy goodp
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("regret")
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("bench", overrides=["bench=regret_cpu", f"bench.out_dir={out}"]).bench
+        overrides = ["bench=regret_cpu", f"bench.out_dir={out}", f"bench.regret.log_dir={out / 'logs'}"]
+        cfg = compose("bench", overrides=overrides).bench
     res = cli.run_bench(cfg, "specsched-bench bench=regret_cpu")
     return res, cfg.regret, (out / "tables.md").read_text()
 
@@ -71,3 +73,36 @@ def test_summary_without_goodput_names_the_oracle_only():
                for label, tps in ((NON_SPEC, 100.0 + r), ("fixed k=1 mqa", 120.0 - r))]  # fmt: skip
     out = summarize(samples, [NON_SPEC, "fixed k=1 mqa"])
     assert out["oracle"] == "fixed k=1 mqa" and out["goodput"] is None
+
+
+def test_each_timed_window_is_one_run_of_its_cell_s_decision_log(result):
+    """bench.regret.log_dir: one log per cell, one run per (config, repeat), every step of the window
+    (its decode steps as many as the sample counted) and the cost models it started from."""
+    from specsched.bench.plan_gap import read_log
+    from specsched.engine.log_schema import open_log
+
+    res, cfg, _ = result
+    logs = Path(cfg.log_dir)
+    assert sorted(p.name for p in logs.glob("*.sqlite")) == [
+        "real_ngram_b1.sqlite",
+        "synthetic_a_0.8_b2.sqlite",
+    ]
+    for c in res["regret"]["cells"]:
+        name = "real_ngram_b1" if c["suite"] == "real" else "synthetic_a_0.8_b2"
+        db = open_log(str(logs / f"{name}.sqlite"))
+        runs = {r["id"]: json.loads(r["config"]) for r in db.query("select id, config from runs")}
+        assert sorted((r["config"], r["repeat"]) for r in runs.values()) == sorted(
+            (s["config"], s["repeat"]) for s in c["samples"]
+        )
+        assert all(r["bench"] == "regret" and r["batch"] == c["batch"] for r in runs.values())
+        for run_id, run in runs.items():
+            sample = next(
+                s for s in c["samples"] if (s["config"], s["repeat"]) == (run["config"], run["repeat"])
+            )
+            n = db.execute(
+                "select count(*) from steps where run_id = ? and kind = 'decode'", [run_id]
+            ).fetchone()[0]
+            assert n == sample["num_steps"]
+            assert db.execute("select count(*) from cost_models where run_id = ?", [run_id]).fetchone()[0] > 0
+    last = read_log(str(logs / "real_ngram_b1.sqlite"), [1])[1]  # the last run: a window at batch 1
+    assert last.num_steps > 0
