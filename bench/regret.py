@@ -38,26 +38,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specsched.bench.common import (
-    EngineSpec,
-    blocks_for,
-    graph_config,
-    make_engine,
-    random_model,
-    random_prompts,
-    sync,
-)
-from specsched.bench.e2e import RunConfig, policy_configs
+from specsched.bench.common import make_engine, sync
+from specsched.bench.e2e import RunConfig
 from specsched.bench.markdown import fmt, table
+from specsched.bench.regret_cells import NON_SPEC, Cell, real_cells, synthetic_cells
 from specsched.engine.records import StepRecord
 from specsched.engine.request import SamplingParams
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.cost_error import held_out_error
-from specsched.policies.fixed import FixedConfig, FixedPolicy, capped_k
+from specsched.policies.fixed import capped_k
 from specsched.scorers.graph import graph_buckets_of
 
 logger = logging.getLogger(__name__)
-NON_SPEC = "non-speculative"
+__all__ = ["NON_SPEC", "Cell", "Sample", "run_regret", "summarize"]
 
 
 class ProfilePolicy(Policy):
@@ -72,18 +65,6 @@ class ProfilePolicy(Policy):
         k, s = self.grid[self.num % len(self.grid)]
         self.num += 1
         return Plan(capped_k(view, k), s if s in view.scorers else view.scorers[0], self.name)
-
-
-@dataclass
-class Cell:
-    suite: str  # synthetic | real
-    spec: EngineSpec
-    batch: int
-    proposer: str  # label: "synthetic a=0.6", "ngram", "draft (self, 8 layers)"
-    acceptance: float | None
-    runs: list[RunConfig]  # non-speculative first
-    prompts: list[list[int]]  # one pass
-    max_new_tokens: int
 
 
 @dataclass
@@ -258,88 +239,6 @@ def summarize(samples: list[Sample], labels: list[str]) -> dict:
     ps = [s.decide_ms_p99 for s in by[good] if s.decide_ms_p99 is not None]
     out["decide_ms_p99"] = max(ps) if ps else None
     return out
-
-
-def _runs(cfg, scorers: list[str], proposers: dict, proposer: str, none) -> list[RunConfig]:
-    base = "batch_expansion" if "batch_expansion" in scorers else scorers[0]
-    non_spec = RunConfig(NON_SPEC, lambda: FixedPolicy(FixedConfig(k=0, scorer=base)), {"none": none}, "none")
-    return [non_spec] + [
-        RunConfig(label, make, proposers, proposer) for label, make in policy_configs(cfg, scorers)
-    ]
-
-
-def synthetic_cells(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_size: int, seed: int):
-    """The 7B pair (random weights) at each batch x synthetic acceptance, one cell at a time."""
-    from specsched.proposers.draft import DraftModelProposer
-    from specsched.proposers.none import NoProposer
-    from specsched.proposers.synthetic import SyntheticProposer, attach_oracle
-    from specsched.scorers.graph import attach_draft_graphs
-    from specsched.scorers.registry import build_scorers
-
-    target = random_model(cfg.target, device, dtype, seed)
-    draft = random_model(cfg.draft, device, dtype, seed + 1)
-    max_b, max_len = max(cfg.batch), cfg.prompt_len + cfg.max_new_tokens + cfg.max_k + 2
-    num_blocks = blocks_for(max_b * cfg.groups, max_len, block_size)
-    kv = target.allocate_kv_cache(num_blocks, block_size)
-    gcfg = graph_config(graphs_cfg, max_b, cfg.max_k, max_len)
-    scorers = build_scorers(list(cfg.scorers), target, kv, block_size, gcfg)
-    draft_prop = DraftModelProposer(draft, draft.allocate_kv_cache(num_blocks, block_size), block_size)
-    attach_draft_graphs(draft_prop, gcfg, block_size)
-    spec = EngineSpec(target, kv, num_blocks, block_size, scorers, max_b, cfg.max_k, max_len,
-                      list(target.cfg.eos_token_ids), None, f"{cfg.target}+{cfg.draft}")  # fmt: skip
-    none = NoProposer(device)
-    for b in cfg.batch:
-        prompts = random_prompts(target.cfg.vocab_size, b * cfg.groups, cfg.prompt_len, seed + b)
-        ref = make_engine(
-            spec, {"none": none}, "none", FixedPolicy(FixedConfig(k=0, scorer=list(scorers)[0]))
-        )
-        outputs = ref.generate(prompts, SamplingParams(max_tokens=cfg.max_new_tokens, ignore_eos=True))
-        for a in cfg.acceptance:
-            synth = SyntheticProposer(target, a, block_size, seed, draft=draft_prop)
-            attach_oracle(synth, prompts, outputs)
-            runs = _runs(cfg, list(scorers), {"none": none, "synthetic": synth}, "synthetic", none)
-            yield Cell("synthetic", spec, b, f"synthetic a={a}", a, runs, prompts, cfg.max_new_tokens)
-
-
-def real_cells(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_size: int, seed: int):
-    """A real model with each proposer on real prompts, one cell per (proposer, batch)."""
-    from specsched.bench.suites import real_prompt_ids
-    from specsched.engine.config import ModelConfig, NgramConfig
-    from specsched.models.loader import load_model
-    from specsched.proposers.draft import DraftModelProposer
-    from specsched.proposers.ngram import NgramProposer
-    from specsched.proposers.none import NoProposer
-    from specsched.scorers.graph import attach_draft_graphs
-    from specsched.scorers.registry import build_scorers
-
-    dtype_name = str(dtype).replace("torch.", "")
-    loaded = load_model(ModelConfig(source=cfg.source, device=str(device), dtype=dtype_name, seed=seed))
-    model = loaded.model
-    prompts, _ = real_prompt_ids(loaded.tokenizer, model.cfg.vocab_size, cfg.num_prompts, seed)
-    max_b = max(cfg.batch)
-    max_len = min(max(map(len, prompts)) + cfg.max_new_tokens + cfg.max_k + 2, loaded.max_model_len)
-    num_blocks = blocks_for(max(max_b, len(prompts)), max_len, block_size)
-    kv = model.allocate_kv_cache(num_blocks, block_size)
-    gcfg = graph_config(graphs_cfg, max_b, cfg.max_k, max_len)
-    scorers = build_scorers(list(cfg.scorers), model, kv, block_size, gcfg)
-    spec = EngineSpec(model, kv, num_blocks, block_size, scorers, max_b, cfg.max_k, max_len,
-                      list(loaded.llama_config.eos_token_ids), loaded.tokenizer, loaded.name)  # fmt: skip
-    none = NoProposer(device)
-    for name in cfg.proposers:
-        if name == "draft":
-            layers = min(cfg.draft_layers, model.cfg.num_layers)
-            prop = DraftModelProposer(
-                model, model.allocate_kv_cache(num_blocks, block_size, layers), block_size, layers
-            )
-            attach_draft_graphs(prop, gcfg, block_size)
-            label = f"draft (self, {layers} layers)"
-        elif name == "ngram":
-            prop, label = NgramProposer(NgramConfig(), device), "ngram"
-        else:
-            raise ValueError(f"bench.regret.real.proposers: unknown proposer {name!r}; known: draft, ngram")
-        for b in cfg.batch:
-            runs = _runs(cfg, list(scorers), {"none": none, name: prop}, name, none)
-            yield Cell("real", spec, b, label, None, runs, prompts, cfg.max_new_tokens)
 
 
 def run_regret(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_size: int, seed: int) -> dict:
