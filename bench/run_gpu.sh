@@ -26,6 +26,21 @@ export PYTHONPATH=/tmp/site:$NS:$PWD
 export PYTHONUNBUFFERED=1
 
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+# BUNDLE=1: leave at most 8 files under $OUT, as a device call brings back no more (nor any file over
+# 16 MiB, nor 64 MiB in all): summary.txt, tables.md, and everything else (decision logs gzipped) in
+# one tar split into 15 MiB parts; here: cat out.tar.part_* | tar xf -
+bundle() {
+  [ "${BUNDLE:-0}" = 1 ] || return 0
+  local d=$OUT/.bundle
+  rm -rf "$d" && mkdir -p "$d"
+  find "$OUT" -path "$d" -prune -o -name '*.sqlite' -print0 | xargs -0 -r gzip -f
+  (cd "$OUT" && tar cf - --exclude=./.bundle .) | split -b 15M - "$d/out.tar.part_"
+  cp "$OUT/summary.txt" "$d/" 2>/dev/null
+  cp "$OUT/bench/tables.md" "$d/" 2>/dev/null
+  find "$OUT" -mindepth 1 -maxdepth 1 ! -name .bundle -exec rm -rf {} +
+  mv "$d"/* "$OUT/" && rmdir "$d"
+  ls -l "$OUT"
+}
 step() {  # step NAME LIMIT_S CMD...: run guarded, full log in $OUT/NAME.log, outcome in summary.txt
   local name=$1 limit=$2 t0=$SECONDS rc
   shift 2
@@ -62,7 +77,7 @@ step test_scorers 110 python3 -m pytest -m gpu -x -q -rA -s tests/scorers/ || tr
 step test_other_gpu 240 python3 -m pytest -m gpu -q -rA --continue-on-collection-errors \
   tests/models tests/proposers tests/policies tests/engine || true
 fi
-[ "${SKIP_BENCH:-0}" = 1 ] && { cat "$OUT/summary.txt"; exit 0; }
+[ "${SKIP_BENCH:-0}" = 1 ] && { cat "$OUT/summary.txt"; bundle; exit 0; }
 
 # (ii) the benchmark (bench=h200_quick: ~6 minutes); results, tables and the markdown under $OUT.
 PRESET=bench=h200_quick  # a first override of the form bench=NAME picks another preset
@@ -76,3 +91,4 @@ step bench "${BENCH_LIMIT_S:-360}" python3 -m specsched.bench.cli "${BENCH_ARGS[
 echo; echo "################ summary"; cat "$OUT/summary.txt"
 grep -h -E "rel\. error|GPU runner|GPU engine|passed|failed" "$OUT"/test_*.log 2>/dev/null | tail -n 30 || true
 echo; echo "################ tables"; cat "$OUT/bench/tables.md" 2>/dev/null || echo "!!! no tables (see bench.log)"
+bundle
