@@ -16,8 +16,9 @@ from specsched.engine.components import EngineParts
 from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specsched.engine.engine import Engine
 from specsched.models.config import get_preset
-from specsched.models.llama import KVCache, LlamaForCausalLM, make_decisive, rope_inv_freq
+from specsched.models.llama import KVCache, LlamaForCausalLM, rope_inv_freq
 from specsched.models.loader import resolve_attn_backend
+from specsched.models.random_init import make_decisive
 from specsched.policies.acceptance import AcceptanceEstimator
 from specsched.policies.base import Policy
 from specsched.policies.cost_model import CostModels

@@ -29,7 +29,8 @@ from specsched.models.graph_buckets import (
     mqa_buckets,
     pad_inputs,
 )
-from specsched.models.llama import LlamaForCausalLM, init_random
+from specsched.models.llama import LlamaForCausalLM
+from specsched.models.random_init import init_random
 from specsched.scorers.graph import GraphForward
 from specsched.scorers.inputs import chunk_host_inputs
 from specsched.scorers.metadata_gpu import pack_scoring_batch, scoring_host_inputs

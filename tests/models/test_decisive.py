@@ -7,7 +7,8 @@ import torch
 
 from specsched.kernels.metadata import build_metadata
 from specsched.models.config import LlamaConfig
-from specsched.models.llama import LlamaForCausalLM, init_random, make_decisive
+from specsched.models.llama import LlamaForCausalLM
+from specsched.models.random_init import init_random, make_decisive
 
 
 def _margins(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:  # [T] (top1 - top2) / |top1|

@@ -22,7 +22,8 @@ from specsched.kernels.metadata import build_metadata
 from specsched.kernels.testing import interpreted_results, run_jobs
 from specsched.models import llama
 from specsched.models.config import get_preset
-from specsched.models.llama import LlamaForCausalLM, init_random
+from specsched.models.llama import LlamaForCausalLM
+from specsched.models.random_init import init_random
 
 BLOCK = 4
 

@@ -13,7 +13,7 @@ from specsched.kernels.metadata import build_metadata
 from specsched.models.config import PRESETS, get_preset
 from specsched.models.convert import META_FILE
 from specsched.models.hf_config import llama_config_from_hf
-from specsched.models.llama import LlamaForCausalLM, hf_state_dict, init_random, rope_inv_freq
+from specsched.models.llama import LlamaForCausalLM, hf_state_dict, rope_inv_freq
 from specsched.models.loader import (
     PRESET_INIT_STD,
     load_model,
@@ -21,6 +21,7 @@ from specsched.models.loader import (
     resolve_device,
     resolve_dtype,
 )
+from specsched.models.random_init import init_random
 from specsched.models.smollm2 import smollm2_gguf_path
 
 

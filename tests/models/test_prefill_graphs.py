@@ -11,7 +11,8 @@ import torch
 from specsched.models.config import get_preset
 from specsched.models.cuda_graphs import GraphRunner
 from specsched.models.graph_buckets import GraphBucket, prefill_buckets
-from specsched.models.llama import LlamaForCausalLM, init_random
+from specsched.models.llama import LlamaForCausalLM
+from specsched.models.random_init import init_random
 from specsched.scorers.inputs import chunk_host_inputs
 
 BLOCK = 4

@@ -13,7 +13,8 @@ from torch.overrides import TorchFunctionMode
 from specsched.engine.request import Request, SamplingParams
 from specsched.kernels.metadata import build_metadata
 from specsched.models.config import get_preset
-from specsched.models.llama import LlamaForCausalLM, init_random
+from specsched.models.llama import LlamaForCausalLM
+from specsched.models.random_init import init_random
 from specsched.proposers.draft import DraftModelProposer
 from specsched.scorers.graph import GraphConfig, attach_draft_graphs
 

@@ -29,8 +29,9 @@ from specsched.kernels.metadata import build_metadata
 from specsched.models.config import get_preset
 from specsched.models.cuda_graphs import GraphRunner
 from specsched.models.graph_buckets import GraphBucket, decode_buckets, mqa_buckets, size_ladder
-from specsched.models.llama import LlamaForCausalLM, init_random, rope_inv_freq
+from specsched.models.llama import LlamaForCausalLM, rope_inv_freq
 from specsched.models.loader import load_model
+from specsched.models.random_init import init_random
 from specsched.policies.acceptance import AcceptanceEstimator
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.cost_model import CostModels
