@@ -83,13 +83,14 @@ def marker_path(configs: list, shape: CacheShape, env: dict[str, str]) -> Path:
     import torch
     import triton
 
-    from specsched.kernels import triton_attention
+    from specsched.kernels import triton_attention, triton_attention_kernels
 
     try:
         gpu = torch.cuda.get_device_name(shape.device) if shape.device.startswith("cuda") else "cpu"
     except (AssertionError, RuntimeError):  # no CUDA here: the workers will say so
         gpu = shape.device
-    source = Path(triton_attention.__file__).read_bytes()
+    # the wrappers and the kernels: a change to either is a new build
+    source = b"".join(Path(m.__file__).read_bytes() for m in (triton_attention, triton_attention_kernels))
     key = json.dumps([sorted(repr(c) for c in configs), asdict(shape), gpu, torch.__version__,
                       triton.__version__, hashlib.sha256(source).hexdigest()])  # fmt: skip
     return _cache_dir(env) / "specsched-prebuilt" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"

@@ -65,3 +65,20 @@ def test_a_failing_worker_is_reported_not_raised(tmp_path) -> None:
     assert len(report.failures) == 2
     assert all("exit 1" in f for f in report.failures)
     assert not marker_path(configs, shape, env).exists()  # an incomplete build leaves no marker
+
+
+@pytest.mark.parametrize("module", ["triton_attention", "triton_attention_kernels"])
+def test_a_change_to_the_wrappers_or_the_kernels_is_a_new_build(tmp_path, monkeypatch, module) -> None:
+    """The marker's key hashes both source files: an edited kernel must not find the old build."""
+    import importlib
+    import shutil
+
+    configs, shape = _configs(1), CacheShape(4, 2, 16, 16, "float32", "cpu")
+    env = {"TRITON_CACHE_DIR": str(tmp_path)}
+    before = marker_path(configs, shape, env)
+    mod = importlib.import_module(f"specsched.kernels.{module}")
+    edited = tmp_path / f"{module}.py"
+    shutil.copy(mod.__file__, edited)
+    edited.write_text(edited.read_text() + "\n# edited\n")
+    monkeypatch.setattr(mod, "__file__", str(edited))
+    assert marker_path(configs, shape, env) != before
