@@ -32,7 +32,7 @@ import re
 import statistics
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 
 import numpy as np
@@ -91,22 +91,39 @@ def run_window(run: RunConfig, state, cell: Cell, min_steps: int, tokens: int | 
     return _passes(engine, cell, min_steps, tokens)
 
 
+def engine_settings(cell: Cell, run: RunConfig) -> dict:
+    """The window's engine as the replay reads a run's config (policies/replay_log.py RunSettings):
+    proposer, max k and scorers (``spec``), batch bound, cache blocks and the policy's options."""
+    policy = run.make_policy()
+    options = getattr(policy, "config", None)
+    spec = cell.spec
+    return {
+        "spec": {"proposer": run.proposer, "max_k": spec.max_k, "scorers": list(spec.scorers)},
+        "scheduler": {"max_num_seqs": spec.max_batch},
+        "cache": {"block_size": spec.block_size, "num_blocks": spec.num_blocks},
+        "policy": {"name": policy.name, **(asdict(options) if is_dataclass(options) else {})},
+    }
+
+
 def write_window_log(
-    log_dir: str, cell: Cell, label: str, repeat: int, steps: list[StepRecord], costs
+    log_dir: str, cell: Cell, run: RunConfig, repeat: int, steps: list[StepRecord], costs
 ) -> str:
     """One timed window as one run of the cell's decision log (``<log_dir>/<cell>_b<batch>.sqlite``,
     e.g. ``real_ngram_b1``; written after the window, outside its timing): every step, prefills too,
     and the cost models the window started from (``cost_models``), for specsched-replay and
-    bench/plan_gap.py. ``runs.config`` names the cell, the config and the repeat. Returns the path."""
+    bench/plan_gap.py. ``runs.config`` names the cell, the config and the repeat, and holds the
+    engine's settings (:func:`engine_settings`). Returns the path."""
     from specsched.bench.e2e import open_run_log, run_identity
 
     what = cell.proposer if cell.proposer.startswith(cell.suite) else f"{cell.suite} {cell.proposer}"
     name = re.sub(r"[^A-Za-z0-9.]+", "_", f"{what} b{cell.batch}").strip("_")
     path = str(Path(log_dir) / f"{name}.sqlite")
     Path(log_dir).mkdir(parents=True, exist_ok=True)
-    identity = run_identity("regret", cell.spec, cell.batch, cell.proposer, cell.acceptance, label)
+    identity = run_identity("regret", cell.spec, cell.batch, cell.proposer, cell.acceptance, run.label)
     device = str(cell.spec.model.lm_head.weight.device)
-    log = open_run_log(path, {**identity, "repeat": repeat}, cell.spec.name, device)
+    log = open_run_log(
+        path, {**identity, "repeat": repeat, **engine_settings(cell, run)}, cell.spec.name, device
+    )
     try:
         log.save_costs(costs)
         for rec in steps:
@@ -187,7 +204,7 @@ def run_cell(cell: Cell, cfg, seed: int) -> dict:
         for run in order:
             fields, recs, steps = run_window(run, state, cell, cfg.min_steps)
             if log_dir:
-                write_window_log(log_dir, cell, run.label, r, steps, state[0])
+                write_window_log(log_dir, cell, run, r, steps, state[0])
             samples.append(Sample(run.label, r, **fields))
             records += recs
             logger.info("regret %s batch %d repeat %d %s: %.1f tok/s (%d steps)", cell.proposer,

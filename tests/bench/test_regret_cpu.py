@@ -106,3 +106,15 @@ def test_each_timed_window_is_one_run_of_its_cell_s_decision_log(result):
             assert db.execute("select count(*) from cost_models where run_id = ?", [run_id]).fetchone()[0] > 0
     last = read_log(str(logs / "real_ngram_b1.sqlite"), [1])[1]  # the last run: a window at batch 1
     assert last.num_steps > 0
+    # the replay reads each window's engine from its config: nothing left to defaults
+    from specsched.policies.replay_log import load_run
+
+    db = open_log(str(logs / "real_ngram_b1.sqlite"))
+    for run_id, config in (
+        (r["id"], json.loads(r["config"])) for r in db.query("select id, config from runs")
+    ):
+        settings = load_run(str(logs / "real_ngram_b1.sqlite"), run_id).settings
+        assert settings.defaulted == [], (config["config"], settings.defaulted)
+        assert settings.scorers == list(cfg.real.scorers) and settings.max_k == cfg.real.max_k
+        assert settings.proposer == ("none" if config["config"] == NON_SPEC else "ngram")
+        assert settings.policy["name"] in ("fixed", "goodput")
