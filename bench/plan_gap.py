@@ -1,6 +1,7 @@
 """Why one daemon's decode steps yield fewer tokens per millisecond than another's, from decision logs.
 
 ``python -m specsched.bench.plan_gap ref.sqlite other.sqlite [...] --batch 1 4 16 64 [--out t.md]``
+(``cell.sqlite:3``: run 3 of a file with many runs, as the regret grid's logs are)
 
 Per log (its last run) and batch size, over the decode steps of exactly that batch:
 
@@ -72,10 +73,15 @@ class BatchSteps:
         return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
-def read_log(path: str, batch_sizes: Sequence[int], decide_ms: float = 0.1) -> dict[int, BatchSteps]:
-    """The last run's decode steps of each batch size in ``batch_sizes`` (module docstring)."""
+def read_log(
+    path: str, batch_sizes: Sequence[int], decide_ms: float = 0.1, run_id: int | None = None
+) -> dict[int, BatchSteps]:
+    """Run ``run_id``'s (default: the last run's) decode steps of each batch size in ``batch_sizes``
+    (module docstring)."""
     db = open_log(path)
-    run = db.execute("select max(id) from runs").fetchone()[0]
+    run = run_id if run_id is not None else db.execute("select max(id) from runs").fetchone()[0]
+    if db.execute("select count(*) from runs where id = ?", [run]).fetchone()[0] == 0:
+        raise ValueError(f"{path}: no run {run} (runs.id)")
     wanted = set(batch_sizes)
     out = {b: BatchSteps() for b in batch_sizes}
     steps = {}
@@ -161,9 +167,22 @@ def gap_rows(logs: dict[str, dict[int, BatchSteps]], batch_sizes: Sequence[int])
     return rows
 
 
-def compare(paths: Sequence[str], batch_sizes: Sequence[int], decide_ms: float = 0.1) -> str:
-    logs = {_name(p): read_log(p, batch_sizes, decide_ms) for p in paths}
-    return table(HEAD, gap_rows(logs, batch_sizes))
+def compare(logs: Sequence[str], batch_sizes: Sequence[int], decide_ms: float = 0.1) -> str:
+    """``logs``: paths, each optionally ``PATH:RUN_ID`` (one run of a file with many, e.g. a regret
+    cell's log)."""
+    read = {}
+    for spec in logs:
+        path, run_id = split_run(spec)
+        read[_name(path) + (f":{run_id}" if run_id is not None else "")] = read_log(
+            path, batch_sizes, decide_ms, run_id
+        )
+    return table(HEAD, gap_rows(read, batch_sizes))
+
+
+def split_run(spec: str) -> tuple[str, int | None]:
+    """``"a.sqlite:3"`` -> ``("a.sqlite", 3)``; a path without ``:N`` -> ``(path, None)``."""
+    path, sep, tail = spec.rpartition(":")
+    return (path, int(tail)) if sep and tail.isdigit() else (spec, None)
 
 
 def _name(path: str) -> str:
@@ -175,7 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m specsched.bench.plan_gap", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("logs", nargs="+", help="decision logs; the first is the reference")
+    parser.add_argument(
+        "logs", nargs="+", help="decision logs (PATH or PATH:RUN_ID); the first is the reference"
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument(
         "--decide-ms", type=float, default=0.1, help="a critical-path decide above this is slow"

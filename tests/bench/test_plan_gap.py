@@ -70,3 +70,15 @@ def test_other_batch_sizes_and_missing_ones(tmp_path, capsys):
 def test_a_missing_log_names_itself(tmp_path):
     with pytest.raises(Exception, match="no such log file"):
         read_log(str(tmp_path / "none.sqlite"), [1])
+
+
+def test_one_run_of_a_file_with_many(tmp_path):
+    """``PATH:RUN_ID`` picks a run (a regret cell's log holds one per window); an unknown one is named."""
+    path = write(tmp_path / "cell.sqlite", [(1.0, {}, {}, [(2, 2, 2)])] * 3)  # run 1: 3 tokens a step
+    write(tmp_path / "cell.sqlite", [(1.0, {}, {}, [(2, 0, 2)])] * 2)  # run 2 of the same file: 1
+    assert read_log(path, [1])[1].tokens_per_step == 1.0  # the last run by default
+    assert read_log(path, [1], run_id=1)[1].tokens_per_step == 3.0
+    text = compare([f"{path}:2", f"{path}:1"], [1])
+    assert cells(text, "cell:1", 1)["tok/step vs ref"] == "+200.0 %"
+    with pytest.raises(ValueError, match="no run 7"):
+        read_log(path, [1], run_id=7)
