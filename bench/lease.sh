@@ -10,6 +10,8 @@
 #                                            # the GGUF whole, then `bench/run_gpu.sh - PRESET ...` with the
 #                                            # decision logs and BUNDLE=1 (<= 8 files back)
 #   bash bench/lease.sh again PRESET [...]   # a later call on the same warm machine, carry [".whl"]
+#   bash bench/lease.sh run CMD [ARGS...]    # any command with the wheels and `import specsched`, e.g.
+#                                            # run python3 -m specsched.bench.fused_linear --models smollm2
 #
 # A device machine keeps /root/m only while warm (~30 s after a call): chain the calls at once.
 # BENCH_LIMIT_S (default 540) bounds the bench inside the 600 s a call may run.
@@ -20,6 +22,14 @@ GGUF=/root/m/SmolLM2-135M-Instruct.Q4_1.gguf
 export OUT=${OUT:-$PWD/gpu_out}  # the device tool sets it; what is under it comes back
 install_wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+}
+with_specsched() {  # the project importable as specsched without installing it (bench/run_gpu.sh's way)
+  local ns=/tmp/specsched-ns
+  rm -rf "$ns" && mkdir -p "$ns/specsched"
+  for d in engine daemon client models kernels proposers scorers policies bench gateway conf; do
+    ln -s "$PWD/$d" "$ns/specsched/$d"
+  done
+  export PYTHONPATH=/tmp/site:$ns:$PWD PYTHONUNBUFFERED=1
 }
 run_bench() {
   local preset=$1
@@ -56,8 +66,15 @@ case "$verb" in
     ls -l "$GGUF" && install_wheels || exit 1
     run_bench "${1:?again needs a preset}" "${@:2}"
     ;;
+  run)
+    [ $# -gt 0 ] || { echo "run needs a command" >&2; exit 2; }
+    install_wheels || exit 1
+    with_specsched
+    "$@"
+    ;;
   *)
-    echo "usage: bash bench/lease.sh stage | first [pytest paths] | second PRESET [overrides] | again PRESET [overrides]" >&2
+    echo "usage: bash bench/lease.sh stage | first [pytest paths] | second PRESET [overrides] |" \
+      "again PRESET [overrides] | run CMD [ARGS...]" >&2
     exit 2
     ;;
 esac
