@@ -20,17 +20,7 @@ verb=${1:-}
 shift $(( $# > 0 ? 1 : 0 ))
 GGUF=/root/m/SmolLM2-135M-Instruct.Q4_1.gguf
 export OUT=${OUT:-$PWD/gpu_out}  # the device tool sets it; what is under it comes back
-install_wheels() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-}
-with_specsched() {  # the project importable as specsched without installing it (bench/run_gpu.sh's way)
-  local ns=/tmp/specsched-ns
-  rm -rf "$ns" && mkdir -p "$ns/specsched"
-  for d in engine daemon client models kernels proposers scorers policies bench gateway conf; do
-    ln -s "$PWD/$d" "$ns/specsched/$d"
-  done
-  export PYTHONPATH=/tmp/site:$ns:$PWD PYTHONUNBUFFERED=1
-}
+. "$(dirname "$0")/gpu_env.sh"  # install_wheels, with_specsched (run_gpu.sh does both itself)
 run_bench() {
   local preset=$1
   shift
@@ -53,17 +43,17 @@ case "$verb" in
     ls -l .m1 .m2 .whl
     ;;
   first)
-    mkdir -p /root/m && cp .m1/part_aa /root/m/ && install_wheels || exit 1
+    mkdir -p /root/m && cp .m1/part_aa /root/m/ || exit 1
     if [ $# -gt 0 ]; then
       GPU_TESTS="$*" GPU_TESTS_LIMIT_S=${GPU_TESTS_LIMIT_S:-300} SKIP_BENCH=1 BUNDLE=1 bash bench/run_gpu.sh
     fi
     ;;
   second)
-    cat /root/m/part_aa .m2/part_ab > "$GGUF" && sha256sum "$GGUF" && install_wheels || exit 1
+    cat /root/m/part_aa .m2/part_ab > "$GGUF" && sha256sum "$GGUF" || exit 1
     run_bench "${1:?second needs a preset, e.g. bench=serve_rounds}" "${@:2}"
     ;;
   again)
-    ls -l "$GGUF" && install_wheels || exit 1
+    ls -l "$GGUF" || exit 1
     run_bench "${1:?again needs a preset}" "${@:2}"
     ;;
   run)

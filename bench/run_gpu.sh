@@ -1,6 +1,3 @@
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD;
-# ^ the wheel install line of ../shared/gpu/README.md (hydra-core, omegaconf, antlr4, pytest, gguf, ... staged in .whl/).
-#
 # The one script for the H200: (i) GPU tests, (ii) the benchmark on a grid sized for ~6 minutes,
 # (iii) every log under $OUT. Run from the repository root:
 #   bash bench/run_gpu.sh [SMOLLM2_GGUF [BENCH_OVERRIDE ...]]
@@ -17,13 +14,10 @@ GGUF=${1:--}
 [ "$GGUF" = "-" ] && GGUF=/root/m/SmolLM2-135M-Instruct.Q4_1.gguf
 shift $(( $# > 0 ? 1 : 0 ))
 
-# `specsched.<folder>` is mapped onto the repo's folders by pyproject (package-dir), and the project
-# must not be pip-installed there: a namespace folder of symlinks makes `import specsched.x` work.
-NS=/tmp/specsched-ns
-rm -rf "$NS" && mkdir -p "$NS/specsched"
-for d in engine daemon client models kernels proposers scorers policies bench gateway conf; do ln -s "$PWD/$d" "$NS/specsched/$d"; done
-export PYTHONPATH=/tmp/site:$NS:$PWD
-export PYTHONUNBUFFERED=1
+# the staged wheels (hydra-core, omegaconf, antlr4, pytest, gguf, ...) and `import specsched`
+. "$(dirname "$0")/gpu_env.sh"
+install_wheels
+with_specsched
 
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 # BUNDLE=1: leave at most 8 files under $OUT, as a device call brings back no more (nor any file over

@@ -31,12 +31,12 @@ def test_specsched_bench_cfg_job_resolves_a_preset_from_another_directory(tmp_pa
 
 
 def test_run_gpu_maps_every_package_of_the_project() -> None:
-    """bench/run_gpu.sh imports the tree through a folder of symlinks (``specsched/<dir>``), not an
-    install: a package missing from its list fails only on the H200 (``specsched.gateway`` was, until
-    07fd02b)."""
+    """bench/run_gpu.sh and bench/lease.sh import the tree through a folder of symlinks
+    (``specsched/<dir>``, bench/gpu_env.sh), not an install: a package missing from its list fails
+    only on the H200 (``specsched.gateway`` was, until 07fd02b)."""
     root = Path(__file__).resolve().parents[2]
     mapped = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     top = {d for d in mapped.values() if "/" not in d}  # specsched.<x> = "<x>"
-    line = next(x for x in (root / "bench" / "run_gpu.sh").read_text().splitlines() if "ln -s" in x)
+    line = next(x for x in (root / "bench" / "gpu_env.sh").read_text().splitlines() if "for d in" in x)
     linked = set(re.search(r"for d in ([\w ]+); do", line).group(1).split())
     assert linked == top, (sorted(top - linked), sorted(linked - top))
