@@ -122,8 +122,16 @@ class SchedulerConfig:
     # drafting like their nearest kept requests. At N = 16 on the H200 (2026-12-04 21:20) 0.125 made
     # goodput decide every ~5 steps whatever the budget and cap (2 joins), ~1.2 ms of host time each.
     max_joined_share: float = 0.125
+    # What a decide ahead costs in that budget: "exposed" = the part of it the step waited for (its
+    # host time after the scoring launch beyond that of steps that decided nothing); "host" = all of
+    # its host ms (view + decide): on a host-bound loop (the GPU idles between steps) the host time a
+    # decide takes while the GPU scores is taken from the daemon's other work (streaming, the log's
+    # writer, the next launch), which then runs later (engine/planning.py).
+    decide_cost: str = "exposed"
 
     def __post_init__(self) -> None:
+        if self.decide_cost not in ("exposed", "host"):
+            raise ValueError(f"scheduler.decide_cost must be exposed or host, got {self.decide_cost!r}")
         if self.decide_budget is not None and not self.decide_budget > 0:
             raise ValueError(f"scheduler.decide_budget must be > 0 or null, got {self.decide_budget}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "max_plan_age"):

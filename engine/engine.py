@@ -63,7 +63,9 @@ class Engine(PrefillStep):
         self.is_overlapped_observe = self.timer.is_events  # see flush_observations
         mode, sc = cfg.scheduler.plan_ahead, cfg.scheduler
         is_plan_ahead = mode == "on" or (mode == "auto" and self.timer.is_events)  # see _while_scoring
-        self.planner = Planner(sc.decide_budget, sc.max_plan_age, is_plan_ahead, sc.max_joined_share)
+        self.planner = Planner(
+            sc.decide_budget, sc.max_plan_age, is_plan_ahead, sc.max_joined_share, sc.decide_cost == "host"
+        )
         self._unobserved: list[StepRecord] = []
         self._last_end: float | None = None  # perf_counter at the end of the last step, while busy
         self.num_steps = 0

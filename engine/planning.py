@@ -23,6 +23,11 @@ cost as part of the step's cost and decides only as often as that cost allows:
   ``interval - 1`` more steps, ``interval = ceil(exposed / (budget · step ms))``, so that deciding
   costs about ``budget`` of the step time on average (1 = decide every step, which is what a cheap
   decide at batch 1 gets). On the CPU path a decide is on the critical path: all of it is exposed.
+  With ``scheduler.decide_cost=host`` a decide ahead counts all of its host ms, not the exposed part:
+  on a host-bound loop the interpreter lock is the bottleneck, and the host time a decide takes while
+  the GPU scores pushes the daemon's other work (streaming, the log writer, the next launch) later.
+  On the H200 on 2026-12-05 at N = 64 goodput's steps without a decide ran 0.56 ms longer than fixed
+  k = 8's, beside the 0.66 ms the deciding steps waited for.
 
 A plan is *carried* to a step's batch by request id (:func:`carry_plan`): requests that left are
 dropped, every k is capped by the request's cap now (n-gram matches and remaining lengths move on),
@@ -178,9 +183,15 @@ class Planner:
     policy and cost models are passed in on every call (the engine's may be swapped between steps)."""
 
     def __init__(
-        self, budget: float | None, max_age: int, is_plan_ahead: bool, max_joined: float = MAX_JOINED
+        self,
+        budget: float | None,
+        max_age: int,
+        is_plan_ahead: bool,
+        max_joined: float = MAX_JOINED,
+        is_host_cost: bool = False,
     ) -> None:
         self.reuse = PlanReuse(budget, max_age)
+        self.is_host_cost = is_host_cost  # a decide ahead costs all its host ms (scheduler.decide_cost)
         self.is_plan_ahead = is_plan_ahead
         self.max_joined = max_joined  # a held plan is due once more than this share of the batch joined
         # the plan steps run now: (request ids it was decided for, plan, is it the one decided ahead
@@ -258,6 +269,10 @@ class Planner:
         a step is seen: the launch and that time beyond the forward's event time (``score_ms``), the
         old measure (on the CPU path, where nothing overlaps, that sum is the decide)."""
         self.reuse.observe_step(sum(host_ms.values()))
+        if self.is_host_cost and self._ahead_ms is not None:
+            self.reuse.record_decide(self._ahead_ms)
+            self._ahead_ms = None
+            return
         post = host_ms.get("overlap", 0.0) + host_ms.get("verify", 0.0)
         if self._ahead_ms is None:
             self._post_ms, self._since_post = self.reuse.ema(self._post_ms, post), 0

@@ -258,6 +258,22 @@ def test_a_decide_ahead_the_gpu_waited_for_counts_against_the_budget():
     assert hidden.reuse.exposed_ms == pytest.approx(0.0, abs=1e-3) and hidden.reuse.interval == 1
 
 
+def test_decide_cost_host_counts_every_host_ms_of_a_decide_ahead():
+    """``scheduler.decide_cost=host``: a decide ahead the GPU hid (the step no longer) still costs its
+    2 ms of host time, so the plan is carried for ~2 / (0.05 * ~4.5 ms) steps instead of decided on
+    every one."""
+    from specsched.engine.config import SchedulerConfig
+
+    policy = SafeStatic()
+    planner = Planner(budget=0.05, max_age=8, is_plan_ahead=True, is_host_cost=True)
+    gpu_like_steps(planner, policy, 80, late_ms=0.0)
+    assert 1.5 <= planner.reuse.exposed_ms <= 2.0 + 1e-9  # an EMA from the first decide's ~0 toward 2 ms
+    assert planner.reuse.interval >= 8
+    assert policy.num_decides <= 80 // 6
+    with pytest.raises(ValueError, match="decide_cost must be exposed or host"):
+        SchedulerConfig(decide_cost="all")
+
+
 def test_with_every_step_deciding_ahead_one_is_skipped_now_and_then_for_the_baseline():
     """With interval 1 every step decides ahead, so no step measures the time after the launch
     without one: every BASELINE_EVERY steps a decide ahead is skipped, the held plan runs one step
