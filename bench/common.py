@@ -8,7 +8,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -131,6 +131,7 @@ class EngineSpec:
     eos_token_ids: list[int]
     tokenizer: object | None = None
     name: str = "model"
+    scheduler: dict = field(default_factory=dict)  # SchedulerConfig overrides (bench.regret.scheduler)
 
 
 def make_engine(
@@ -141,7 +142,9 @@ def make_engine(
     cfg = EngineConfig(
         model=ModelConfig(source=spec.name, device=str(device)),
         cache=CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=spec.max_batch, max_num_batched_tokens=4096),
+        scheduler=SchedulerConfig(
+            **{"max_num_seqs": spec.max_batch, "max_num_batched_tokens": 4096, **spec.scheduler}
+        ),
         spec=SpecConfig(proposer=default_proposer, scorers=list(spec.scorers), max_k=spec.max_k),
         policy={"name": policy.name},
     )

@@ -99,7 +99,7 @@ def engine_settings(cell: Cell, run: RunConfig) -> dict:
     spec = cell.spec
     return {
         "spec": {"proposer": run.proposer, "max_k": spec.max_k, "scorers": list(spec.scorers)},
-        "scheduler": {"max_num_seqs": spec.max_batch},
+        "scheduler": {"max_num_seqs": spec.max_batch, **spec.scheduler},
         "cache": {"block_size": spec.block_size, "num_blocks": spec.num_blocks},
         "policy": {"name": policy.name, **(asdict(options) if is_dataclass(options) else {})},
     }
@@ -269,6 +269,7 @@ def run_regret(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_
         sub = OmegaConf.merge(OmegaConf.create(common), OmegaConf.create(plain[suite]))  # shared keys too
         try:  # a failing suite (a model missing) keeps the other's cells
             for cell in make(sub, graphs_cfg, device, dtype, block_size, seed) if sub.enabled else []:
+                cell.spec.scheduler = dict(plain.get("scheduler") or {})  # every window's engine
                 cells.append(run_cell(cell, sub, seed))
         except Exception as e:
             logger.exception("regret suite %s failed", suite)

@@ -72,7 +72,7 @@ class GoodputConfig:
     explore_stop_error: float = 0.05  # ... and the step-ms prediction's running |bias| at most this
     explore_restart: float = 2.0  # ... and restart when either exceeds this times its threshold
     explore_min_steps: int = 32  # decides of exploration at least, from the start or a restart
-    max_iters: int = 3  # Dinkelbach iterations (batch > 1)
+    max_iters: int = 2  # Dinkelbach iterations (batch > 1; a third gained <0.02 % at batch 64, H200 log)
     # search only the scorers whose best goodput at the last full search was at least this share of
     # the best one's (0: every scorer on every decide); a full search every full_search_interval decides
     prune_below: float = 0.5

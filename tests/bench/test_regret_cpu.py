@@ -21,7 +21,12 @@ CONFIGS = [NON_SPEC, "fixed k=2 batch_expansion", "fixed k=2 mqa", "policy goodp
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("regret")
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        overrides = ["bench=regret_cpu", f"bench.out_dir={out}", f"bench.regret.log_dir={out / 'logs'}"]
+        overrides = [
+            "bench=regret_cpu",
+            f"bench.out_dir={out}",
+            f"bench.regret.log_dir={out / 'logs'}",
+            "bench.regret.scheduler={decide_cost: host}",  # every window's engine
+        ]
         cfg = compose("bench", overrides=overrides).bench
     res = cli.run_bench(cfg, "specsched-bench bench=regret_cpu")
     return res, cfg.regret, (out / "tables.md").read_text()
@@ -95,6 +100,9 @@ def test_each_timed_window_is_one_run_of_its_cell_s_decision_log(result):
             (s["config"], s["repeat"]) for s in c["samples"]
         )
         assert all(r["bench"] == "regret" and r["batch"] == c["batch"] for r in runs.values())
+        assert all(
+            r["scheduler"] == {"max_num_seqs": c["batch"], "decide_cost": "host"} for r in runs.values()
+        )
         for run_id, run in runs.items():
             sample = next(
                 s for s in c["samples"] if (s["config"], s["repeat"]) == (run["config"], run["repeat"])
