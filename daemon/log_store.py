@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import TYPE_CHECKING
 
 from specsched.daemon.log_config import LogConfig
 from specsched.engine.log_schema import (
     SCHEMA_SQL,
     SCHEMA_VERSION,
+    STEP_REQUEST_COLUMNS,
     LogFormatError,
     check_schema,
     migrate,
@@ -32,18 +34,23 @@ logger = logging.getLogger("specsched.daemon.log")  # one logger name for the wh
 MAX_PARAMS = 999  # parameters of one statement: SQLite's lowest default limit (before 3.32)
 
 
-def _insert(db: sqlite_utils.Database, table: str, run_id: int, rows: list[dict]) -> None:
-    """Insert ``rows`` (they share their keys: our own column names) with multi-row INSERTs, each one
-    ``sqlite3_step``: the sqlite3 module lets go of the GIL once per step, and each time the engine
-    thread may keep it for a switch interval (5 ms), so a write of 50 rows one by one (``insert_all``,
-    ``executemany``) can take tens of ms under load, while a durable ``done`` waits for it."""
-    cols = list(rows[0])
+def _insert(
+    db: sqlite_utils.Database, table: str, run_id: int, rows: list, cols: Sequence[str] | None = None
+) -> None:
+    """Insert ``rows`` (dicts that share their keys, our own column names; or tuples in the order of
+    ``cols``) with multi-row INSERTs, each one ``sqlite3_step``: the sqlite3 module lets go of the GIL
+    once per step, and each time the engine thread may keep it for a switch interval (5 ms), so a
+    write of 50 rows one by one (``insert_all``, ``executemany``) can take tens of ms under load,
+    while a durable ``done`` waits for it."""
+    is_tuples = cols is not None
+    cols = list(cols if is_tuples else rows[0])
     one = "(" + ", ".join([str(int(run_id))] + ["?"] * len(cols)) + ")"
     head = f"INSERT INTO {table} (run_id, {', '.join(cols)}) VALUES "
     per_insert = max(1, MAX_PARAMS // len(cols))
     for i in range(0, len(rows), per_insert):
         chunk = rows[i : i + per_insert]
-        db.conn.execute(head + ", ".join([one] * len(chunk)), [r[c] for r in chunk for c in cols])
+        params = list(chain.from_iterable(chunk)) if is_tuples else [r[c] for r in chunk for c in cols]
+        db.conn.execute(head + ", ".join([one] * len(chunk)), params)
 
 
 class LogStore:
@@ -65,7 +72,7 @@ class LogStore:
         self._db: sqlite_utils.Database | None = None
         # rows awaiting a successful write (run_id stamped at write time)
         self._steps: list[dict] = []
-        self._step_requests: list[dict] = []
+        self._step_requests: list[tuple] = []  # STEP_REQUEST_COLUMNS order
         self._requests: list[dict] = []
 
     @property
@@ -110,13 +117,13 @@ class LogStore:
             with db.atomic():
                 if run_id is None:
                     run_id = db["runs"].insert(self.run_row).last_pk
-                for table, rows in (
-                    ("steps", self._steps),
-                    ("step_requests", self._step_requests),
-                    ("requests", self._requests),
+                for table, rows, cols in (
+                    ("steps", self._steps, None),
+                    ("step_requests", self._step_requests, STEP_REQUEST_COLUMNS),
+                    ("requests", self._requests, None),
                 ):
                     if rows:
-                        _insert(db, table, run_id, rows)
+                        _insert(db, table, run_id, rows, cols)
                 if self.run_end:
                     sets = ", ".join(f"{k} = ?" for k in self.run_end)
                     db.execute(f"UPDATE runs SET {sets} WHERE id = ?", [*self.run_end.values(), run_id])
