@@ -22,11 +22,12 @@ Learning while deciding (the cost models and acceptance estimates only see what 
 - *Young scorers*: a scorer predicted better whose cost model has seen fewer than
   ``min_scorer_steps`` steps is not held off by the scorer hysteresis, so a prior cannot hide it.
 
-*Pruning*: at batch 64 the search takes ~1 ms of host time on the H200 host per scorer set, and there
-a scorer far behind stays far behind (2026-12-05: the MQA graph 28 tokens/ms, eager MQA 4.7, batch
-expansion 2.9). A decide searches only the scorers whose best goodput at the last full search was at
-least ``prune_below`` of the best; every ``full_search_interval`` decides, and whenever the pruned
-search would leave every request at k = 0, it searches them all.
+*Pruning*: the search's host time grows with the scorers it prices (a decide at batch 64 took ~2 ms
+on the H200 host on 2026-12-05), and at large batches a scorer far behind stays far behind (there:
+the MQA graph 28 tokens/ms, eager MQA 4.7, batch expansion 2.9). A decide searches only the
+scorers whose best goodput at the last full search was at least ``prune_below`` of the best; every
+``full_search_interval`` decides, and whenever the pruned search would leave every request at k = 0,
+it searches them all.
 
 Probes and dither stop once the acceptance posteriors are tight and the cost models predict the
 measured steps without bias, and resume when either grows again
@@ -123,6 +124,7 @@ class GoodputPolicy(Policy):
         self._contenders: set[str] | None = None  # scorers the next decides search (None: every one)
         self._scorer_set: list[str] | None = None  # the scorers of the last full search
         self._last_full = 0  # decide count of the last full search
+        self._k0_scorer: str | None = None  # a plain decode's scorer at the last search of every scorer
         cfg = self.config
         self.exploration = ExplorationSwitch(
             cfg.explore_stop_std, cfg.explore_stop_error, cfg.explore_restart, cfg.explore_min_steps
@@ -249,6 +251,10 @@ class GoodputPolicy(Policy):
             k0_scorer = scorers[k0]
             if not is_spec:
                 chosen, is_decode_try, is_decode = k0, is_try, True
+        if len(scorers) == len(view.scorers) or self._k0_scorer not in view.scorers:
+            self._k0_scorer = k0_scorer
+        else:  # a pruned search: a carry that drafts nothing runs on the last full search's choice
+            k0_scorer = self._k0_scorer
 
         cost = prob.components(k, chosen)
         g_plan = prob.goodput(k, chosen) if is_probe or is_dither or num_cuts or is_decode else g

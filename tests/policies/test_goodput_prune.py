@@ -39,6 +39,7 @@ def test_searches_only_the_contenders_and_decides_as_the_full_search(far_behind)
         searched.append(a.info["num_scorers_searched"])
         if a.info["num_scorers_searched"] == 1:
             assert list(a.info["scorer_goodput"]) == ["batch_expansion"]
+        assert a.info["k0_scorer"] == b.info["k0_scorer"]  # a carry drafting nothing: the full search's
     # a full search on the first decide and on every 16th after it, the contender alone between them
     assert searched == [2 if i % 16 == 0 else 1 for i in range(40)]
 
