@@ -156,7 +156,7 @@ class GoodputPolicy(Policy):
         )
         return prob, last, [sd for sd, m in zip(stds, max_k) if m > 0]
 
-    def _search(self, view: BatchView, costs: CostModels, scorers: list[str]):
+    def _contending_problem(self, view: BatchView, costs: CostModels, scorers: list[str]):
         """:meth:`problem` over the contending scorers (module docstring, *Pruning*), or over every
         scorer: on a full search's turn, when a scorer appeared or when the pruned search leaves every
         request at k = 0 (a plain decode step picks among every scorer). Returns the problem, the
@@ -195,7 +195,7 @@ class GoodputPolicy(Policy):
             last = self._last_scorer if self._last_scorer in scorers else scorers[0]
             return Plan([], last, self.name, 0.0, 0.0)
         self._num_decides += 1
-        prob, last_k, spreads, scorers = self._search(view, costs, scorers)
+        prob, last_k, spreads, scorers = self._contending_problem(view, costs, scorers)
         g_scorers = prob.best_goodput
 
         # scorer, with hysteresis: keep last step's unless another is better by scorer_margin, or
@@ -251,7 +251,7 @@ class GoodputPolicy(Policy):
             k0_scorer = scorers[k0]
             if not is_spec:
                 chosen, is_decode_try, is_decode = k0, is_try, True
-        if len(scorers) == len(view.scorers) or self._k0_scorer not in view.scorers:
+        if self._last_full == self._num_decides or self._k0_scorer not in scorers:  # searched them all
             self._k0_scorer = k0_scorer
         else:  # a pruned search: a carry that drafts nothing runs on the last full search's choice
             k0_scorer = self._k0_scorer

@@ -15,8 +15,9 @@ real proposal cost.
 run on the same prompts meets the same acceptance outcomes at the same positions, as with a real
 draft under greedy decoding (whether its token matches is a function of the context), so two
 policies compared on a cell differ by their choices, not by their luck. With one stream shared
-across the runs (before 2026-12-05) the luck alone moved tokens per step by ~2 % (sd) between two
-500-step windows at a = 0.9, as much as the differences the regret benchmark looks for.
+across the runs (before 2026-12-05) the luck alone gave a 500-step window's tokens per step a 2.2 %
+sd at a = 0.9 and k = 8 (3.1 % for the ratio of two windows), as much as the regret benchmark's
+differences.
 """
 
 from __future__ import annotations
@@ -64,27 +65,30 @@ class SyntheticProposer(Proposer):
         wrong = [1 + rng.randrange(self.vocab - 1) for _ in range(n)]
         self._oracle[key] = (list(continuation), u, wrong)
 
-    def _truth(self, req: Request, k: int) -> list[int]:
-        return self._path(req, k)[0]
-
-    def _path(self, req: Request, k: int) -> tuple[list[int], int]:
-        """(the next up to ``k`` tokens of the oracle's continuation, the position of the first);
-        none off the oracle's path (a sampled request, another prompt)."""
+    def _on_path(self, req: Request) -> tuple[list[int], list[float], list[int]] | None:
+        """The oracle's entry for ``req``'s prompt; None off the oracle's path (a sampled request,
+        another prompt)."""
         found = self._oracle.get(tuple(req.prompt_ids))
-        n = req.num_output_tokens
-        if found is None or found[0][:n] != req.output_ids:
-            return [], n
-        return found[0][n : n + k], n
+        if found is None or found[0][: req.num_output_tokens] != req.output_ids:
+            return None
+        return found
+
+    def _truth(self, req: Request, k: int) -> list[int]:
+        found, n = self._on_path(req), req.num_output_tokens
+        return found[0][n : n + k] if found else []
 
     def propose(self, batch: list[Request], k: list[int]) -> Proposals:
         if self.draft is not None:  # pay the real proposal cost; its tokens are discarded
             self.draft.propose(batch, k)
         drafts, a, vocab = [], self.acceptance, self.vocab
         for req, ki in zip(batch, k):
-            truth, n = self._path(req, ki)
-            if truth:
-                _, u, wrong = self._oracle[tuple(req.prompt_ids)]
-                truth = [t if u[n + i] < a else (t + wrong[n + i]) % vocab for i, t in enumerate(truth)]
+            found, n = self._on_path(req), req.num_output_tokens
+            truth = []
+            if found:
+                cont, u, wrong = found
+                truth = [
+                    t if u[n + i] < a else (t + wrong[n + i]) % vocab for i, t in enumerate(cont[n : n + ki])
+                ]
             drafts.append(truth)
         out = Proposals.from_lists(drafts)  # on the host, like the other proposers
         out.is_synthetic = True
