@@ -10,7 +10,7 @@ hidden 576, intermediate 1536, 9 / 3 heads) and Llama-2-7B's (32 layers, hidden 
 
 - ``layer``: one decoder layer (``LlamaDecoderLayer.forward`` vs ``forward_fused``) captured in a graph;
 - ``forward``: the whole model (embedding to logits, the LM head fused with the final norm);
-- ``gemm``: each fused GEMM alone (norm + linear, SiLU-mul + linear) against its unfused pair, with the
+- ``gemm``: each fused GEMM alone (norm + linear, norm + gate/up + SwiGLU) against its unfused pair, with the
   default launch config and a few others (``FusedLinearConfig``): the data to tune
   ``fused_linear_config``.
 
@@ -163,7 +163,8 @@ def row(key: str, m: int, graphs: dict[str, torch.cuda.CUDAGraph], args) -> list
 
 
 def gemm_rows(key: str, model, m: int, args) -> list[list[str]]:
-    """Each fused GEMM of layer 0 (and the LM head) against its unfused pair, over a few configs."""
+    """Each fused GEMM of layer 0 (and the LM head) against its unfused pair, over a few configs. The
+    SwiGLU row is norm + gate/up + SiLU-mul (N = the intermediate size)."""
     import torch.nn.functional as F
 
     from specsched.kernels.activation import silu_and_mul
@@ -171,7 +172,7 @@ def gemm_rows(key: str, model, m: int, args) -> list[list[str]]:
         FusedLinearConfig,
         fused_linear_config,
         norm_linear_triton,
-        silu_mul_linear_triton,
+        norm_swiglu_triton,
     )
     from specsched.kernels.norm import add_rms_norm
 
@@ -179,26 +180,31 @@ def gemm_rows(key: str, model, m: int, args) -> list[list[str]]:
     ln, eps = layer.input_layernorm.weight, cfg.rms_norm_eps
     x = torch.randn(m, cfg.hidden_size, device="cuda").bfloat16()
     residual = torch.randn_like(x)
-    gate_up = torch.randn(m, 2 * cfg.intermediate_size, device="cuda").bfloat16()
     gemms = {
         "qkv": (layer.self_attn.qkv_proj.weight, False),
         "gate_up": (layer.mlp.gate_up_proj.weight, False),
-        "down": (layer.mlp.down_proj.weight, True),
+        "gate_up+swiglu": (layer.mlp.gate_up_proj.weight, True),
         "lm_head": (model.lm_head.weight, False),
     }
     rows = []
-    for name, (w, is_down) in gemms.items():
-        n, k = w.shape
+    for name, (w, is_swiglu) in gemms.items():
+        n, k = w.shape[0] // (2 if is_swiglu else 1), w.shape[1]
         default = fused_linear_config(n, k, torch.bfloat16)
         configs = {"default": default}
         for bn, bk in ((16, 64), (16, 256), (32, 128), (64, 64), (64, 128)):
             c = FusedLinearConfig(bn, bk, num_warps=4, num_stages=3)
             if c != default:
                 configs[f"{bn}x{bk}"] = c
-        if is_down:
-            graphs = {"unfused": graph_of(lambda w=w: F.linear(silu_and_mul(gate_up), w))}
+        if is_swiglu:
+            graphs = {
+                "unfused": graph_of(
+                    lambda w=w: silu_and_mul(F.linear(add_rms_norm(x, residual, ln, eps)[0], w))
+                )
+            }
             for c_name, c in configs.items():
-                graphs[c_name] = graph_of(lambda w=w, c=c: silu_mul_linear_triton(gate_up, w, config=c))
+                graphs[c_name] = graph_of(
+                    lambda w=w, c=c: norm_swiglu_triton(x, residual, ln, eps, w, config=c)
+                )
         else:
             graphs = {"unfused": graph_of(lambda w=w: F.linear(add_rms_norm(x, residual, ln, eps)[0], w))}
             for c_name, c in configs.items():

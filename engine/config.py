@@ -27,7 +27,7 @@ class ModelConfig:
     # lossless in bf16 too. Needs attn_backend auto or triton on CUDA (torch: CPU only). Costs speed.
     deterministic: bool = False
     # Forwards of <= 16 token rows on CUDA (decode / verify) run RMSNorm (+ residual add) inside the
-    # QKV, gate/up and LM-head GEMMs and SiLU-mul inside the down GEMM (kernels/fused_linear.py):
+    # QKV, gate/up and LM-head GEMMs and SiLU-mul in the gate/up GEMM (kernels/fused_linear.py):
     # fewer launches per layer. Off until measured on the H200; not with deterministic (docs/models.md).
     fused_linear: bool = False
     # Prefill chunks of up to this many tokens and prompts run on CUDA graphs (each row's last

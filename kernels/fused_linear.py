@@ -3,22 +3,30 @@
 - :func:`norm_linear`: (residual add +) RMSNorm (Zhang & Sennrich, 2019, "Root Mean Square Layer
   Normalization") in the prologue of ``y = normed @ W.T (+ bias)``: a decoder layer's
   ``add_rms_norm`` -> QKV (or gate/up, or the final norm -> LM head) in one launch.
-- :func:`silu_mul_linear`: SwiGLU (Shazeer, 2020, "GLU Variants Improve Transformer") in the
-  prologue of the down projection: ``silu(gate) * up`` -> ``@ W_down.T`` in one launch.
+- :func:`norm_swiglu`: the same prologue in front of the fused gate/up projection, with SwiGLU
+  (Shazeer, 2020, "GLU Variants Improve Transformer") in its epilogue: ``add_rms_norm`` -> gate/up ->
+  ``silu(gate) * up`` in one launch, writing the ``[M, intermediate]`` input of the down projection
+  (which stays a cuBLAS GEMM).
+
+SwiGLU sits in the gate/up epilogue, where each of its outputs is computed once. An earlier kernel put
+it in the down projection's prologue instead, where every program recomputed SiLU over the whole
+intermediate row: on the H200 (2026-12-05, docs/benchmarks.md) it took 127 us at M = 1 against 8.3 for
+SwiGLU + cuBLAS.
 
 Meant for decode/verify shapes (M <= :data:`FUSED_MAX_ROWS` token rows), where a step is bound by
 launches and weight reads: rows are padded with masks to one 16-row ``tl.dot`` tile and each program
 owns ``BLOCK_N`` output columns for the whole of K (no split-K, so no second launch). It walks K in
-``BLOCK_K`` chunks, so K may be any size (8192 and more): ``norm_linear`` first sums the squares of
+``BLOCK_K`` chunks, so K may be any size (8192 and more): each kernel first sums the squares of
 its rows (pass 1), then normalises each chunk and multiplies it with the weight chunk (pass 2). Every
 program recomputes the row statistics (M x K elements, from L2) instead of exchanging them.
 
 Rounding is the references' (:func:`~specsched.kernels.norm.add_rms_norm_ref`,
 :func:`~specsched.kernels.activation.silu_and_mul_ref`): ``x + residual`` rounded to the model dtype,
-fp32 statistics, the normalised row rounded, times the norm weight rounded again (SiLU rounded, times
-``up`` rounded again); the product accumulates in fp32 and is rounded once (after the bias). Only the
-accumulation order differs from cuBLAS / the CPU's GEMM. ``new_residual`` (``x + residual``) is written
-by the programs of the first column block alone, bitwise as torch's add.
+fp32 statistics, the normalised row rounded, times the norm weight rounded again; the product
+accumulates in fp32 and is rounded once (after the bias); SwiGLU takes the rounded gate and up, rounds
+SiLU, then its product with ``up``. Only the accumulation order differs from cuBLAS / the CPU's GEMM.
+``new_residual`` (``x + residual``) is written by the programs of the first column block alone,
+bitwise as torch's add.
 
 Batch invariance: the launch config comes from (N, K, dtype) only, M is a runtime argument kept out
 of Triton's specialisation, and every output element is reduced by one program over K in one fixed
@@ -40,7 +48,7 @@ import torch.nn.functional as F
 import triton
 
 from specsched.kernels.activation import silu_and_mul_ref
-from specsched.kernels.fused_linear_kernels import _norm_linear_kernel, _silu_mul_linear_kernel
+from specsched.kernels.fused_linear_kernels import _norm_linear_kernel, _norm_swiglu_kernel
 from specsched.kernels.norm import add_rms_norm_ref, rms_norm_ref
 from specsched.kernels.triton_utils import (
     NO_FP_FUSION,
@@ -64,9 +72,11 @@ class FusedLinearConfig:
 
 
 def fused_linear_config(n: int, k: int, dtype: torch.dtype) -> FusedLinearConfig:
-    """From (N, K, dtype) only, never M. Narrow layers take 16 columns per program, so that even
-    SmolLM2's down projection (N = 576) spreads over 36 programs; wide ones (N >= 8192: LM heads, 7B's
-    projections) 32. Not yet tuned on the H200 (``python -m specsched.bench.fused_linear``)."""
+    """From (N, K, dtype) only, never M (for :func:`norm_swiglu` N is the intermediate size: each
+    program then reads two ``block_n``-row weight blocks). Narrow layers take 16 columns per program,
+    so that SmolLM2's QKV (N = 960) spreads over 60 programs and its SwiGLU (I = 1,536) over 96; wide
+    ones (N >= 8192: LM heads, 7B's projections) 32. Not yet tuned on the H200
+    (``python -m specsched.bench.fused_linear``)."""
     half = dtype in (torch.float16, torch.bfloat16)
     block_k = min(128 if half else 64, max(16, triton.next_power_of_2(k)))
     block_n = min(32 if n >= 8192 else 16, max(16, triton.next_power_of_2(n)))
@@ -90,25 +100,32 @@ def _check_linear(op: str, x: torch.Tensor, xname: str, k: int, weight: torch.Te
     _check_same(op, "weight", weight, tuple(weight.shape), x, xname)
 
 
-def _check_norm_linear(x, residual, norm_weight, weight, bias) -> None:
-    op = "norm_linear"
+def _check_norm_prologue(op: str, x, residual, norm_weight) -> None:
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"{op}: x must be [M, K > 0], got shape {tuple(x.shape)}")
     check_float(op, "x", x)
     if residual is not None:
         _check_same(op, "residual", residual, tuple(x.shape), x, "x")
     _check_same(op, "norm_weight", norm_weight, (x.shape[1],), x, "x")
+
+
+def _check_norm_linear(x, residual, norm_weight, weight, bias) -> None:
+    op = "norm_linear"
+    _check_norm_prologue(op, x, residual, norm_weight)
     _check_linear(op, x, "x", x.shape[1], weight)
     if bias is not None:
         _check_same(op, "bias", bias, (weight.shape[0],), x, "x")
 
 
-def _check_silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> None:
-    op = "silu_mul_linear"
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2 != 0:
-        raise ValueError(f"{op}: gate_up must be [M, 2 * intermediate], got shape {tuple(gate_up.shape)}")
-    check_float(op, "gate_up", gate_up)
-    _check_linear(op, gate_up, "gate_up", gate_up.shape[1] // 2, weight)
+def _check_norm_swiglu(x, residual, norm_weight, gate_up_weight) -> None:
+    op = "norm_swiglu"
+    _check_norm_prologue(op, x, residual, norm_weight)
+    w = gate_up_weight
+    if w.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] % 2 != 0:
+        raise ValueError(
+            f"{op}: gate_up_weight must be [2 * intermediate, K={x.shape[1]}], got shape {tuple(w.shape)}"
+        )
+    _check_same(op, "gate_up_weight", w, tuple(w.shape), x, "x")
 
 
 def _row_stride(t: torch.Tensor) -> int:
@@ -144,20 +161,25 @@ def _launch_norm_linear(x, residual, norm_weight, eps, weight, bias, config):
     return y, new_res
 
 
-def _launch_silu_mul_linear(gate_up, weight, config):
-    m, inter, n = gate_up.shape[0], gate_up.shape[1] // 2, weight.shape[0]
-    y = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
-    if m == 0 or n == 0 or inter == 0:
-        return y.zero_()
-    g, weight = row_major(gate_up), row_major(weight)
-    cfg = config or fused_linear_config(n, inter, g.dtype)
-    _silu_mul_linear_kernel[(triton.cdiv(m, _BLOCK_M), triton.cdiv(n, cfg.block_n))](
-        g, weight, y, m, _row_stride(g), weight.stride(0), y.stride(0),
-        N=n, INTER=inter, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        LIBDEVICE_EXP=not is_interpreted(), **_dot_options(g.dtype),
+def _launch_norm_swiglu(x, residual, norm_weight, eps, weight, config):
+    (m, k), inter = x.shape, weight.shape[0] // 2
+    y = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+    new_res = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else x
+    if m == 0 or inter == 0:
+        if residual is not None:
+            torch.add(x, residual, out=new_res)
+        return y, new_res
+    x, weight = row_major(x), row_major(weight)
+    res = row_major(residual) if residual is not None else x
+    cfg = config or fused_linear_config(inter, k, x.dtype)
+    _norm_swiglu_kernel[(triton.cdiv(m, _BLOCK_M), triton.cdiv(inter, cfg.block_n))](
+        x, res, norm_weight.contiguous(), weight, y, new_res, m,
+        _row_stride(x), _row_stride(res), weight.stride(0), y.stride(0), k, float(eps), 1.0 / k,
+        INTER=inter, K=k, HAS_RESIDUAL=residual is not None, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, LIBDEVICE_EXP=not is_interpreted(), **_dot_options(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **NO_FP_FUSION,
     )  # fmt: skip
-    return y
+    return y, new_res
 
 
 def norm_linear_ref(
@@ -210,31 +232,44 @@ def norm_linear(
     return norm_linear_ref(x, residual, norm_weight, eps, weight, bias)
 
 
-def silu_mul_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, 2I], [N, I]
-    """Torch reference: ``F.linear(silu_and_mul_ref(gate_up), weight)`` in the model dtype -> [M, N]."""
-    return F.linear(silu_and_mul_ref(gate_up), weight)
+def norm_swiglu_ref(
+    x: torch.Tensor,  # [M, K]
+    residual: torch.Tensor | None,  # [M, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    gate_up_weight: torch.Tensor,  # [2 * I, K]: [gate rows | up rows]
+) -> tuple[torch.Tensor, torch.Tensor]:  # SwiGLU output [M, I], new residual [M, K]
+    """Torch reference: ``silu_and_mul_ref(norm_linear_ref(...))``, the unfused composition."""
+    gate_up, new_res = norm_linear_ref(x, residual, norm_weight, eps, gate_up_weight)
+    return silu_and_mul_ref(gate_up), new_res
 
 
-def silu_mul_linear_triton(
-    gate_up: torch.Tensor,  # [M, 2 * I]: [gate | up]
-    weight: torch.Tensor,  # [N, I]
+def norm_swiglu_triton(
+    x: torch.Tensor,  # [M, K]
+    residual: torch.Tensor | None,  # [M, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    gate_up_weight: torch.Tensor,  # [2 * I, K]
     *,
     config: FusedLinearConfig | None = None,  # tests and the benchmark only: another config
-) -> torch.Tensor:  # [M, N]
-    """One launch; CUDA tensors (or CPU under ``TRITON_INTERPRET=1``)."""
-    _check_silu_mul_linear(gate_up, weight)
-    check_launchable("silu_mul_linear", gate_up=gate_up, weight=weight)
-    return _launch_silu_mul_linear(gate_up, weight, config)
+) -> tuple[torch.Tensor, torch.Tensor]:  # [M, I], new residual [M, K] (x itself without a residual)
+    """One launch; CUDA tensors (or CPU under ``TRITON_INTERPRET=1``); inputs are not modified."""
+    _check_norm_swiglu(x, residual, norm_weight, gate_up_weight)
+    check_launchable("norm_swiglu", x=x, gate_up_weight=gate_up_weight, norm_weight=norm_weight)
+    return _launch_norm_swiglu(x, residual, norm_weight, eps, gate_up_weight, config)
 
 
-def silu_mul_linear(
-    gate_up: torch.Tensor,  # [M, 2 * I]: [gate | up]
-    weight: torch.Tensor,  # [N, I]
-) -> torch.Tensor:  # [M, N]
-    """SwiGLU + down projection: the Triton kernel on CUDA (and under the interpreter), the torch
-    reference elsewhere."""
-    _check_silu_mul_linear(gate_up, weight)
-    if gate_up.is_cuda or is_interpreted():
-        check_launchable("silu_mul_linear", gate_up=gate_up, weight=weight)
-        return _launch_silu_mul_linear(gate_up, weight, None)
-    return silu_mul_linear_ref(gate_up, weight)
+def norm_swiglu(
+    x: torch.Tensor,  # [M, K]
+    residual: torch.Tensor | None,  # [M, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    gate_up_weight: torch.Tensor,  # [2 * I, K]
+) -> tuple[torch.Tensor, torch.Tensor]:  # [M, I], new residual [M, K] (x itself without a residual)
+    """(Residual add +) RMSNorm + gate/up projection + SwiGLU: the Triton kernel on CUDA (and under
+    the interpreter), the torch reference elsewhere."""
+    _check_norm_swiglu(x, residual, norm_weight, gate_up_weight)
+    if x.is_cuda or is_interpreted():
+        check_launchable("norm_swiglu", x=x, gate_up_weight=gate_up_weight, norm_weight=norm_weight)
+        return _launch_norm_swiglu(x, residual, norm_weight, eps, gate_up_weight, None)
+    return norm_swiglu_ref(x, residual, norm_weight, eps, gate_up_weight)

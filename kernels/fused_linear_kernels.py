@@ -2,7 +2,9 @@
 how they round, why a row does not depend on the others), launched only by its wrappers.
 
 Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); program (i, j) owns rows i*BLOCK_M.. (masked past M) and
-output columns j*BLOCK_N.., and reduces them over the whole of K in BLOCK_K chunks, in order.
+output columns j*BLOCK_N.., and reduces them over the whole of K in BLOCK_K chunks, in order. In
+``_norm_swiglu_kernel`` N is the intermediate size and program j reduces two column blocks, j of the
+gate and j of the up projection, so that its epilogue has both halves of its SwiGLU outputs.
 """
 
 from __future__ import annotations
@@ -47,6 +49,38 @@ def _store_out(acc, b_ptr, y_ptr, offs_m, offs_n, m_valid, n_valid, stride_y, HA
     tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], y, mask=mask)
 
 
+@triton.jit
+def _row_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_valid, stride_x, stride_r, stride_ro, eps, inv_k,
+              K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):  # fmt: skip
+    """Pass 1: ``rsqrt(mean(s^2) + eps)`` per row of ``s = x + residual`` rounded to ``dtype`` (or of
+    ``x``) -> [BLOCK_M] fp32; the programs of the first column block write ``s``, the new residual."""
+    offs_k = tl.arange(0, BLOCK_K)
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        mask = m_valid[:, None] & (kk < K)[None, :]
+        s = _rows_chunk(x_ptr, res_ptr, offs_m, kk, mask, stride_x, stride_r, dtype, HAS_RESIDUAL,
+                        EMULATE_BF16)  # fmt: skip
+        if HAS_RESIDUAL:
+            if tl.program_id(1) == 0:  # written once: by the first column block
+                tl.store(res_out_ptr + offs_m[:, None] * stride_ro + kk[None, :], s, mask=mask)
+        s = s.to(tl.float32)
+        sq += tl.sum(s * s, 1)
+    return tl.rsqrt(sq * inv_k + eps)  # mean as torch's CUDA reduction forms it: sum * fl(1/K)
+
+
+@triton.jit
+def _normed_chunk(x_ptr, res_ptr, nw_ptr, offs_m, kk, m_valid, k_valid, rstd, stride_x, stride_r,
+                  dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):  # fmt: skip
+    """Pass 2's GEMM operand: ``norm_weight * round(s * rstd)``, rounded as the reference rounds it."""
+    s = _rows_chunk(x_ptr, res_ptr, offs_m, kk, m_valid[:, None] & k_valid[None, :], stride_x, stride_r,
+                    dtype, HAS_RESIDUAL, EMULATE_BF16).to(tl.float32)  # fmt: skip
+    xn = round_to(s * rstd[:, None], dtype, EMULATE_BF16).to(tl.float32)
+    nw = tl.load(nw_ptr + kk, mask=k_valid, other=0.0).to(tl.float32)
+    return round_to(nw[None, :] * xn, dtype, EMULATE_BF16)
+
+
 @triton.jit(**runtime_args(ints=("M",)))
 def _norm_linear_kernel(
     x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, M,
@@ -60,56 +94,54 @@ def _norm_linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_valid, n_valid = offs_m < M, offs_n < N
     dtype = y_ptr.dtype.element_ty
-    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # pass 1: sum of squares per row (and the new residual)
-        kk = k0 + offs_k
-        mask = m_valid[:, None] & (kk < K)[None, :]
-        s = _rows_chunk(x_ptr, res_ptr, offs_m, kk, mask, stride_x, stride_r, dtype, HAS_RESIDUAL,
-                        EMULATE_BF16)  # fmt: skip
-        if HAS_RESIDUAL:
-            if tl.program_id(1) == 0:  # written once: by the first column block
-                tl.store(res_out_ptr + offs_m[:, None] * stride_ro + kk[None, :], s, mask=mask)
-        s = s.to(tl.float32)
-        sq += tl.sum(s * s, 1)
-    rstd = tl.rsqrt(sq * inv_k + eps)  # mean as torch's CUDA reduction forms it: sum * fl(1/K)
+    rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_valid, stride_x, stride_r, stride_ro, eps,
+                     inv_k, K, BLOCK_M, BLOCK_K, dtype, HAS_RESIDUAL, EMULATE_BF16)  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # pass 2: normalise a chunk, multiply it with W's chunk
         kk = k0 + offs_k
         k_valid = kk < K
-        s = _rows_chunk(x_ptr, res_ptr, offs_m, kk, m_valid[:, None] & k_valid[None, :], stride_x,
-                        stride_r, dtype, HAS_RESIDUAL, EMULATE_BF16).to(tl.float32)  # fmt: skip
-        xn = round_to(s * rstd[:, None], dtype, EMULATE_BF16).to(tl.float32)
-        nw = tl.load(nw_ptr + kk, mask=k_valid, other=0.0).to(tl.float32)
-        a = round_to(nw[None, :] * xn, dtype, EMULATE_BF16)
+        a = _normed_chunk(x_ptr, res_ptr, nw_ptr, offs_m, kk, m_valid, k_valid, rstd, stride_x, stride_r,
+                          dtype, HAS_RESIDUAL, EMULATE_BF16)  # fmt: skip
         acc = _dot_chunk(acc, a, w_ptr, offs_n, kk, n_valid, k_valid, stride_w, PRECISION, UPCAST)
     _store_out(acc, b_ptr, y_ptr, offs_m, offs_n, m_valid, n_valid, stride_y, HAS_BIAS, EMULATE_BF16)
 
 
 @triton.jit(**runtime_args(ints=("M",)))
-def _silu_mul_linear_kernel(
-    g_ptr, w_ptr, y_ptr, M, stride_g, stride_w, stride_y,
-    N: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+def _norm_swiglu_kernel(
+    x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, M,
+    stride_x, stride_r, stride_w, stride_y, stride_ro, eps, inv_k,
+    INTER: tl.constexpr, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    m_valid, n_valid = offs_m < M, offs_n < N
+    m_valid, n_valid = offs_m < M, offs_n < INTER
     dtype = y_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
+    rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_valid, stride_x, stride_r, stride_ro, eps,
+                     inv_k, K, BLOCK_M, BLOCK_K, dtype, HAS_RESIDUAL, EMULATE_BF16)  # fmt: skip
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # pass 2: one normalised chunk, both weight chunks
         kk = k0 + offs_k
-        k_valid = kk < INTER
-        mask = m_valid[:, None] & k_valid[None, :]
-        ptrs = g_ptr + offs_m[:, None] * stride_g + kk[None, :]
-        g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(ptrs + INTER, mask=mask, other=0.0).to(tl.float32)
-        if LIBDEVICE_EXP:  # as torch's CUDA silu (activation.py)
-            e = libdevice.exp(-g)
-        else:  # the interpreter has no libdevice
-            e = tl.exp(-g)
-        act = round_to(tl.math.div_rn(g, 1.0 + e), dtype, EMULATE_BF16).to(tl.float32)
-        h = round_to(act * u, dtype, EMULATE_BF16)
-        acc = _dot_chunk(acc, h, w_ptr, offs_n, kk, n_valid, k_valid, stride_w, PRECISION, UPCAST)
-    _store_out(acc, y_ptr, y_ptr, offs_m, offs_n, m_valid, n_valid, stride_y, False, EMULATE_BF16)
+        k_valid = kk < K
+        a = _normed_chunk(x_ptr, res_ptr, nw_ptr, offs_m, kk, m_valid, k_valid, rstd, stride_x, stride_r,
+                          dtype, HAS_RESIDUAL, EMULATE_BF16)  # fmt: skip
+        acc_g = _dot_chunk(acc_g, a, w_ptr, offs_n, kk, n_valid, k_valid, stride_w, PRECISION, UPCAST)
+        acc_u = _dot_chunk(acc_u, a, w_ptr, INTER + offs_n, kk, n_valid, k_valid, stride_w, PRECISION,
+                           UPCAST)  # fmt: skip
+    # epilogue, rounded as silu_and_mul_ref over the rounded GEMM output: silu(g), then its product
+    # with u. Rows past M (not stored) take g = 1, not 0: the IEEE division's range check (FCHK) may
+    # send a zero dividend down its slow path, for 15 of 16 rows at M = 1.
+    g = tl.where(m_valid[:, None], round_to(acc_g, dtype, EMULATE_BF16).to(tl.float32), 1.0)
+    u = round_to(acc_u, dtype, EMULATE_BF16).to(tl.float32)
+    if LIBDEVICE_EXP:  # as torch's CUDA silu (activation.py)
+        e = libdevice.exp(-g)
+    else:  # the interpreter has no libdevice
+        e = tl.exp(-g)
+    act = round_to(tl.math.div_rn(g, 1.0 + e), dtype, EMULATE_BF16).to(tl.float32)
+    h = round_to(act * u, dtype, EMULATE_BF16)
+    tl.store(
+        y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], h, mask=m_valid[:, None] & n_valid[None, :]
+    )

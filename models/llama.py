@@ -17,12 +17,13 @@ row gather of ``logits_indices``. The default path is untouched.
 
 Fused linear layers (``fused_linear=True``, ``model.fused_linear``): forwards of at most
 :data:`~specsched.kernels.fused_linear.FUSED_MAX_ROWS` token rows on CUDA (decode and verify steps)
-run each layer's residual add + RMSNorm inside the QKV and gate/up GEMMs, SiLU-mul inside the down
-GEMM, and the final norm inside the LM head (:mod:`specsched.kernels.fused_linear`): three launches
-per layer fewer than the default path (two norms, SiLU-mul), and none of the split-K reduction kernels
-cuBLAS adds to those GEMMs at small M. Same rounding points; only the GEMMs' fp32 accumulation order
-differs. Larger forwards, and every forward off CUDA, take the default path (under
-``TRITON_INTERPRET=1`` the fused kernels run on the CPU, for tests). Not with ``deterministic``: the
+run each layer's residual add + RMSNorm inside the QKV and gate/up GEMMs, SiLU-mul in the gate/up
+GEMM's epilogue, and the final norm inside the LM head (:mod:`specsched.kernels.fused_linear`): three
+launches per layer fewer than the default path (two norms, SiLU-mul), and none of the split-K
+reduction kernels cuBLAS adds to those GEMMs at small M (the down projection stays cuBLAS's). Same
+rounding points; only the GEMMs' fp32 accumulation order differs. Larger forwards, and every forward
+off CUDA, take the default path (under ``TRITON_INTERPRET=1`` the fused kernels run on the CPU, for
+tests). Not with ``deterministic``: the
 fused kernels are row-invariant, but forwards above 16 rows are not fused, so a token's logits would
 depend on its batch's size again. Parameters and their names are unchanged.
 """
@@ -39,7 +40,7 @@ from specsched.kernels.activation import silu_and_mul
 from specsched.kernels.attention import AttentionFn, get_attention_backend
 from specsched.kernels.batch_invariant_attention import deterministic_attention_backend
 from specsched.kernels.batch_invariant_matmul import batch_invariant_linear
-from specsched.kernels.fused_linear import FUSED_MAX_ROWS, norm_linear, silu_mul_linear
+from specsched.kernels.fused_linear import FUSED_MAX_ROWS, norm_linear, norm_swiglu
 from specsched.kernels.metadata import AttentionMetadata
 from specsched.kernels.norm import add_rms_norm, rms_norm
 from specsched.kernels.rotary import rotary_store_kv
@@ -239,12 +240,13 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         attn: AttentionFn,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # as forward
-        """:meth:`forward` with the norms and SiLU-mul fused into the GEMMs (the module docstring)."""
+        """:meth:`forward` with the norms and SiLU-mul fused into the QKV and gate/up GEMMs (the module
+        docstring)."""
         ln1, ln2, sa, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
         qkv, residual = norm_linear(x, residual, ln1.weight, ln1.eps, sa.qkv_proj.weight, sa.qkv_proj.bias)
         h = sa.forward_from_qkv(qkv, cos, sin, kv, meta, attn)
-        gate_up, residual = norm_linear(h, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight)
-        return silu_mul_linear(gate_up, mlp.down_proj.weight), residual
+        act, residual = norm_swiglu(h, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight)
+        return mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):

@@ -124,17 +124,18 @@ def test_the_split_merge_and_kv_store_compile_for_sm90() -> None:
 FUSED_SHAPES = {
     "smollm2_qkv": (960, 576),
     "smollm2_gate_up": (3072, 576),
-    "smollm2_down": (576, 1536),
+    "smollm2_swiglu": (1536, 576),
     "smollm2_lm_head": (49152, 576),
     "7b_qkv": (12288, 4096),
-    "7b_down": (4096, 11008),
+    "7b_swiglu": (11008, 4096),
 }
 
 
 @pytest.mark.parametrize("shape", list(FUSED_SHAPES))
 def test_fused_linear_kernels_compile_for_sm90(shape: str) -> None:
-    """RMSNorm + linear (with and without the residual add and bias) and SiLU-mul + linear, bf16, with
-    the launch config (:func:`fused_linear_config`) and options (no FMA contraction) they run with."""
+    """RMSNorm + linear (with and without the residual add and bias) and RMSNorm + gate/up + SwiGLU
+    (N = the intermediate size), bf16, with the launch config (:func:`fused_linear_config`) and options
+    (no FMA contraction) they run with."""
     from specsched.kernels import fused_linear as fl
     from specsched.kernels import fused_linear_kernels as flk
     from specsched.kernels.triton_utils import NO_FP_FUSION
@@ -145,13 +146,13 @@ def test_fused_linear_kernels_compile_for_sm90(shape: str) -> None:
     blocks = dict(BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION="tf32", UPCAST=False,
                   EMULATE_BF16=False)  # fmt: skip
     bf = "*bf16"
-    if shape.endswith("down"):
-        types = {"g_ptr": bf, "w_ptr": bf, "y_ptr": bf}
-        constexprs = dict(N=n, INTER=k, LIBDEVICE_EXP=True, **blocks)
-        assert compile_sm90(flk._silu_mul_linear_kernel, types, constexprs, **opts) > 0
-        return
     types = {"x_ptr": bf, "res_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf,
              "res_out_ptr": bf, "eps": "fp32", "inv_k": "fp32"}  # fmt: skip
+    if shape.endswith("swiglu"):
+        for has_residual in (True, False):
+            constexprs = dict(INTER=n, K=k, HAS_RESIDUAL=has_residual, LIBDEVICE_EXP=True, **blocks)
+            assert compile_sm90(flk._norm_swiglu_kernel, types, constexprs, **opts) > 0
+        return
     for has_residual, has_bias in ((True, False), (False, True)):
         constexprs = dict(N=n, K=k, HAS_RESIDUAL=has_residual, HAS_BIAS=has_bias, **blocks)
         assert compile_sm90(flk._norm_linear_kernel, types, constexprs, **opts) > 0
@@ -160,23 +161,22 @@ def test_fused_linear_kernels_compile_for_sm90(shape: str) -> None:
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_fused_linear_kernels_compile_for_sm90_other_dtypes(dtype: str) -> None:
     """fp32 (the tiny model's GPU tests: exact fp32 products, ``ieee``) and fp16, at the tiny preset's
-    QKV / down shapes (N 128, K 64; N 64, I 128)."""
+    QKV / MLP shapes (N 128, K 64; I 128, K 64)."""
     from specsched.kernels import fused_linear as fl
     from specsched.kernels import fused_linear_kernels as flk
     from specsched.kernels.triton_utils import NO_FP_FUSION
 
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
     ptr, precision = f"*{dtype}", "ieee" if dtype == "fp32" else "tf32"
-    for n, k, kernel in ((128, 64, flk._norm_linear_kernel), (64, 128, flk._silu_mul_linear_kernel)):
+    for n, k, kernel in ((128, 64, flk._norm_linear_kernel), (128, 64, flk._norm_swiglu_kernel)):
         cfg = fl.fused_linear_config(n, k, torch_dtype)
-        constexprs = dict(N=n, BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
-                          UPCAST=False, EMULATE_BF16=False)  # fmt: skip
+        constexprs = dict(K=k, HAS_RESIDUAL=True, BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          PRECISION=precision, UPCAST=False, EMULATE_BF16=False)  # fmt: skip
+        types = {"x_ptr": ptr, "res_ptr": ptr, "nw_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr,
+                 "res_out_ptr": ptr, "eps": "fp32", "inv_k": "fp32"}  # fmt: skip
         if kernel is flk._norm_linear_kernel:
-            constexprs |= dict(K=k, HAS_RESIDUAL=True, HAS_BIAS=True)
-            types = {"x_ptr": ptr, "res_ptr": ptr, "nw_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr,
-                     "res_out_ptr": ptr, "eps": "fp32", "inv_k": "fp32"}  # fmt: skip
+            constexprs |= dict(N=n, HAS_BIAS=True)
         else:
-            constexprs |= dict(INTER=k, LIBDEVICE_EXP=True)
-            types = {"g_ptr": ptr, "w_ptr": ptr, "y_ptr": ptr}
+            constexprs |= dict(INTER=n, LIBDEVICE_EXP=True)
         opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **NO_FP_FUSION)
         assert compile_sm90(kernel, types, constexprs, **opts) > 0

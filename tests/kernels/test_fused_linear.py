@@ -1,5 +1,5 @@
-"""Fused small-M linear layers (RMSNorm + linear, SiLU-mul + linear): Triton kernels vs the torch
-references, the references vs the unfused composition, wrapper errors, batch invariance.
+"""Fused small-M linear layers (RMSNorm + linear, RMSNorm + gate/up + SwiGLU): Triton kernels vs the
+torch references, the references vs the unfused composition, wrapper errors, batch invariance.
 
 CPU: the kernels run under ``TRITON_INTERPRET=1`` in a subprocess (as test_norm.py); this file is that
 subprocess's script when run with ``--interpreted``. GPU (marked ``gpu``): SmolLM2 and 7B shapes in
@@ -14,15 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specsched.kernels.activation import silu_and_mul, silu_and_mul_ref
+from specsched.kernels.activation import silu_and_mul, silu_and_mul_triton
 from specsched.kernels.fused_linear import (
     FusedLinearConfig,
+    fused_linear_config,
     norm_linear,
     norm_linear_ref,
     norm_linear_triton,
-    silu_mul_linear,
-    silu_mul_linear_ref,
-    silu_mul_linear_triton,
+    norm_swiglu,
+    norm_swiglu_ref,
+    norm_swiglu_triton,
 )
 from specsched.kernels.norm import add_rms_norm, rms_norm
 from specsched.kernels.testing import interpreted_results, run_jobs
@@ -30,7 +31,7 @@ from specsched.kernels.triton_utils import diff_stats, is_interpreted
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Tolerance of kernel vs reference, relative to S = sum_k |a_k| |w_k| (+ |bias|), a = the normalised
-# (SiLU-mul'ed) input. With u the dtype's unit roundoff: both results are rounded once from fp32 (u|y|
+# input. With u the dtype's unit roundoff: both results are rounded once from fp32 (u|y|
 # each, |y| <= S); both fp32 sums, accumulated in different orders, are within K 2^-24 S of the exact
 # sum; and the rounded input a may differ by one ulp (2u|a_k|) where the fp32 statistics (or exp)
 # differ in the last bits and the value sits at a rounding boundary, a few ulps in fp32 (16 2^-24).
@@ -44,8 +45,8 @@ def tolerance(dtype: str, k: int) -> float:
 def rounding_matches(stats: dict, dtype: str) -> bool:
     """In bf16/fp16 a result differs from the reference only where the two fp32 sums straddle a
     rounding boundary (measured: 0-1 % of elements). Skipping a rounding of the prologue (e.g. the
-    normalised row before the weight, or silu before ``up``) moves most sums by about an ulp of the
-    output and flips a large share of them."""
+    normalised row before the weight) moves most sums by about an ulp of the output and flips a large
+    share of them."""
     return dtype == "float32" or stats["num_diff"] <= max(2, 0.03 * stats["numel"])
 
 
@@ -74,13 +75,34 @@ def make_norm_inputs(m: int, k: int, n: int, dtype: torch.dtype, *, seed: int = 
     return x, residual, norm_w, w, bias
 
 
-def make_silu_inputs(m: int, inter: int, n: int, dtype: torch.dtype, *, seed: int = 0, device: str = "cpu"):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    gate_up = (torch.randn(m, 2 * inter, generator=gen, device=device) * 3).to(dtype)
-    if m > 1 and inter >= 4:  # exp overflow / underflow and zero in the gate
-        gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0])
-    w = (torch.randn(n, inter, generator=gen, device=device) / inter**0.5).to(dtype)
-    return gate_up, w
+def make_swiglu_inputs(m: int, k: int, inter: int, dtype: torch.dtype, *, seed: int = 0, device: str = "cpu"):
+    """x, residual, norm weight, gate/up weight [2 * inter, K]; gate column 0 is scaled so that its
+    values reach exp's overflow and underflow (|g| ~ 100), column 1 to |g| ~ 10."""
+    x, residual, norm_w, w, _ = make_norm_inputs(m, k, 2 * inter, dtype, seed=seed, device=device)
+    w[0] *= 100
+    if inter > 1:
+        w[1] *= 10
+    return x, residual, norm_w, w
+
+
+def swiglu_bound(ref: torch.Tensor, gate_up_ref: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
+                 dtype: str) -> torch.Tensor:  # fmt: skip
+    """Per-element bound on |kernel - reference| for SwiGLU over gate/up outputs that may each differ
+    by the GEMM tolerance (dg, du: ``tolerance * S``): silu' lies in [-0.1, 1.1], so
+    |dh| <= 1.1 dg (|u| + du) + du (|silu(g)| + 1.1 dg) + the two roundings (one ulp of silu(g) times
+    |u|, one of h), each 2u."""
+    t, unit = tolerance(dtype, a.shape[1]), UNIT_ROUNDOFF[dtype]
+    s = a.double().abs() @ w.double().abs().T
+    inter = w.shape[0] // 2
+    dg, du = t * s[:, :inter], t * s[:, inter:]
+    g, u = gate_up_ref.double()[:, :inter], gate_up_ref.double()[:, inter:]
+    act = F.silu(g).abs()
+    return (
+        1.1 * dg * (u.abs() + du)
+        + du * (act + 1.1 * dg)
+        + 2 * unit * act * (u.abs() + du)
+        + 2 * unit * ref.double().abs()
+    )
 
 
 # name: (M, K, N, dtype, residual?, bias?, (block_n, block_k) or None = the default config, row stride)
@@ -95,13 +117,14 @@ NORM_CASES: dict[str, tuple] = {
     "m5_k80_n64_bf16_strided": (5, 80, 64, "bfloat16", True, False, None, 112),
     "m1_k80_n64_fp32_strided": (1, 80, 64, "float32", False, True, None, 112),
 }
-# name: (M, I, N, dtype, (block_n, block_k) or None)
-SILU_CASES: dict[str, tuple] = {
-    "m1_i100_n48_bf16": (1, 100, 48, "bfloat16", None),
-    "m3_i200_n64_fp16": (3, 200, 64, "float16", None),
-    "m16_i72_n100_fp32": (16, 72, 100, "float32", None),
-    "m16_i136_n48_bf16_blocks16x32": (16, 136, 48, "bfloat16", (16, 32)),
-    "m11_i96_n80_fp16_blocks32x16": (11, 96, 80, "float16", (32, 16)),
+# name: (M, K, I, dtype, residual?, (block_n, block_k) or None = the default config)
+SWIGLU_CASES: dict[str, tuple] = {
+    "m1_k200_i100_bf16_res": (1, 200, 100, "bfloat16", True, None),
+    "m3_k72_i48_fp16_res": (3, 72, 48, "float16", True, None),
+    "m16_k136_i64_fp32": (16, 136, 64, "float32", False, None),
+    "m16_k200_i100_bf16_res_blocks16x32": (16, 200, 100, "bfloat16", True, (16, 32)),
+    "m7_k96_i80_fp32_res_blocks32x32": (7, 96, 80, "float32", True, (32, 32)),
+    "m20_k64_i40_bf16_res_two_row_tiles": (20, 64, 40, "bfloat16", True, None),
 }
 
 
@@ -127,15 +150,28 @@ def run_norm_case(m, k, n, dtype, has_res, has_bias, blocks, row_stride) -> dict
     }
 
 
-def run_silu_case(m, inter, n, dtype, blocks) -> dict:
-    gate_up, w = make_silu_inputs(m, inter, n, DTYPES[dtype], seed=inter + m)
-    before = gate_up.clone()
-    y = silu_mul_linear_triton(gate_up, w, config=_config(blocks))
-    ref = silu_mul_linear_ref(gate_up, w)
+def run_swiglu_case(m, k, inter, dtype, has_res, blocks) -> dict:
+    x, residual, norm_w, w = make_swiglu_inputs(m, k, inter, DTYPES[dtype], seed=k + m)
+    residual = residual if has_res else None
+    before = [t.clone() for t in (x, residual, norm_w, w) if t is not None]
+    config = _config(blocks)
+    y, new_res = norm_swiglu_triton(x, residual, norm_w, 1e-5, w, config=config)
+    ref, ref_res = norm_swiglu_ref(x, residual, norm_w, 1e-5, w)
+    gate_up_ref = norm_linear_ref(x, residual, norm_w, 1e-5, w)[0]
+    normed = add_rms_norm(x, residual, norm_w, 1e-5)[0] if has_res else rms_norm(x, norm_w, 1e-5)
+    bound = swiglu_bound(ref, gate_up_ref, normed, w, dtype)
+    # with the same K chunks, each gate/up output is reduced in the order of norm_linear's kernel: the
+    # fused epilogue must then equal the SwiGLU kernel over norm_linear's output bit for bit
+    gate_up = norm_linear_triton(x, residual, norm_w, 1e-5, w, config=config or fused_linear_config(
+        inter, k, DTYPES[dtype]))[0]  # fmt: skip
+    after = [t for t in (x, residual, norm_w, w) if t is not None]
     return {
         "y": diff_stats(y, ref),
-        "error_over_bound": error_over_bound(y, ref, silu_and_mul_ref(gate_up), w, None, dtype),
-        "inputs_unchanged": bool(torch.equal(gate_up, before)),
+        "error_over_bound": float(((y.double() - ref.double()).abs() / bound.clamp_min(1e-300)).max()),
+        "equals_unfused_kernels": bool(torch.equal(y, silu_and_mul_triton(gate_up))),
+        "residual_equal": bool(torch.equal(new_res, ref_res)),
+        "residual_is_x": new_res is x,
+        "inputs_unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
     }
 
 
@@ -143,26 +179,24 @@ def run_row_invariance(dtype: str) -> dict:
     """Row i of a launch is bitwise the same alone (M = 1), beside other rows, at another row of the
     tile, and in the second 16-row tile (M = 20)."""
     x, residual, norm_w, w, bias = make_norm_inputs(20, 136, 64, DTYPES[dtype], seed=3)
-    gate_up, w_down = make_silu_inputs(20, 100, 48, DTYPES[dtype], seed=4)
+    _, _, _, w_gu = make_swiglu_inputs(20, 136, 40, DTYPES[dtype], seed=4)
     full = norm_linear_triton(x, residual, norm_w, 1e-6, w, bias)[0]
-    full_d = silu_mul_linear_triton(gate_up, w_down)
+    full_s = norm_swiglu_triton(x, residual, norm_w, 1e-6, w_gu)[0]
     bad = []
     for i in (0, 5, 15, 17):
         alone = norm_linear_triton(x[i : i + 1], residual[i : i + 1], norm_w, 1e-6, w, bias)[0]
+        s_alone = norm_swiglu_triton(x[i : i + 1], residual[i : i + 1], norm_w, 1e-6, w_gu)[0]
         others = torch.randn_like(x[:16]) * 7
         others[3] = x[i]
         res_o = torch.randn_like(residual[:16])
         res_o[3] = residual[i]
         moved = norm_linear_triton(others, res_o, norm_w, 1e-6, w, bias)[0][3]
-        d_alone = silu_mul_linear_triton(gate_up[i : i + 1], w_down)
-        g_o = torch.randn_like(gate_up[:3]) * 9
-        g_o[1] = gate_up[i]
-        d_moved = silu_mul_linear_triton(g_o, w_down)[1]
+        s_moved = norm_swiglu_triton(others, res_o, norm_w, 1e-6, w_gu)[0][3]
         checks = {
             "alone": torch.equal(alone[0], full[i]),
             "moved": torch.equal(moved, full[i]),
-            "down_alone": torch.equal(d_alone[0], full_d[i]),
-            "down_moved": torch.equal(d_moved, full_d[i]),
+            "swiglu_alone": torch.equal(s_alone[0], full_s[i]),
+            "swiglu_moved": torch.equal(s_moved, full_s[i]),
         }
         bad += [f"row {i} {name}" for name, ok in checks.items() if not ok]
     return {"bad": bad}
@@ -171,15 +205,13 @@ def run_row_invariance(dtype: str) -> dict:
 def run_empty() -> dict:
     x, residual, norm_w, w, bias = make_norm_inputs(0, 64, 48, torch.bfloat16)
     y, new_res = norm_linear_triton(x, residual, norm_w, 1e-5, w, bias)
-    gate_up, w_down = make_silu_inputs(0, 32, 16, torch.bfloat16)
-    return {
-        "shapes": [list(y.shape), list(new_res.shape), list(silu_mul_linear_triton(gate_up, w_down).shape)]
-    }
+    s, s_res = norm_swiglu_triton(x, residual, norm_w, 1e-5, w)
+    return {"shapes": [list(y.shape), list(new_res.shape), list(s.shape), list(s_res.shape)]}
 
 
 def interpreted_main() -> None:
     jobs = {f"norm_{name}": (lambda c=case: run_norm_case(*c)) for name, case in NORM_CASES.items()}
-    jobs |= {f"silu_{name}": (lambda c=case: run_silu_case(*c)) for name, case in SILU_CASES.items()}
+    jobs |= {f"swiglu_{name}": (lambda c=case: run_swiglu_case(*c)) for name, case in SWIGLU_CASES.items()}
     jobs |= {f"invariance_{d}": (lambda d=d: run_row_invariance(d)) for d in ("bfloat16", "float32")}
     jobs["empty"] = run_empty
     run_jobs(jobs)
@@ -204,14 +236,18 @@ def test_interpreted_norm_linear_matches_reference(interpreted: dict, name: str)
     assert r["zero_row_is_bias"], "an all-zero row must normalise to zeros (y = bias)"
 
 
-@pytest.mark.parametrize("name", list(SILU_CASES))
-def test_interpreted_silu_mul_linear_matches_reference(interpreted: dict, name: str) -> None:
-    r = interpreted[f"silu_{name}"]
+@pytest.mark.parametrize("name", list(SWIGLU_CASES))
+def test_interpreted_norm_swiglu_matches_reference(interpreted: dict, name: str) -> None:
+    r = interpreted[f"swiglu_{name}"]
     assert "error" not in r, r.get("error")
+    dtype, has_res = SWIGLU_CASES[name][3], SWIGLU_CASES[name][4]
     print(name, r["y"], f"error/bound {r['error_over_bound']:.3f}")
+    assert r["equals_unfused_kernels"], "SwiGLU in the epilogue must equal norm_linear + silu_and_mul"
     assert r["error_over_bound"] <= 1.0, r
-    assert rounding_matches(r["y"], SILU_CASES[name][3]), r["y"]
-    assert r["inputs_unchanged"], "the kernel wrote into its input"
+    assert rounding_matches(r["y"], dtype), r["y"]
+    assert r["residual_equal"], "x + residual must round exactly as torch's add"
+    assert r["residual_is_x"] == (not has_res), "without a residual the new residual is x itself"
+    assert r["inputs_unchanged"], "the kernel wrote into its inputs"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -224,7 +260,7 @@ def test_interpreted_rows_are_batch_invariant(interpreted: dict, dtype: str) -> 
 def test_interpreted_empty_batch(interpreted: dict) -> None:
     r = interpreted["empty"]
     assert "error" not in r, r.get("error")
-    assert r["shapes"] == [[0, 48], [0, 64], [0, 16]]
+    assert r["shapes"] == [[0, 48], [0, 64], [0, 24], [0, 64]]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -238,10 +274,16 @@ def test_references_are_the_unfused_composition(dtype: str) -> None:
         assert torch.equal(y, F.linear(normed, w, bias)) and torch.equal(r, new_res)
     y, r = norm_linear(x, None, norm_w, 1e-6, w)
     assert torch.equal(y, F.linear(rms_norm(x, norm_w, 1e-6), w)) and r is x
-    gate_up, w_down = make_silu_inputs(5, 48, 40, DTYPES[dtype])
-    want = F.linear(silu_and_mul(gate_up), w_down)
-    assert torch.equal(silu_mul_linear_ref(gate_up, w_down), want)
-    assert torch.equal(silu_mul_linear(gate_up, w_down), want)
+    x, residual, norm_w, w_gu = make_swiglu_inputs(6, 96, 24, DTYPES[dtype], seed=5)
+    normed, new_res = add_rms_norm(x, residual, norm_w, 1e-6)
+    want = silu_and_mul(F.linear(normed, w_gu))
+    for y, r in (
+        norm_swiglu_ref(x, residual, norm_w, 1e-6, w_gu),
+        norm_swiglu(x, residual, norm_w, 1e-6, w_gu),
+    ):
+        assert torch.equal(y, want) and torch.equal(r, new_res)
+    y, r = norm_swiglu(x, None, norm_w, 1e-6, w_gu)
+    assert torch.equal(y, silu_and_mul(F.linear(rms_norm(x, norm_w, 1e-6), w_gu))) and r is x
 
 
 def test_bad_arguments_raise() -> None:
@@ -265,17 +307,21 @@ def test_bad_arguments_raise() -> None:
         for fn in (norm_linear, norm_linear_triton):
             with pytest.raises(ValueError, match=match):
                 fn(*args)
-    gate_up, w_down = make_silu_inputs(3, 50, 16, torch.bfloat16)
+    x, residual, norm_w, w_gu = make_swiglu_inputs(3, 32, 8, torch.bfloat16)
     cases = [
-        ((gate_up[:, :99], w_down), r"gate_up must be \[M, 2 \* intermediate\], got shape \(3, 99\)"),
-        ((gate_up.int(), w_down), "gate_up must be float32/float16/bfloat16, got torch.int32"),
-        ((gate_up, w_down[:, :49]), r"weight must be \[N, K=50\], got shape \(16, 49\)"),
-        ((gate_up, w_down.float()), "weight dtype torch.float32 differs from gate_up dtype torch.bfloat16"),
-        ((gate_up, w_down.to("meta")), "weight is on meta, gate_up on cpu"),
+        ((x[:, :0], None, norm_w[:0], 1e-5, w_gu[:, :0]), r"x must be \[M, K > 0\], got shape \(3, 0\)"),
+        ((x, residual[:1], norm_w, 1e-5, w_gu), r"residual must be \[3, 32\], got shape \(1, 32\)"),
+        ((x, residual, norm_w.float(), 1e-5, w_gu), "norm_weight dtype torch.float32 differs"),
+        ((x, residual, norm_w, 1e-5, w_gu[:15]),
+         r"gate_up_weight must be \[2 \* intermediate, K=32\], got shape \(15, 32\)"),
+        ((x, residual, norm_w, 1e-5, w_gu[:, :31]),
+         r"gate_up_weight must be \[2 \* intermediate, K=32\], got shape \(16, 31\)"),
+        ((x, residual, norm_w, 1e-5, w_gu.half()), "gate_up_weight dtype torch.float16 differs from x dtype"),
+        ((x, residual, norm_w, 1e-5, w_gu.to("meta")), "gate_up_weight is on meta, x on cpu"),
     ]  # fmt: skip
     for args, match in cases:
-        for fn in (silu_mul_linear, silu_mul_linear_triton):
-            with pytest.raises(ValueError, match=match):
+        for fn in (norm_swiglu, norm_swiglu_triton):
+            with pytest.raises(ValueError, match=f"norm_swiglu: {match}"):
                 fn(*args)
 
 
@@ -286,16 +332,16 @@ def test_triton_launch_on_cpu_needs_interpreter() -> None:
     with pytest.raises(RuntimeError, match="needs CUDA tensors"):
         norm_linear_triton(x, residual, norm_w, 1e-5, w)
     with pytest.raises(RuntimeError, match="needs CUDA tensors"):
-        silu_mul_linear_triton(torch.zeros(2, 64), w)
+        norm_swiglu_triton(x, residual, norm_w, 1e-5, torch.zeros(8, 32))
 
 
 # --- GPU -------------------------------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-# (K, N) of norm_linear and (I, N) of silu_mul_linear: SmolLM2-135M's QKV, gate/up, LM head, down;
-# Llama-2-7B's QKV, down
+# (K, N) of norm_linear: SmolLM2-135M's QKV, gate/up, LM head; Llama-2-7B's QKV. (K, I) of norm_swiglu:
+# SmolLM2-135M's and Llama-2-7B's MLPs.
 GPU_NORM_SHAPES = [(576, 960), (576, 3072), (576, 49152), (4096, 12288)]
-GPU_SILU_SHAPES = [(1536, 576), (11008, 4096)]
+GPU_SWIGLU_SHAPES = [(576, 1536), (4096, 11008)]
 
 
 @pytest.mark.gpu
@@ -317,15 +363,21 @@ def test_gpu_norm_linear_real_shapes_bf16(m: int, shape: tuple[int, int]) -> Non
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 4, 16])
-@pytest.mark.parametrize("shape", GPU_SILU_SHAPES, ids=lambda s: f"i{s[0]}_n{s[1]}")
-def test_gpu_silu_mul_linear_real_shapes_bf16(m: int, shape: tuple[int, int]) -> None:
-    inter, n = shape
-    gate_up, w = make_silu_inputs(m, inter, n, torch.bfloat16, seed=m, device="cuda")
-    y, ref = silu_mul_linear(gate_up, w), silu_mul_linear_ref(gate_up, w)
+@pytest.mark.parametrize("shape", GPU_SWIGLU_SHAPES, ids=lambda s: f"k{s[0]}_i{s[1]}")
+def test_gpu_norm_swiglu_real_shapes_bf16(m: int, shape: tuple[int, int]) -> None:
+    k, inter = shape
+    x, residual, norm_w, w = make_swiglu_inputs(m, k, inter, torch.bfloat16, seed=m, device="cuda")
+    y, new_res = norm_swiglu(x, residual, norm_w, 1e-5, w)
+    ref, ref_res = norm_swiglu_ref(x, residual, norm_w, 1e-5, w)
+    gate_up_ref = norm_linear_ref(x, residual, norm_w, 1e-5, w)[0]
+    bound = swiglu_bound(ref, gate_up_ref, add_rms_norm(x, residual, norm_w, 1e-5)[0], w, "bfloat16")
+    ratio = float(((y.double() - ref.double()).abs() / bound.clamp_min(1e-300)).max())
     stats = diff_stats(y, ref)
-    ratio = error_over_bound(y, ref, silu_and_mul_ref(gate_up), w, None, "bfloat16")
-    print(f"silu_mul_linear M={m} I={inter} N={n} bf16: {stats}, error/bound {ratio:.3f}")
+    print(f"norm_swiglu M={m} K={k} I={inter} bf16: {stats}, error/bound {ratio:.3f}")
+    assert torch.equal(new_res, ref_res)
     assert ratio <= 1.0 and rounding_matches(stats, "bfloat16"), stats
+    # the same K chunks as norm_linear's kernel, then the SwiGLU kernel's arithmetic: bit for bit
+    assert torch.equal(y, silu_and_mul(norm_linear(x, residual, norm_w, 1e-5, w)[0]))
 
 
 @pytest.mark.gpu
@@ -333,35 +385,38 @@ def test_gpu_silu_mul_linear_real_shapes_bf16(m: int, shape: tuple[int, int]) ->
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_gpu_rows_are_batch_invariant(dtype: str) -> None:
     x, residual, norm_w, w, bias = make_norm_inputs(16, 576, 960, DTYPES[dtype], seed=9, device="cuda")
-    gate_up, w_down = make_silu_inputs(16, 1536, 576, DTYPES[dtype], seed=9, device="cuda")
-    full, full_d = norm_linear(x, residual, norm_w, 1e-5, w, bias)[0], silu_mul_linear(gate_up, w_down)
+    _, _, _, w_gu = make_swiglu_inputs(16, 576, 1536, DTYPES[dtype], seed=9, device="cuda")
+    full = norm_linear(x, residual, norm_w, 1e-5, w, bias)[0]
+    full_s = norm_swiglu(x, residual, norm_w, 1e-5, w_gu)[0]
     for m in (1, 3, 8):
         assert torch.equal(norm_linear(x[:m], residual[:m], norm_w, 1e-5, w, bias)[0], full[:m]), m
-        assert torch.equal(silu_mul_linear(gate_up[:m], w_down), full_d[:m]), m
+        assert torch.equal(norm_swiglu(x[:m], residual[:m], norm_w, 1e-5, w_gu)[0], full_s[:m]), m
 
 
 @pytest.mark.gpu
 @gpu
 def test_gpu_cuda_graph_replay_with_new_inputs() -> None:
     x, residual, norm_w, w, bias = make_norm_inputs(4, 576, 3072, torch.bfloat16, seed=1, device="cuda")
-    gate_up, w_down = make_silu_inputs(4, 1536, 576, torch.bfloat16, seed=1, device="cuda")
+    _, _, _, w_gu = make_swiglu_inputs(4, 576, 1536, torch.bfloat16, seed=1, device="cuda")
     norm_linear(x, residual, norm_w, 1e-5, w, bias)  # compile outside capture
-    silu_mul_linear(gate_up, w_down)
+    norm_swiglu(x, residual, norm_w, 1e-5, w_gu)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y, new_res = norm_linear(x, residual, norm_w, 1e-5, w, bias)
-        down = silu_mul_linear(gate_up, w_down)
+        act, act_res = norm_swiglu(x, residual, norm_w, 1e-5, w_gu)
     for seed in (2, 3):
         x2, r2, *_ = make_norm_inputs(4, 576, 3072, torch.bfloat16, seed=seed, device="cuda")
-        g2, _ = make_silu_inputs(4, 1536, 576, torch.bfloat16, seed=seed, device="cuda")
-        x.copy_(x2), residual.copy_(r2), gate_up.copy_(g2)
+        x.copy_(x2), residual.copy_(r2)
         graph.replay()
         ref, ref_res = norm_linear_ref(x2, r2, norm_w, 1e-5, w, bias)
-        assert torch.equal(new_res, ref_res)
-        assert error_over_bound(y, ref, add_rms_norm(x2, r2, norm_w, 1e-5)[0], w, bias, "bfloat16") <= 1.0
-        ref_d = silu_mul_linear_ref(g2, w_down)
-        assert error_over_bound(down, ref_d, silu_and_mul_ref(g2), w_down, None, "bfloat16") <= 1.0
+        normed = add_rms_norm(x2, r2, norm_w, 1e-5)[0]
+        assert torch.equal(new_res, ref_res) and torch.equal(act_res, ref_res)
+        assert error_over_bound(y, ref, normed, w, bias, "bfloat16") <= 1.0
+        ref_s = norm_swiglu_ref(x2, r2, norm_w, 1e-5, w_gu)[0]
+        gate_up_ref = norm_linear_ref(x2, r2, norm_w, 1e-5, w_gu)[0]
+        assert ((act.double() - ref_s.double()).abs() <= swiglu_bound(ref_s, gate_up_ref, normed, w_gu,
+                                                                       "bfloat16")).all()  # fmt: skip
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreted"]:

@@ -96,7 +96,7 @@ def test_default_path_never_calls_the_fused_kernels(monkeypatch) -> None:
         raise AssertionError("a fused kernel was called")
 
     monkeypatch.setattr(llama, "norm_linear", refuse)
-    monkeypatch.setattr(llama, "silu_mul_linear", refuse)
+    monkeypatch.setattr(llama, "norm_swiglu", refuse)
     model = tiny_model()
     want = forwards(model, model.allocate_kv_cache(20, BLOCK))
     model.set_fused_linear(True)
@@ -134,7 +134,7 @@ MODEL_TOL = {"float32": 1e-5, "bfloat16": 3e-2}
 
 def fused_forward_job(dtype: str) -> dict:
     model = tiny_model(getattr(torch, dtype))
-    calls = {"norm_linear": 0, "silu_mul_linear": 0}
+    calls = {"norm_linear": 0, "norm_swiglu": 0}
     originals = {name: getattr(llama, name) for name in calls}
 
     def counting(name: str):
@@ -149,7 +149,7 @@ def fused_forward_job(dtype: str) -> dict:
             setattr(llama, name, counting(name))
         kv_off, kv_on = model.allocate_kv_cache(20, BLOCK), model.allocate_kv_cache(20, BLOCK)
         want = forwards(model, kv_off)
-        assert calls == {"norm_linear": 0, "silu_mul_linear": 0}
+        assert calls == {"norm_linear": 0, "norm_swiglu": 0}
         model.set_fused_linear(True)
         got = forwards(model, kv_on)
     finally:
@@ -183,8 +183,9 @@ def test_interpreted_fused_forward_matches_unfused(interpreted: dict, dtype: str
     assert "error" not in r, r.get("error")
     print(dtype, r)
     layers = get_preset("tiny").num_layers
-    # decode and verify fused (2 norm_linear per layer + the head; 1 silu_mul_linear per layer), prefill not
-    assert r["calls"] == {"norm_linear": 2 * (2 * layers + 1), "silu_mul_linear": 2 * layers}
+    # decode and verify fused (a norm_linear and a norm_swiglu per layer, a norm_linear for the head);
+    # prefill not
+    assert r["calls"] == {"norm_linear": 2 * (layers + 1), "norm_swiglu": 2 * layers}
     assert r["prefill"]["equal"], "a forward of more than 16 rows must take the unfused path"
     for step in ("decode", "verify"):
         assert r[step]["rel_err"] <= MODEL_TOL[dtype] and r[step]["argmax_equal"], (step, r[step])
