@@ -10,7 +10,14 @@ each step's replies are posted (the default ``daemon.send_pace=loop``); ``step``
 step's device wait (``send_pace=step``); ``none`` posts nothing. Modes alternate over ``--rounds``
 (the order flipped each round); the table gives the loop's host ms per step beyond the device wait.
 
+``--decide-us D --decide-every E``: every E-th step runs D us of Python that never lets go of the
+lock at the start of its device wait, as a goodput decide ahead does while the GPU scores (the device
+is done ``--wait-us`` after the wait began, however long the decide ran). ``--switch-ms S ...``: each
+send mode runs again under ``sys.setswitchinterval(S ms)`` (``daemon.switch_interval_ms``), as
+modes ``loop@S`` / ``step@S``.
+
     python -m specsched.bench.send_pace [--batch 16] [--steps 3000] [--rounds 2] [--wait-us 800]
+        [--decide-us 0 --decide-every 3] [--switch-ms 0.5]
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import queue
+import sys
 import threading
 import time
 
@@ -84,8 +92,30 @@ class Sender:
         self._wake_rx.close(0)
 
 
-def run(mode: str, batch: int, steps: int, wait_us: float, sender: Sender) -> list[float]:
-    """Host ms per step (the device wait excluded) of ``steps`` loop steps, the first 10 % dropped."""
+def hold_lock(us: float) -> None:
+    """``us`` µs of Python that never lets go of the interpreter lock of its own accord."""
+    end = time.perf_counter() + us / 1e6
+    x = 0
+    while time.perf_counter() < end:
+        for i in range(50):
+            x += i
+
+
+def run(mode: str, batch: int, steps: int, wait_us: float, sender: Sender, decide_us: float = 0.0,
+        decide_every: int = 3) -> list[float]:  # fmt: skip
+    """Host ms per step (the device's time excluded) of ``steps`` loop steps, the first 10 % dropped.
+    ``mode``: none | loop | step, optionally ``@S`` (the switch interval in ms while it runs)."""
+    mode, _, switch = mode.partition("@")
+    old = sys.getswitchinterval()
+    if switch:
+        sys.setswitchinterval(float(switch) / 1e3)
+    try:
+        return _run(mode, batch, steps, wait_us, sender, decide_us, decide_every)
+    finally:
+        sys.setswitchinterval(old)
+
+
+def _run(mode, batch, steps, wait_us, sender, decide_us, decide_every) -> list[float]:
     out, is_due = [], False
     for step in range(steps):
         t0 = time.perf_counter()
@@ -94,8 +124,12 @@ def run(mode: str, batch: int, steps: int, wait_us: float, sender: Sender) -> li
             sender.wake()
             is_due = False
         w0 = time.perf_counter()
-        device_wait(wait_us)
-        waited = time.perf_counter() - w0
+        if decide_us and step % decide_every == 0:  # a decide ahead while the device works
+            hold_lock(decide_us)
+        left = wait_us - (time.perf_counter() - w0) * 1e6
+        if left > 0:
+            device_wait(left)
+        waited = min(time.perf_counter() - w0, wait_us / 1e6)  # the device's part of the wait
         host_work(40)
         if mode != "none":
             replies = [(b"client", Chunk(f"r{i}", [step % 50000, 17], " the", 6, 5)) for i in range(batch)]
@@ -116,7 +150,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--wait-us", type=float, default=800.0)
+    ap.add_argument("--decide-us", type=float, default=0.0, help="a lock-holding decide ahead, us")
+    ap.add_argument("--decide-every", type=int, default=3, help="... every this many steps")
+    ap.add_argument("--switch-ms", type=float, nargs="*", default=[], help="switch intervals to add")
     args = ap.parse_args(argv)
+    modes = [*MODES, *(f"{m}@{s:g}" for s in args.switch_ms for m in MODES[1:])]
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.SNDHWM, 0)
@@ -129,11 +167,12 @@ def main(argv: list[str] | None = None) -> None:
     router.recv_multipart()  # the client's hello: its identity is routable now
     sender = Sender(ctx, router)
     sender.thread.start()
-    got: dict[str, list[float]] = {m: [] for m in MODES}
+    got: dict[str, list[float]] = {m: [] for m in modes}
     try:
         for r in range(args.rounds):
-            for m in MODES if r % 2 == 0 else MODES[::-1]:
-                got[m] += run(m, args.batch, args.steps, args.wait_us, sender)
+            for m in modes if r % 2 == 0 else modes[::-1]:
+                got[m] += run(m, args.batch, args.steps, args.wait_us, sender, args.decide_us,
+                              args.decide_every)  # fmt: skip
                 time.sleep(0.2)  # the last step's replies leave before the next mode
     finally:
         sender.stop()
@@ -141,8 +180,10 @@ def main(argv: list[str] | None = None) -> None:
         client.join(30)
         router.close(0)
         ctx.term()
+    decide = f", a {args.decide_us:.0f} us decide every {args.decide_every} steps" if args.decide_us else ""
     print(
         f"batch {args.batch}, {args.rounds} rounds of {args.steps} steps, device wait {args.wait_us:.0f} us"
+        f"{decide}"
     )
     print_modes("daemon.send_pace", "no sends", got)
 

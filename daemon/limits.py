@@ -50,6 +50,11 @@ class DaemonConfig:
     # the engine's next step waits for the device (its verification read), so the IO thread's Python
     # work does not take the interpreter lock from the engine's host work (at once when idle)
     send_pace: str = "loop"
+    # Python's thread switch interval while the daemon serves (sys.setswitchinterval; restored at close),
+    # ms. A thread that wants the interpreter lock waits up to this long for the one holding it: with the
+    # default (null = Python's 5 ms) a decide ahead of a few ms holds the IO and log-writer threads off
+    # for all of the GPU's scoring, and their work then lands on the next step's critical path.
+    switch_interval_ms: float | None = None
     # CURVE (docs/operations.md): required for any endpoint that is not loopback / ipc / inproc
     curve: bool = False
     curve_key_file: str | None = None  # the server's secret certificate; generated (0600) when missing
@@ -75,6 +80,9 @@ class DaemonConfig:
             check_cpu(self.engine_cpu)  # at start, before the model loads: one this process may use
         if self.send_pace not in ("loop", "step"):
             raise ValueError(f"daemon.send_pace must be loop or step, got {self.send_pace!r}")
+        si = self.switch_interval_ms
+        if si is not None and not (isinstance(si, int | float) and math.isfinite(si) and 0.01 <= si <= 100):
+            raise ValueError(f"daemon.switch_interval_ms must be in [0.01, 100] ms or null, got {si!r}")
         t = self.request_timeout_s
         if t is not None and not (math.isfinite(t) and t > 0):
             raise ValueError(f"daemon.request_timeout_s must be > 0 or null, got {t}")

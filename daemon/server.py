@@ -20,6 +20,7 @@ import gc
 import logging
 import queue
 import signal
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -69,6 +70,7 @@ class Server:
         self._router = self._wake_rx = self._wake_tx = None
         self._wake_lock = threading.Lock()  # the engine thread and the log's writer thread both wake
         self._curve: CurveServer | None = None
+        self._switch_interval_s: float | None = None  # Python's, to restore at close (switch_interval_ms)
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -141,6 +143,11 @@ class Server:
         if self.startup is not None:  # bound; the threads that answer start next
             self.startup.mark("listening")
             self.startup_stats = StartupStats(**self.startup.to_dict())
+        if cfg.switch_interval_ms is not None:
+            self._switch_interval_s = sys.getswitchinterval()
+            sys.setswitchinterval(cfg.switch_interval_ms / 1e3)
+            logger.info("thread switch interval %.3g ms (was %.3g)", cfg.switch_interval_ms,
+                        self._switch_interval_s * 1e3)  # fmt: skip
         for t in self._threads:
             t.start()
         if cfg.engine_cpu is not None:
@@ -163,7 +170,11 @@ class Server:
         return not any(t.is_alive() for t in self._threads)
 
     def close(self) -> None:
-        """Close the log and the sockets (after :meth:`join`; idempotent)."""
+        """Close the log and the sockets, restore the thread switch interval (after :meth:`join`;
+        idempotent)."""
+        if self._switch_interval_s is not None:
+            sys.setswitchinterval(self._switch_interval_s)
+            self._switch_interval_s = None
         if self._frozen is not None:
             gc.unfreeze()  # collectable again (matters where servers start and stop in one process)
             self._frozen = None
