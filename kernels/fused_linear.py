@@ -74,12 +74,16 @@ class FusedLinearConfig:
 def fused_linear_config(n: int, k: int, dtype: torch.dtype) -> FusedLinearConfig:
     """From (N, K, dtype) only, never M (for :func:`norm_swiglu` N is the intermediate size: each
     program then reads two ``block_n``-row weight blocks). Narrow layers take 16 columns per program,
-    so that SmolLM2's QKV (N = 960) spreads over 60 programs and its SwiGLU (I = 1,536) over 96; wide
-    ones (N >= 8192: LM heads, 7B's projections) 32. Not yet tuned on the H200
-    (``python -m specsched.bench.fused_linear``)."""
+    so that SmolLM2's QKV (N = 960) spreads over 60 programs and its SwiGLU (I = 1,536) over 96, with
+    K in chunks of 128 (half dtypes). Wide ones (N >= 8192: LM heads, 7B's projections) take 64 x 64:
+    SmolLM2's LM head (49,152 x 576, bf16, M = 1) on the H200 took 19.7 us at 64 x 64 (cuBLAS 19.6),
+    27.7 at 32 x 128 (2026-12-05, ``python -m specsched.bench.fused_linear --parts gemm``). The narrow
+    defaults were 0.6-0.8 us behind the best config tried there (QKV 6.2 vs 5.6, gate/up 7.4 vs 6.6;
+    which configs, the run did not keep): the next run of that benchmark tunes them."""
     half = dtype in (torch.float16, torch.bfloat16)
-    block_k = min(128 if half else 64, max(16, triton.next_power_of_2(k)))
-    block_n = min(32 if n >= 8192 else 16, max(16, triton.next_power_of_2(n)))
+    is_wide = n >= 8192
+    block_k = min(64 if is_wide or not half else 128, max(16, triton.next_power_of_2(k)))
+    block_n = min(64 if is_wide else 16, max(16, triton.next_power_of_2(n)))
     return FusedLinearConfig(block_n, block_k, num_warps=4, num_stages=3 if half else 2)
 
 
