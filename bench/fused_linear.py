@@ -8,11 +8,14 @@ CUDA only (exits 2 with a message elsewhere). Random bf16 weights in SmolLM2-135
 hidden 576, intermediate 1536, 9 / 3 heads) and Llama-2-7B's (32 layers, hidden 4096, intermediate
 11008, 32 heads). Each of M rows decodes one token over ``--ctx`` cached tokens. Prints markdown:
 
-- ``layer``: one decoder layer (``LlamaDecoderLayer.forward`` vs ``forward_fused``) captured in a graph;
-- ``forward``: the whole model (embedding to logits, the LM head fused with the final norm);
-- ``gemm``: each fused GEMM alone (norm + linear, norm + gate/up + SwiGLU) against its unfused pair, with the
-  default launch config and a few others (``FusedLinearConfig``): the data to tune
-  ``fused_linear_config``.
+- ``layer``: one decoder layer (``LlamaDecoderLayer.forward`` vs ``forward_fused``, and
+  ``forward_fused`` with the output / down projections in ``small_linear``: ``model.fused_linear_gemms``)
+  captured in a graph;
+- ``forward``: the whole model (embedding to logits, the LM head fused with the final norm), the same
+  three variants;
+- ``gemm``: each fused GEMM alone (norm + linear, norm + gate/up + SwiGLU; ``small_linear`` for the
+  output and down projections) against its unfused pair, with the default launch config and a few
+  others (``FusedLinearConfig``): the data to tune ``fused_linear_config``.
 
 Times are us per graph replay: the median over ``--repeats`` timed runs of ``--replays`` back-to-back
 replays each, with the runs' min-max; fused and unfused runs alternate. ``kernels`` counts the kernels
@@ -30,6 +33,7 @@ import torch
 
 MODELS = {"smollm2": "smollm2-135m", "7b": "llama2-7b"}
 BLOCK = 16
+VARIANTS = ("unfused", "fused", "gemms")  # gemms: fused, with the output / down projections in small_linear
 
 
 def graph_of(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -132,17 +136,24 @@ def bench_rows(key: str, model, m: int, args, out: dict[str, list[list[str]]]) -
     if "layer" in args.parts:
         graphs = {"unfused": graph_of(lambda: layer(*layer_args)),
                   "fused": graph_of(lambda: layer.forward_fused(*layer_args))}  # fmt: skip
+        own = (layer.self_attn.o_proj, layer.mlp.down_proj)
+        for mod in own:
+            mod.is_small_m = True
+        graphs["gemms"] = graph_of(lambda: layer.forward_fused(*layer_args))  # o_proj, down: small_linear
+        for mod in own:
+            mod.is_small_m = False
         _emit(out, "layer", row(key, m, graphs, args))
     if "forward" in args.parts:
         graphs, logits = {}, {}
-        for name in ("unfused", "fused"):
-            model.set_fused_linear(name == "fused")
+        for name in VARIANTS:
+            model.set_fused_linear(name != "unfused", gemms=name == "gemms")
             graphs[name] = graph_of(lambda n=name: logits.__setitem__(n, model(ids, pos, meta, kv)))
         model.set_fused_linear(False)
         for g in graphs.values():
             g.replay()
-        a, b = logits["unfused"].float(), logits["fused"].float()
-        _emit(out, "forward", row(key, m, graphs, args) + [f"{float((a - b).norm() / a.norm()):.1e}"])
+        a = logits["unfused"].float()
+        diffs = [f"{float((logits[n].float() - a).norm() / a.norm()):.1e}" for n in VARIANTS[1:]]
+        _emit(out, "forward", row(key, m, graphs, args) + diffs)
     if "gemm" in args.parts:
         for r in gemm_rows(key, model, m, args):
             _emit(out, "gemm", r)
@@ -155,11 +166,12 @@ def _emit(out: dict[str, list[list[str]]], part: str, cells: list[str]) -> None:
 
 
 def row(key: str, m: int, graphs: dict[str, torch.cuda.CUDAGraph], args) -> list[str]:
+    """The cells of one layer / forward row: each variant's us, its ratio to unfused, kernel counts."""
     runs = compare(graphs, args.repeats, args.replays)
-    ratio = statistics.median(runs["fused"]) / statistics.median(runs["unfused"])
-    counts = {n: None if args.no_profile else kernels_per_replay(g) for n, g in graphs.items()}
-    return [key, str(m), fmt_runs(runs["unfused"]), fmt_runs(runs["fused"]), f"{ratio:.2f}",
-            fmt_count(counts["unfused"]), fmt_count(counts["fused"])]  # fmt: skip
+    base = statistics.median(runs["unfused"])
+    ratios = [f"{statistics.median(runs[n]) / base:.2f}" for n in VARIANTS[1:]]
+    counts = [fmt_count(None if args.no_profile else kernels_per_replay(graphs[n])) for n in VARIANTS]
+    return [key, str(m), *(fmt_runs(runs[n]) for n in VARIANTS), *ratios, *counts]
 
 
 def gemm_rows(key: str, model, m: int, args) -> list[list[str]]:
@@ -175,27 +187,35 @@ def gemm_rows(key: str, model, m: int, args) -> list[list[str]]:
         norm_swiglu_triton,
     )
     from specsched.kernels.norm import add_rms_norm
+    from specsched.kernels.small_linear import small_linear_triton
 
     layer, cfg = model.model.layers[0], model.cfg
     ln, eps = layer.input_layernorm.weight, cfg.rms_norm_eps
     x = torch.randn(m, cfg.hidden_size, device="cuda").bfloat16()
     residual = torch.randn_like(x)
-    gemms = {
-        "qkv": (layer.self_attn.qkv_proj.weight, False),
-        "gate_up": (layer.mlp.gate_up_proj.weight, False),
-        "gate_up+swiglu": (layer.mlp.gate_up_proj.weight, True),
-        "lm_head": (model.lm_head.weight, False),
+    gemms = {  # name: (weight, kind): the prologue in front of the GEMM
+        "qkv": (layer.self_attn.qkv_proj.weight, "norm"),
+        "gate_up": (layer.mlp.gate_up_proj.weight, "norm"),
+        "gate_up+swiglu": (layer.mlp.gate_up_proj.weight, "swiglu"),
+        "o_proj": (layer.self_attn.o_proj.weight, "plain"),
+        "down": (layer.mlp.down_proj.weight, "plain"),
+        "lm_head": (model.lm_head.weight, "norm"),
     }
     rows = []
-    for name, (w, is_swiglu) in gemms.items():
-        n, k = w.shape[0] // (2 if is_swiglu else 1), w.shape[1]
+    for name, (w, kind) in gemms.items():
+        n, k = w.shape[0] // (2 if kind == "swiglu" else 1), w.shape[1]
         default = fused_linear_config(n, k, torch.bfloat16)
         configs = {"default": default}
         for bn, bk in ((16, 64), (16, 256), (32, 128), (64, 64), (64, 128)):
             c = FusedLinearConfig(bn, bk, num_warps=4, num_stages=3)
             if c != default:
                 configs[f"{bn}x{bk}"] = c
-        if is_swiglu:
+        if kind == "plain":  # small_linear vs cuBLAS (model.fused_linear_gemms)
+            a = torch.randn(m, k, device="cuda").bfloat16()
+            graphs = {"unfused": graph_of(lambda w=w, a=a: F.linear(a, w))}
+            for c_name, c in configs.items():
+                graphs[c_name] = graph_of(lambda w=w, a=a, c=c: small_linear_triton(a, w, config=c))
+        elif kind == "swiglu":
             graphs = {
                 "unfused": graph_of(
                     lambda w=w: silu_and_mul(F.linear(add_rms_norm(x, residual, ln, eps)[0], w))
@@ -243,18 +263,20 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, list[list[str]]] = {"layer": [], "forward": [], "gemm": []}
     for key in args.models:
         bench_model(key, args, out)
-    head = ["model", "M", "unfused us", "fused us", "fused/unfused", "kernels unfused", "kernels fused"]
+    head = ["model", "M", "unfused us", "fused us", "fused + own GEMMs us", "fused/unfused",
+            "+ GEMMs/unfused", "kernels unfused", "kernels fused", "kernels + GEMMs"]  # fmt: skip
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, ctx {args.ctx}, "
           f"median (min-max) of {args.repeats} runs x {args.replays} replays")  # fmt: skip
     if out["layer"]:
         print("\n### One decoder layer (layer 0), bf16\n\n" + table(head, out["layer"]))
     if out["forward"]:
-        print("\n### Whole forward, bf16\n\n" + table(head + ["logits rel. L2 diff"], out["forward"]))
+        diffs = ["logits rel. L2 diff fused", "... + GEMMs"]
+        print("\n### Whole forward, bf16\n\n" + table(head + diffs, out["forward"]))
     if out["gemm"]:
         gh = ["model", "GEMM", "N x K", "M", "unfused us", "fused default us", "default", "best", "best us"]
         print(
-            "\n### Each fused GEMM vs its unfused pair (norm / SiLU-mul + cuBLAS), bf16\n\n"
-            + table(gh, out["gemm"])
+            "\n### Each fused GEMM vs its unfused pair (norm / SwiGLU + cuBLAS; o_proj and down: small_linear"
+            " vs cuBLAS), bf16\n\n" + table(gh, out["gemm"])
         )
     return 0
 

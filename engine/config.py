@@ -30,6 +30,10 @@ class ModelConfig:
     # QKV, gate/up and LM-head GEMMs and SiLU-mul in the gate/up GEMM (kernels/fused_linear.py):
     # fewer launches per layer. Off until measured on the H200; not with deterministic (docs/models.md).
     fused_linear: bool = False
+    # With fused_linear: the attention output and down projections (no prologue to fuse) also in the
+    # small-M Triton kernel instead of cuBLAS (kernels/small_linear.py: no split-K second launch).
+    # Off until bench.fused_linear measures it on the H200.
+    fused_linear_gemms: bool = False
     # Prefill chunks of up to this many tokens and prompts run on CUDA graphs (each row's last
     # token's logits; tokens capped by scheduler.max_num_batched_tokens, prompts by max_num_seqs).
     # With the graphs captured, the scheduler keeps every prefill step within them: an eager
@@ -51,6 +55,11 @@ class ModelConfig:
             raise ValueError(f"model.deterministic must be true or false, got {self.deterministic!r}")
         if not isinstance(self.fused_linear, bool):
             raise ValueError(f"model.fused_linear must be true or false, got {self.fused_linear!r}")
+        if not isinstance(self.fused_linear_gemms, bool):
+            got = self.fused_linear_gemms
+            raise ValueError(f"model.fused_linear_gemms must be true or false, got {got!r}")
+        if self.fused_linear_gemms and not self.fused_linear:
+            raise ValueError("model.fused_linear_gemms=true needs model.fused_linear=true")
         if self.fused_linear and self.deterministic:
             raise ValueError(
                 "model.fused_linear cannot be combined with model.deterministic: only forwards of up to "

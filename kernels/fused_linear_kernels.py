@@ -5,6 +5,7 @@ Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); program (i, j) owns rows i*BLOCK_M..
 output columns j*BLOCK_N.., and reduces them over the whole of K in BLOCK_K chunks, in order. In
 ``_norm_swiglu_kernel`` N is the intermediate size and program j reduces two column blocks, j of the
 gate and j of the up projection, so that its epilogue has both halves of its SwiGLU outputs.
+``_small_linear_kernel`` is the same GEMM with no prologue.
 """
 
 from __future__ import annotations
@@ -145,3 +146,24 @@ def _norm_swiglu_kernel(
     tl.store(
         y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], h, mask=m_valid[:, None] & n_valid[None, :]
     )
+
+
+@triton.jit(**runtime_args(ints=("M",)))
+def _small_linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, stride_x, stride_w, stride_y,
+    N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_valid, n_valid = offs_m < M, offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # no prologue: x's chunk as it is
+        kk = k0 + offs_k
+        k_valid = kk < K
+        mask = m_valid[:, None] & k_valid[None, :]
+        a = tl.load(x_ptr + offs_m[:, None] * stride_x + kk[None, :], mask=mask, other=0.0)
+        acc = _dot_chunk(acc, a, w_ptr, offs_n, kk, n_valid, k_valid, stride_w, PRECISION, UPCAST)
+    _store_out(acc, b_ptr, y_ptr, offs_m, offs_n, m_valid, n_valid, stride_y, HAS_BIAS, EMULATE_BF16)

@@ -21,11 +21,12 @@ run each layer's residual add + RMSNorm inside the QKV and gate/up GEMMs, SiLU-m
 GEMM's epilogue, and the final norm inside the LM head (:mod:`specsched.kernels.fused_linear`): three
 launches per layer fewer than the default path (two norms, SiLU-mul), and none of the split-K
 reduction kernels cuBLAS adds to those GEMMs at small M (the down projection stays cuBLAS's). Same
-rounding points; only the GEMMs' fp32 accumulation order differs. Larger forwards, and every forward
-off CUDA, take the default path (under ``TRITON_INTERPRET=1`` the fused kernels run on the CPU, for
-tests). Not with ``deterministic``: the
-fused kernels are row-invariant, but forwards above 16 rows are not fused, so a token's logits would
-depend on its batch's size again. Parameters and their names are unchanged.
+rounding points; only the GEMMs' fp32 accumulation order differs. With ``fused_linear_gemms`` the
+output and down projections run the same family's plain small-M kernel too (no split-K second
+launch; :mod:`specsched.kernels.small_linear`). Larger forwards, and every forward off CUDA, take the
+default path (under ``TRITON_INTERPRET=1`` the fused kernels run on the CPU, for tests). Not with
+``deterministic``: the fused kernels are row-invariant, but forwards above 16 rows are not fused, so
+a token's logits would depend on its batch's size again. Parameters and their names are unchanged.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from specsched.kernels.fused_linear import FUSED_MAX_ROWS, norm_linear, norm_swi
 from specsched.kernels.metadata import AttentionMetadata
 from specsched.kernels.norm import add_rms_norm, rms_norm
 from specsched.kernels.rotary import rotary_store_kv
+from specsched.kernels.small_linear import small_linear
 from specsched.kernels.triton_utils import is_interpreted
 from specsched.models.config import LlamaConfig
 
@@ -52,15 +54,20 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([NB, BS, Hkv, D
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, names and default forward); with ``deterministic`` set it runs
-    the batch-invariant matmul (row i of the output independent of the other rows)."""
+    the batch-invariant matmul (row i of the output independent of the other rows); with
+    ``is_small_m`` set, forwards of at most ``FUSED_MAX_ROWS`` rows on CUDA run the small-M Triton
+    kernel (``model.fused_linear_gemms``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, deterministic: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.deterministic = deterministic
+        self.is_small_m = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.deterministic:
             return batch_invariant_linear(x, self.weight, self.bias)
+        if self.is_small_m and x.shape[0] <= FUSED_MAX_ROWS and (x.is_cuda or is_interpreted()):
+            return small_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -305,11 +312,16 @@ class LlamaForCausalLM(nn.Module):
                 m.deterministic = on
         self.deterministic = on
 
-    def set_fused_linear(self, on: bool) -> None:
-        """The fused small-M linear layers on or off (module docstring)."""
+    def set_fused_linear(self, on: bool, gemms: bool = False) -> None:
+        """The fused small-M linear layers on or off (module docstring); ``gemms``: with them, the
+        attention output and down projections in the small-M kernel too."""
         if on and self.deterministic:
             raise ValueError("fused_linear cannot run with deterministic mode (not batch-invariant)")
+        if gemms and not on:
+            raise ValueError("the small-M output / down projections need fused_linear on")
         self.fused_linear = on
+        for layer in self.model.layers:
+            layer.self_attn.o_proj.is_small_m = layer.mlp.down_proj.is_small_m = gemms
 
     def uses_fused_linear(self, x: torch.Tensor) -> bool:
         """Whether a forward over rows ``x`` [T, hidden] takes the fused path."""

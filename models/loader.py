@@ -149,7 +149,7 @@ def load_model(
     if cfg.deterministic:
         model.set_deterministic(True)
     if cfg.fused_linear:
-        model.set_fused_linear(True)
+        model.set_fused_linear(True, gemms=cfg.fused_linear_gemms)
     max_len = cfg.max_model_len or lcfg.max_position
     return LoadedModel(model, tokenizer, lcfg, name, desc, max_len, entry, conversion)
 

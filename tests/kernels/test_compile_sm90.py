@@ -125,17 +125,20 @@ FUSED_SHAPES = {
     "smollm2_qkv": (960, 576),
     "smollm2_gate_up": (3072, 576),
     "smollm2_swiglu": (1536, 576),
+    "smollm2_o_proj": (576, 576),
+    "smollm2_down": (576, 1536),
     "smollm2_lm_head": (49152, 576),
     "7b_qkv": (12288, 4096),
     "7b_swiglu": (11008, 4096),
+    "7b_down": (4096, 11008),
 }
 
 
 @pytest.mark.parametrize("shape", list(FUSED_SHAPES))
 def test_fused_linear_kernels_compile_for_sm90(shape: str) -> None:
-    """RMSNorm + linear (with and without the residual add and bias) and RMSNorm + gate/up + SwiGLU
-    (N = the intermediate size), bf16, with the launch config (:func:`fused_linear_config`) and options
-    (no FMA contraction) they run with."""
+    """RMSNorm + linear (with and without the residual add and bias), RMSNorm + gate/up + SwiGLU
+    (N = the intermediate size) and the plain small-M linear, bf16, with the launch config
+    (:func:`fused_linear_config`) and options (no FMA contraction) they run with."""
     from specsched.kernels import fused_linear as fl
     from specsched.kernels import fused_linear_kernels as flk
     from specsched.kernels.triton_utils import NO_FP_FUSION
@@ -148,6 +151,11 @@ def test_fused_linear_kernels_compile_for_sm90(shape: str) -> None:
     bf = "*bf16"
     types = {"x_ptr": bf, "res_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf,
              "res_out_ptr": bf, "eps": "fp32", "inv_k": "fp32"}  # fmt: skip
+    if shape.endswith(("o_proj", "down")):  # the plain small-M linear (model.fused_linear_gemms)
+        for has_bias in (False, True):
+            constexprs = dict(N=n, K=k, HAS_BIAS=has_bias, **blocks)
+            assert compile_sm90(flk._small_linear_kernel, types, constexprs, **opts) > 0
+        return
     if shape.endswith("swiglu"):
         for has_residual in (True, False):
             constexprs = dict(INTER=n, K=k, HAS_RESIDUAL=has_residual, LIBDEVICE_EXP=True, **blocks)

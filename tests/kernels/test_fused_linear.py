@@ -1,5 +1,6 @@
-"""Fused small-M linear layers (RMSNorm + linear, RMSNorm + gate/up + SwiGLU): Triton kernels vs the
-torch references, the references vs the unfused composition, wrapper errors, batch invariance.
+"""Fused small-M linear layers (RMSNorm + linear, RMSNorm + gate/up + SwiGLU) and the plain small-M
+linear of the same family: Triton kernels vs the torch references, the references vs the unfused
+composition, wrapper errors, batch invariance.
 
 CPU: the kernels run under ``TRITON_INTERPRET=1`` in a subprocess (as test_norm.py); this file is that
 subprocess's script when run with ``--interpreted``. GPU (marked ``gpu``): SmolLM2 and 7B shapes in
@@ -26,6 +27,7 @@ from specsched.kernels.fused_linear import (
     norm_swiglu_triton,
 )
 from specsched.kernels.norm import add_rms_norm, rms_norm
+from specsched.kernels.small_linear import small_linear, small_linear_ref, small_linear_triton
 from specsched.kernels.testing import interpreted_results, run_jobs
 from specsched.kernels.triton_utils import diff_stats, is_interpreted
 
@@ -128,6 +130,16 @@ SWIGLU_CASES: dict[str, tuple] = {
 }
 
 
+# name: (M, K, N, dtype, bias?, (block_n, block_k) or None)
+SMALL_CASES: dict[str, tuple] = {
+    "m1_k200_n100_bf16_bias": (1, 200, 100, "bfloat16", True, None),
+    "m4_k72_n48_fp16": (4, 72, 48, "float16", False, None),
+    "m16_k136_n64_fp32_bias": (16, 136, 64, "float32", True, None),
+    "m9_k96_n80_bf16_blocks32x32": (9, 96, 80, "bfloat16", False, (32, 32)),
+    "m20_k64_n48_bf16_two_row_tiles": (20, 64, 48, "bfloat16", True, None),
+}
+
+
 def _config(blocks) -> FusedLinearConfig | None:
     return FusedLinearConfig(*blocks, num_warps=4, num_stages=2) if blocks else None
 
@@ -175,6 +187,19 @@ def run_swiglu_case(m, k, inter, dtype, has_res, blocks) -> dict:
     }
 
 
+def run_small_case(m, k, n, dtype, has_bias, blocks) -> dict:
+    x, _, _, w, bias = make_norm_inputs(m, k, n, DTYPES[dtype], seed=k + n + m)
+    bias = bias if has_bias else None
+    before = [t.clone() for t in (x, w)]
+    y = small_linear_triton(x, w, bias, config=_config(blocks))
+    ref = small_linear_ref(x, w, bias)
+    return {
+        "y": diff_stats(y, ref),
+        "error_over_bound": error_over_bound(y, ref, x, w, bias, dtype),
+        "inputs_unchanged": all(torch.equal(a, b) for a, b in zip(before, (x, w))),
+    }
+
+
 def run_row_invariance(dtype: str) -> dict:
     """Row i of a launch is bitwise the same alone (M = 1), beside other rows, at another row of the
     tile, and in the second 16-row tile (M = 20)."""
@@ -182,6 +207,7 @@ def run_row_invariance(dtype: str) -> dict:
     _, _, _, w_gu = make_swiglu_inputs(20, 136, 40, DTYPES[dtype], seed=4)
     full = norm_linear_triton(x, residual, norm_w, 1e-6, w, bias)[0]
     full_s = norm_swiglu_triton(x, residual, norm_w, 1e-6, w_gu)[0]
+    full_l = small_linear_triton(x, w, bias)
     bad = []
     for i in (0, 5, 15, 17):
         alone = norm_linear_triton(x[i : i + 1], residual[i : i + 1], norm_w, 1e-6, w, bias)[0]
@@ -192,11 +218,15 @@ def run_row_invariance(dtype: str) -> dict:
         res_o[3] = residual[i]
         moved = norm_linear_triton(others, res_o, norm_w, 1e-6, w, bias)[0][3]
         s_moved = norm_swiglu_triton(others, res_o, norm_w, 1e-6, w_gu)[0][3]
+        l_alone = small_linear_triton(x[i : i + 1], w, bias)
+        l_moved = small_linear_triton(others, w, bias)[3]
         checks = {
             "alone": torch.equal(alone[0], full[i]),
             "moved": torch.equal(moved, full[i]),
             "swiglu_alone": torch.equal(s_alone[0], full_s[i]),
             "swiglu_moved": torch.equal(s_moved, full_s[i]),
+            "small_alone": torch.equal(l_alone[0], full_l[i]),
+            "small_moved": torch.equal(l_moved, full_l[i]),
         }
         bad += [f"row {i} {name}" for name, ok in checks.items() if not ok]
     return {"bad": bad}
@@ -206,12 +236,14 @@ def run_empty() -> dict:
     x, residual, norm_w, w, bias = make_norm_inputs(0, 64, 48, torch.bfloat16)
     y, new_res = norm_linear_triton(x, residual, norm_w, 1e-5, w, bias)
     s, s_res = norm_swiglu_triton(x, residual, norm_w, 1e-5, w)
-    return {"shapes": [list(y.shape), list(new_res.shape), list(s.shape), list(s_res.shape)]}
+    lin = small_linear_triton(x, w, bias)
+    return {"shapes": [list(y.shape), list(new_res.shape), list(s.shape), list(s_res.shape), list(lin.shape)]}
 
 
 def interpreted_main() -> None:
     jobs = {f"norm_{name}": (lambda c=case: run_norm_case(*c)) for name, case in NORM_CASES.items()}
     jobs |= {f"swiglu_{name}": (lambda c=case: run_swiglu_case(*c)) for name, case in SWIGLU_CASES.items()}
+    jobs |= {f"small_{name}": (lambda c=case: run_small_case(*c)) for name, case in SMALL_CASES.items()}
     jobs |= {f"invariance_{d}": (lambda d=d: run_row_invariance(d)) for d in ("bfloat16", "float32")}
     jobs["empty"] = run_empty
     run_jobs(jobs)
@@ -250,6 +282,16 @@ def test_interpreted_norm_swiglu_matches_reference(interpreted: dict, name: str)
     assert r["inputs_unchanged"], "the kernel wrote into its inputs"
 
 
+@pytest.mark.parametrize("name", list(SMALL_CASES))
+def test_interpreted_small_linear_matches_reference(interpreted: dict, name: str) -> None:
+    r = interpreted[f"small_{name}"]
+    assert "error" not in r, r.get("error")
+    print(name, r["y"], f"error/bound {r['error_over_bound']:.3f}")
+    assert r["error_over_bound"] <= 1.0, r
+    assert rounding_matches(r["y"], SMALL_CASES[name][3]), r["y"]
+    assert r["inputs_unchanged"], "the kernel wrote into its inputs"
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_interpreted_rows_are_batch_invariant(interpreted: dict, dtype: str) -> None:
     r = interpreted[f"invariance_{dtype}"]
@@ -260,7 +302,7 @@ def test_interpreted_rows_are_batch_invariant(interpreted: dict, dtype: str) -> 
 def test_interpreted_empty_batch(interpreted: dict) -> None:
     r = interpreted["empty"]
     assert "error" not in r, r.get("error")
-    assert r["shapes"] == [[0, 48], [0, 64], [0, 24], [0, 64]]
+    assert r["shapes"] == [[0, 48], [0, 64], [0, 24], [0, 64], [0, 48]]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -284,6 +326,8 @@ def test_references_are_the_unfused_composition(dtype: str) -> None:
         assert torch.equal(y, want) and torch.equal(r, new_res)
     y, r = norm_swiglu(x, None, norm_w, 1e-6, w_gu)
     assert torch.equal(y, silu_and_mul(F.linear(rms_norm(x, norm_w, 1e-6), w_gu))) and r is x
+    for b in (bias, None):
+        assert torch.equal(small_linear(x, w, b), F.linear(x, w, b))
 
 
 def test_bad_arguments_raise() -> None:
@@ -323,6 +367,19 @@ def test_bad_arguments_raise() -> None:
         for fn in (norm_swiglu, norm_swiglu_triton):
             with pytest.raises(ValueError, match=f"norm_swiglu: {match}"):
                 fn(*args)
+    x, _, _, w, bias = make_norm_inputs(3, 32, 48, torch.float16)
+    cases = [
+        ((x[:, :0], w[:, :0]), r"x must be \[M, K > 0\], got shape \(3, 0\)"),
+        ((x.int(), w), "x must be float32/float16/bfloat16, got torch.int32"),
+        ((x, w[:, :31]), r"weight must be \[N, K=32\], got shape \(48, 31\)"),
+        ((x, w.float()), "weight dtype torch.float32 differs from x dtype torch.float16"),
+        ((x, w.to("meta")), "weight is on meta, x on cpu"),
+        ((x, w, bias[:47]), r"bias must be \[48\], got shape \(47,\)"),
+    ]  # fmt: skip
+    for args, match in cases:
+        for fn in (small_linear, small_linear_triton):
+            with pytest.raises(ValueError, match=f"small_linear: {match}"):
+                fn(*args)
 
 
 def test_triton_launch_on_cpu_needs_interpreter() -> None:
@@ -333,6 +390,8 @@ def test_triton_launch_on_cpu_needs_interpreter() -> None:
         norm_linear_triton(x, residual, norm_w, 1e-5, w)
     with pytest.raises(RuntimeError, match="needs CUDA tensors"):
         norm_swiglu_triton(x, residual, norm_w, 1e-5, torch.zeros(8, 32))
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        small_linear_triton(x, w)
 
 
 # --- GPU -------------------------------------------------------------------------------------------
@@ -342,6 +401,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 # SmolLM2-135M's and Llama-2-7B's MLPs.
 GPU_NORM_SHAPES = [(576, 960), (576, 3072), (576, 49152), (4096, 12288)]
 GPU_SWIGLU_SHAPES = [(576, 1536), (4096, 11008)]
+# (K, N) of small_linear: SmolLM2-135M's output and down projections; Llama-2-7B's
+GPU_SMALL_SHAPES = [(576, 576), (1536, 576), (4096, 4096), (11008, 4096)]
 
 
 @pytest.mark.gpu
@@ -382,15 +443,31 @@ def test_gpu_norm_swiglu_real_shapes_bf16(m: int, shape: tuple[int, int]) -> Non
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("shape", GPU_SMALL_SHAPES, ids=lambda s: f"k{s[0]}_n{s[1]}")
+def test_gpu_small_linear_real_shapes_bf16(m: int, shape: tuple[int, int]) -> None:
+    k, n = shape
+    x, _, _, w, _ = make_norm_inputs(m, k, n, torch.bfloat16, seed=m, device="cuda")
+    y, ref = small_linear(x, w), small_linear_ref(x, w)
+    stats = diff_stats(y, ref)
+    ratio = error_over_bound(y, ref, x, w, None, "bfloat16")
+    print(f"small_linear M={m} K={k} N={n} bf16: {stats}, error/bound {ratio:.3f}")
+    assert ratio <= 1.0 and rounding_matches(stats, "bfloat16"), stats
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_gpu_rows_are_batch_invariant(dtype: str) -> None:
     x, residual, norm_w, w, bias = make_norm_inputs(16, 576, 960, DTYPES[dtype], seed=9, device="cuda")
     _, _, _, w_gu = make_swiglu_inputs(16, 576, 1536, DTYPES[dtype], seed=9, device="cuda")
     full = norm_linear(x, residual, norm_w, 1e-5, w, bias)[0]
     full_s = norm_swiglu(x, residual, norm_w, 1e-5, w_gu)[0]
+    full_l = small_linear(x, w, bias)
     for m in (1, 3, 8):
         assert torch.equal(norm_linear(x[:m], residual[:m], norm_w, 1e-5, w, bias)[0], full[:m]), m
         assert torch.equal(norm_swiglu(x[:m], residual[:m], norm_w, 1e-5, w_gu)[0], full_s[:m]), m
+        assert torch.equal(small_linear(x[:m], w, bias), full_l[:m]), m
 
 
 @pytest.mark.gpu

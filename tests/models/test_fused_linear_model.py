@@ -66,6 +66,12 @@ def test_config_accepts_and_validates_the_option() -> None:
         ModelConfig(fused_linear="yes")
     with pytest.raises(ValueError, match="model.fused_linear cannot be combined with model.deterministic"):
         ModelConfig(fused_linear=True, deterministic=True)
+    assert ModelConfig().fused_linear_gemms is False
+    assert ModelConfig(fused_linear=True, fused_linear_gemms=True).fused_linear_gemms is True
+    with pytest.raises(ValueError, match="model.fused_linear_gemms=true needs model.fused_linear=true"):
+        ModelConfig(fused_linear_gemms=True)
+    with pytest.raises(ValueError, match="model.fused_linear_gemms must be true or false, got 1"):
+        ModelConfig(fused_linear=True, fused_linear_gemms=1)
 
 
 def test_loader_sets_the_option_and_keeps_the_parameter_names() -> None:
@@ -73,8 +79,20 @@ def test_loader_sets_the_option_and_keeps_the_parameter_names() -> None:
 
     on = load_model(ModelConfig(source="tiny", device="cpu", fused_linear=True), progress=False).model
     off = load_model(ModelConfig(source="tiny", device="cpu"), progress=False).model
-    assert on.fused_linear and not off.fused_linear
+    gemms = load_model(
+        ModelConfig(source="tiny", device="cpu", fused_linear=True, fused_linear_gemms=True), progress=False
+    ).model
+    assert on.fused_linear and not off.fused_linear and gemms.fused_linear
     assert list(on.state_dict()) == list(off.state_dict())
+
+    def small_m(model) -> list[str]:
+        return [n for n, m in model.named_modules() if getattr(m, "is_small_m", False)]
+
+    assert small_m(on) == small_m(off) == []
+    layers = get_preset("tiny").num_layers
+    assert small_m(gemms) == [
+        f"model.layers.{i}.{name}" for i in range(layers) for name in ("self_attn.o_proj", "mlp.down_proj")
+    ]
 
 
 def test_model_refuses_fused_linear_with_deterministic() -> None:
@@ -97,9 +115,10 @@ def test_default_path_never_calls_the_fused_kernels(monkeypatch) -> None:
 
     monkeypatch.setattr(llama, "norm_linear", refuse)
     monkeypatch.setattr(llama, "norm_swiglu", refuse)
+    monkeypatch.setattr(llama, "small_linear", refuse)
     model = tiny_model()
     want = forwards(model, model.allocate_kv_cache(20, BLOCK))
-    model.set_fused_linear(True)
+    model.set_fused_linear(True, gemms=True)
     got = forwards(model, model.allocate_kv_cache(20, BLOCK))
     for (name, a), (_, b) in zip(want, got):
         assert torch.equal(a, b), name
@@ -132,9 +151,9 @@ def test_the_benchmark_exits_2_without_cuda(capsys) -> None:
 MODEL_TOL = {"float32": 1e-5, "bfloat16": 3e-2}
 
 
-def fused_forward_job(dtype: str) -> dict:
+def fused_forward_job(dtype: str, gemms: bool = False) -> dict:
     model = tiny_model(getattr(torch, dtype))
-    calls = {"norm_linear": 0, "norm_swiglu": 0}
+    calls = {"norm_linear": 0, "norm_swiglu": 0, "small_linear": 0}
     originals = {name: getattr(llama, name) for name in calls}
 
     def counting(name: str):
@@ -149,8 +168,8 @@ def fused_forward_job(dtype: str) -> dict:
             setattr(llama, name, counting(name))
         kv_off, kv_on = model.allocate_kv_cache(20, BLOCK), model.allocate_kv_cache(20, BLOCK)
         want = forwards(model, kv_off)
-        assert calls == {"norm_linear": 0, "norm_swiglu": 0}
-        model.set_fused_linear(True)
+        assert calls == {"norm_linear": 0, "norm_swiglu": 0, "small_linear": 0}
+        model.set_fused_linear(True, gemms=gemms)
         got = forwards(model, kv_on)
     finally:
         for name, fn in originals.items():
@@ -169,7 +188,9 @@ def fused_forward_job(dtype: str) -> dict:
 
 
 def interpreted_main() -> None:
-    run_jobs({f"fused_{d}": (lambda d=d: fused_forward_job(d)) for d in MODEL_TOL})
+    jobs = {f"fused_{d}": (lambda d=d: fused_forward_job(d)) for d in MODEL_TOL}
+    jobs |= {f"fused_gemms_{d}": (lambda d=d: fused_forward_job(d, gemms=True)) for d in MODEL_TOL}
+    run_jobs(jobs)
 
 
 @pytest.fixture(scope="module")
@@ -177,15 +198,21 @@ def interpreted() -> dict[str, dict]:
     return interpreted_results(__file__)
 
 
+@pytest.mark.parametrize("gemms", [False, True], ids=["cublas_o_down", "small_m_o_down"])
 @pytest.mark.parametrize("dtype", list(MODEL_TOL))
-def test_interpreted_fused_forward_matches_unfused(interpreted: dict, dtype: str) -> None:
-    r = interpreted[f"fused_{dtype}"]
+def test_interpreted_fused_forward_matches_unfused(interpreted: dict, dtype: str, gemms: bool) -> None:
+    r = interpreted[f"fused_gemms_{dtype}" if gemms else f"fused_{dtype}"]
     assert "error" not in r, r.get("error")
     print(dtype, r)
     layers = get_preset("tiny").num_layers
-    # decode and verify fused (a norm_linear and a norm_swiglu per layer, a norm_linear for the head);
-    # prefill not
-    assert r["calls"] == {"norm_linear": 2 * (layers + 1), "norm_swiglu": 2 * layers}
+    # decode and verify fused (a norm_linear and a norm_swiglu per layer, a norm_linear for the head;
+    # with gemms the output and down projections in small_linear); prefill not
+    want = {
+        "norm_linear": 2 * (layers + 1),
+        "norm_swiglu": 2 * layers,
+        "small_linear": 2 * 2 * layers * gemms,
+    }
+    assert r["calls"] == want
     assert r["prefill"]["equal"], "a forward of more than 16 rows must take the unfused path"
     for step in ("decode", "verify"):
         assert r[step]["rel_err"] <= MODEL_TOL[dtype] and r[step]["argmax_equal"], (step, r[step])
