@@ -28,6 +28,7 @@ import argparse
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -210,6 +211,8 @@ def gemm_rows(key: str, model, m: int, args) -> list[list[str]]:
             c = FusedLinearConfig(bn, bk, num_warps=4, num_stages=3)
             if c != default:
                 configs[f"{bn}x{bk}"] = c
+        for warps in (2, 8):  # a 16-row tile is little work for 4 warps; more warps, more loads in flight
+            configs[f"{default.block_n}x{default.block_k} w{warps}"] = replace(default, num_warps=warps)
         if kind == "plain":  # small_linear vs cuBLAS (model.fused_linear_gemms)
             a = torch.randn(m, k, device="cuda").bfloat16()
             graphs = {"unfused": graph_of(lambda w=w, a=a: F.linear(a, w))}
