@@ -187,9 +187,11 @@ def predicted_rates(log: LoadedLog, policy: dict, client_gaps: bool = False) -> 
 
 
 def with_overhead(log: LoadedLog, other: LoadedLog) -> LoadedLog:
-    """``log`` with its cost model's host-overhead component replaced by ``other``'s (a copy)."""
+    """``log`` with its cost model's host-overhead component replaced by ``other``'s (a copy), and its
+    churn residual (host time too: a finished request's reply and log row) by ``other``'s."""
     costs = copy.deepcopy(log.costs)
     costs.models[("overhead",)] = copy.deepcopy(other.costs.model("overhead"))
+    costs.churn = copy.deepcopy(other.costs.churn)
     return dataclasses.replace(log, costs=costs, costs_without_spill=None)  # the overhead is other's
 
 

@@ -97,6 +97,9 @@ class CostModels:
         # graph scorer -> its score model's residual per graph (policies/bucket_bias.py); off: none
         self.is_bucket_bias = bucket_bias
         self.biases: dict[str, BucketBias] = {}
+        # replay only: what a change of the decode batch adds to a step, fitted on a recorded run by
+        # policies.replay.refit_costs (policies/replay_churn.py); None: nothing
+        self.churn = None
         self.seed_defaults(device)
 
     # ---- models and priors ----

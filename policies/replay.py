@@ -23,6 +23,7 @@ from specsched.policies.acceptance import AcceptanceEstimator
 from specsched.policies.base import BatchView, Policy, RequestView
 from specsched.policies.cost_model import CostModels
 from specsched.policies.registry import POLICIES, build_policy
+from specsched.policies.replay_churn import ChurnResidual
 from specsched.policies.replay_log import (
     MatchBits,
     RecordedRequest,
@@ -42,13 +43,15 @@ def refit_costs(
     count_between: bool = True,
     bucket_bias: bool = True,
     without_decide_spill: bool = False,
+    churn: bool = True,
 ) -> CostModels:
     """Cost models fitted on the run's decode steps, from the device's seed coefficients
     (``forgetting`` 1.0: every step weighs the same, the run is taken as stationary; ``count_between``:
     a step costs its ``cost_ms``, the time before it included, else its ``total_ms``; ``bucket_bias``:
     with the graph scorers' per-graph residuals, policies/bucket_bias.py; ``without_decide_spill``:
     each step's total less its :func:`decide_spill_ms`, the host time of a policy that decides ahead
-    which a policy that does not would not pay: the costs to replay such a policy with)."""
+    which a policy that does not would not pay: the costs to replay such a policy with; ``churn``:
+    with the residual of steps whose batch changed, ``costs.churn``, policies/replay_churn.py)."""
     device = "cuda" if run.device.startswith("cuda") else "cpu"
     costs = CostModels(
         run.settings.graph_buckets or None, device=device, forgetting=forgetting, count_between=count_between,
@@ -62,7 +65,18 @@ def refit_costs(
             costs.observe(rec)
         except ValueError as e:
             raise ReplayError(f"{run.path}: damaged step rows in run {run.run_id} ({e})") from e
+    if churn:
+        costs.churn = ChurnResidual.fit(
+            run.decode_steps,
+            lambda rec: costs.predict(rec.scorer, rec.proposer or "none", record_shape(rec)).total_ms,
+            lambda rec: costs.step_ms(rec) - spill.get(rec.step, 0.0),
+        )
     return costs
+
+
+def record_shape(rec: StepRecord) -> StepShape:
+    """A decode record's step shape (context as the policy sees it: KV-cached tokens + the input)."""
+    return StepShape([r.k for r in rec.requests], [r.context_len + 1 for r in rec.requests])
 
 
 def decide_spill_ms(steps: Sequence[StepRecord]) -> dict[int, float]:
@@ -167,9 +181,13 @@ def recorded_result(run: RecordedRun, costs: CostModels) -> PolicyResult:
     label = policy_label(run.settings.policy) if run.settings.policy else "?"
     res = _base_result(run, label, "recorded", costs)
     res.measured_ms = sum(map(costs.step_ms, run.steps))
+    last: set[str] | None = None
     for rec in run.decode_steps:
         ks, ctx = [q.k for q in rec.requests], [q.context_len + 1 for q in rec.requests]
         pred = costs.predict(rec.scorer, rec.proposer or run.settings.proposer, StepShape(ks, ctx)).total_ms
+        if costs.churn is not None:  # as the replay charges its steps
+            ids = {q.request_id for q in rec.requests}
+            pred, last = costs.churn.charged(pred, last, ids), ids
         res.predicted_ms += pred
         res.trace.append(StepTrace(len(ks), sum(ks) / len(ks), rec.scorer, pred, costs.step_ms(rec)))
         res.num_steps += 1
@@ -273,6 +291,8 @@ def simulate(
                         busy.add(client)
                 is_admitted = True
 
+    churn = costs.churn  # ChurnResidual | None: what a change of the batch adds to a step
+    last_ids: set[str] | None = None  # the requests of the last simulated step
     while any(queues.values()) or running:
         admit()
         if not running:
@@ -304,6 +324,9 @@ def simulate(
             )
         ks = [min(k, v.max_k) for k, v in zip(plan.k, views, strict=True)]
         pred = costs.predict(plan.scorer, st.proposer, StepShape(ks, ctx)).total_ms
+        if churn is not None:
+            ids = {live.req.key for live in running}
+            pred, last_ids = churn.charged(pred, last_ids, ids), ids
         accepted = []
         for live, k in zip(running, ks, strict=True):
             a, world, imputed = 0, bits.bits[live.index], bits.imputed[live.index]

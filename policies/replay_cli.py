@@ -186,6 +186,10 @@ def format_report(report: ReplayReport) -> str:
             f"k {min(ks)}-{max(ks)}); on them mean |predicted - measured| {err:.2f} ms/step "
             f"({100 * err / mean_ms if mean_ms else 0:.1f}% of the mean step)"
         )
+    churn = report.costs.churn
+    if churn is not None and churn.counts:
+        cells = ", ".join(f"{g} {c} {ms:+.2f} ({n})" for (g, c), (n, ms) in churn.table().items())
+        notes.append(f"churn residual, ms per step by batch group and class (steps): {cells}")
     unfitted = sorted(set(st.scorers) - set(report.fit_steps))
     if unfitted:
         notes.append(f"cost model: no recorded steps of {', '.join(unfitted)}: seed coefficients only")
