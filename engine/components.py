@@ -94,9 +94,11 @@ def build_parts(
             with_tokenizer=False,  # the target's tokenizer serves; the draft's would be loaded for nothing
         ).model
         mark("draft")
-    draft_layers = 0
+    draft_layers = 0  # layers of draft KV cache beside the target's (a shared self-draft has none)
     if cfg.spec.proposer == "draft":
         draft_layers = draft.cfg.num_layers if draft is not None else cfg.spec.draft.num_layers
+        if draft is None and cfg.spec.draft.shared_kv:
+            draft_layers = 0
     max_len = min(cfg.model.max_model_len or model.cfg.max_position, model.cfg.max_position)
     # before the KV cache takes its share of free memory (each worker holds a CUDA context)
     prebuilt = prebuild_attention(cfg, [m for m in (model, draft) if m is not None], max_len,
@@ -109,7 +111,7 @@ def build_parts(
     names = cfg.spec.scorers or default_scorer_names(model.lm_head.weight.device.type)
     scorers = build_scorers(names, model, kv, cfg.cache.block_size, graphs)
     prefill_runner = build_prefill_runner(model, kv, cfg.cache.block_size, graphs)
-    proposers = build_proposers(cfg.spec, model, num_blocks, cfg.cache.block_size, draft)
+    proposers = build_proposers(cfg.spec, model, num_blocks, cfg.cache.block_size, draft, target_kv=kv)
     if "draft" in proposers:
         attach_draft_graphs(proposers["draft"], graphs, cfg.cache.block_size)
     mark("graphs")

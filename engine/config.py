@@ -80,10 +80,16 @@ class DraftConfig:
     source: str = "self"
     num_layers: int = 8  # for source=self
     seed: int = 1
+    # source=self: the draft reads and writes the target's KV cache of its layers (the same weights over
+    # the same tokens give the same K/V): no cache of its own and no catch-up over a new request's
+    # prompt (proposers/draft.py). false: a separate cache, filled by the draft itself.
+    shared_kv: bool = True
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"draft.num_layers must be >= 1, got {self.num_layers}")
+        if not isinstance(self.shared_kv, bool):
+            raise ValueError(f"draft.shared_kv must be true or false, got {self.shared_kv!r}")
 
 
 @dataclass

@@ -7,6 +7,16 @@ bonus token of the last step) as one varlen row, whose last position gives draft
 single-token steps. After verification, ``on_commit`` rolls the draft's KV back by length to the
 committed prefix, so partial acceptance never leaves stale KV in use.
 
+A self-draft (the target's first L layers) shares the target's cache of those layers instead
+(``is_shared_kv``, ``draft.shared_kv``): the same weights over the same tokens give the same K/V, so
+every position the target has computed (``req.num_computed``: the prompt after prefill, every
+committed token but the last after a step) is already the draft's, and the catch-up feeds only what
+the target has not: the last committed token. The draft writes only positions from there on, which
+the target's scoring of this step overwrites (in every layer, before its attention reads them) and
+which are past the committed prefix otherwise: the target never reads a K/V the draft wrote, so its
+logits are unchanged bit for bit. (On the H200 a new request's first propose spent 3-5 ms catching
+the separate cache up over its prompt, 2026-12-05.)
+
 For sampled requests the drafts are drawn from q = the draft's distribution under the request's own
 temperature/top-k/top-p, and q is returned for rejection sampling (Leviathan et al. 2023).
 """
@@ -28,10 +38,18 @@ class DraftModelProposer(Proposer):
     name = "draft"
 
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, num_layers: int | None = None
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        block_size: int,
+        num_layers: int | None = None,
+        is_shared_kv: bool = False,  # kv_cache is the target's (its first num_layers layers)
     ) -> None:
+        if is_shared_kv and num_layers is None:
+            raise ValueError("a draft sharing the target's KV cache must be the target's first layers")
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.num_layers = num_layers
+        self.is_shared_kv = is_shared_kv
         self.device = model.lm_head.weight.device
         self.graph_forward = None  # set by scorers.graph.attach_draft_graphs (CUDA graphs)
 
@@ -54,9 +72,9 @@ class DraftModelProposer(Proposer):
         if not active:
             return Proposals.from_lists([[] for _ in batch])
         reqs = [batch[i] for i in active]
-        tokens = [tokens_from(r, r.num_draft_computed) for r in reqs]
-        x = chunk_host_inputs(tokens, [r.num_draft_computed for r in reqs], [r.block_table for r in reqs],
-                              self.block_size)  # fmt: skip
+        starts = self._starts(reqs)
+        tokens = [tokens_from(r, s) for r, s in zip(reqs, starts)]
+        x = chunk_host_inputs(tokens, starts, [r.block_table for r in reqs], self.block_size)
         tok = self._run(x).argmax(-1)  # [A] on the device
         for r in reqs:
             r.num_draft_computed = r.num_tokens
@@ -91,6 +109,13 @@ class DraftModelProposer(Proposer):
         np.cumsum(num_draft, out=cu[1:])
         return Proposals(flat, torch.from_numpy(cu), None, num_draft)
 
+    def _starts(self, reqs: list[Request]) -> list[int]:
+        """Where each request's catch-up starts: the first position the draft's cache lacks (with a
+        shared cache, also past every position the target has computed)."""
+        if self.is_shared_kv:
+            return [max(r.num_draft_computed, r.num_computed) for r in reqs]
+        return [r.num_draft_computed for r in reqs]
+
     def _pick(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next draft token per row: argmax for greedy requests, a sample from q otherwise."""
         if all(r.sampling.is_greedy for r in reqs):
@@ -112,8 +137,8 @@ class DraftModelProposer(Proposer):
         any_probs = False
         if active:
             reqs = [batch[i] for i in active]
-            tokens = [tokens_from(r, r.num_draft_computed) for r in reqs]
-            logits = self._forward(reqs, tokens, [r.num_draft_computed for r in reqs])
+            starts = self._starts(reqs)
+            logits = self._forward(reqs, [tokens_from(r, s) for r, s in zip(reqs, starts)], starts)
             for r in reqs:
                 r.num_draft_computed = r.num_tokens
             for step in range(max(k[i] for i in active)):

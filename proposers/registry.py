@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specsched.engine.config import SpecConfig
-from specsched.models.llama import LlamaForCausalLM
+from specsched.models.llama import KVCache, LlamaForCausalLM
 from specsched.proposers.base import Proposer
 
 PROPOSER_NAMES = ("none", "ngram", "draft", "synthetic")
@@ -20,9 +20,11 @@ def build_proposers(
     num_blocks: int,
     block_size: int,
     draft_model: LlamaForCausalLM | None = None,
+    target_kv: KVCache | None = None,
 ) -> dict[str, Proposer]:
     """The configured proposer plus the always-available cheap ones (``none``, ``ngram``), so a
-    request may pick any of them through ``spec.proposer``."""
+    request may pick any of them through ``spec.proposer``. ``target_kv``: the target's cache, which a
+    self-draft with ``draft.shared_kv`` reads and writes for its layers (else it gets its own)."""
     from specsched.proposers.ngram import NgramProposer
     from specsched.proposers.none import NoProposer
 
@@ -34,9 +36,11 @@ def build_proposers(
 
         if draft_model is None:  # self-speculation: the target's first layers + its head
             n = min(spec.draft.num_layers, target.cfg.num_layers)
-            out["draft"] = DraftModelProposer(
-                target, target.allocate_kv_cache(num_blocks, block_size, n), block_size, n
-            )
+            if spec.draft.shared_kv and target_kv is not None:
+                out["draft"] = DraftModelProposer(target, target_kv[:n], block_size, n, is_shared_kv=True)
+            else:
+                kv = target.allocate_kv_cache(num_blocks, block_size, n)
+                out["draft"] = DraftModelProposer(target, kv, block_size, n)
         else:
             if draft_model.cfg.vocab_size != target.cfg.vocab_size:
                 raise ValueError(

@@ -67,13 +67,16 @@ def baseline() -> Engine:
 
 PROPOSERS = [
     ("ngram", {}),
-    ("draft", {"draft": DraftConfig(source="self", num_layers=2)}),
+    ("draft", {"draft": DraftConfig(source="self", num_layers=2)}),  # the target's KV cache shared
+    ("draft", {"draft": DraftConfig(source="self", num_layers=2, shared_kv=False)}),
     ("draft", {"draft": DraftConfig(source="tiny", seed=7)}),
 ]
 
 
 @pytest.mark.parametrize("scorer", ["mqa", "batch_expansion"])
-@pytest.mark.parametrize("proposer,extra", PROPOSERS, ids=["ngram", "self-draft", "tiny-draft"])
+@pytest.mark.parametrize(
+    "proposer,extra", PROPOSERS, ids=["ngram", "self-draft", "self-draft-own-kv", "tiny-draft"]
+)
 def test_speculative_greedy_equals_non_speculative(baseline, scorer, proposer, extra):
     rng = random.Random(hash((scorer, proposer, str(extra))) % 1000)
     engine = make_engine(proposer, scorer, seed=rng.randrange(100), **extra)
