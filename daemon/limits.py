@@ -81,7 +81,8 @@ class DaemonConfig:
         if self.send_pace not in ("loop", "step"):
             raise ValueError(f"daemon.send_pace must be loop or step, got {self.send_pace!r}")
         si = self.switch_interval_ms
-        if si is not None and not (isinstance(si, int | float) and math.isfinite(si) and 0.01 <= si <= 100):
+        is_number = isinstance(si, int | float) and not isinstance(si, bool)
+        if si is not None and not (is_number and math.isfinite(si) and 0.01 <= si <= 100):
             raise ValueError(f"daemon.switch_interval_ms must be in [0.01, 100] ms or null, got {si!r}")
         t = self.request_timeout_s
         if t is not None and not (math.isfinite(t) and t > 0):

@@ -68,7 +68,9 @@ def refit_costs(
     if churn:
         costs.churn = ChurnResidual.fit(
             run.decode_steps,
-            lambda rec: costs.predict(rec.scorer, rec.proposer or "none", record_shape(rec)).total_ms,
+            lambda rec: (
+                costs.predict(rec.scorer, rec.proposer or run.settings.proposer, record_shape(rec)).total_ms
+            ),
             lambda rec: costs.step_ms(rec) - spill.get(rec.step, 0.0),
         )
     return costs
@@ -183,8 +185,9 @@ def recorded_result(run: RecordedRun, costs: CostModels) -> PolicyResult:
     res.measured_ms = sum(map(costs.step_ms, run.steps))
     last: set[str] | None = None
     for rec in run.decode_steps:
-        ks, ctx = [q.k for q in rec.requests], [q.context_len + 1 for q in rec.requests]
-        pred = costs.predict(rec.scorer, rec.proposer or run.settings.proposer, StepShape(ks, ctx)).total_ms
+        shape = record_shape(rec)
+        ks = shape.k
+        pred = costs.predict(rec.scorer, rec.proposer or run.settings.proposer, shape).total_ms
         if costs.churn is not None:  # as the replay charges its steps
             ids = {q.request_id for q in rec.requests}
             pred, last = costs.churn.charged(pred, last, ids), ids

@@ -11,7 +11,7 @@ from specsched.client.sync_client import Client
 from specsched.daemon.limits import DaemonConfig
 
 
-@pytest.mark.parametrize("value", [0, -1.0, 0.001, 101, float("nan"), "fast"])
+@pytest.mark.parametrize("value", [0, -1.0, 0.001, 101, float("nan"), "fast", True])
 def test_switch_interval_is_validated(value):
     with pytest.raises(ValueError, match=r"daemon.switch_interval_ms must be in \[0.01, 100\] ms or null"):
         DaemonConfig(switch_interval_ms=value)
