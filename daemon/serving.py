@@ -30,7 +30,7 @@ from specsched.daemon.admission import build_request, engine_error, request_key
 from specsched.daemon.commands import Admit, CancelRequest, Command, DropClient, Shutdown
 from specsched.daemon.messages import Chunk, Error, ErrorCode, Message, ProtocolError, StatsReply
 from specsched.daemon.request_stream import RequestStream
-from specsched.daemon.stats_reply import engine_counters, proposer_stats, scorer_stats
+from specsched.daemon.stats_reply import SnapshotBuilder
 from specsched.engine.records import RequestOutput, StepRecord
 from specsched.engine.request import FinishReason
 from specsched.engine.stats import EngineStats
@@ -99,6 +99,7 @@ class Serving:
         self.counts = {"done": 0, "aborted": 0, "errored": 0, "rejected": 0, "timed_out": 0}
         self.deadlines: list[tuple[float, str]] = []  # heap of (deadline, stream key)
         self.snapshot = StatsReply()  # replaced (not mutated) after every loop iteration
+        self._snapshots = SnapshotBuilder()
         self._deadline: float | None = None  # shutdown: abort what is left at this monotonic time
         self._is_log_broken = False
         self._chained_on_step = None  # an on_step callback the engine had before serving started
@@ -237,24 +238,9 @@ class Serving:
                 self._finish(st, FinishReason.TIMEOUT.value)
 
     def publish(self) -> None:
-        e, c = self.engine, self.counts
-        self.snapshot = StatsReply(
-            num_waiting=e.num_waiting,
-            num_running=e.num_running,
-            num_inflight=len(self.streams),
-            num_free_blocks=e.num_free_blocks,
-            num_total_blocks=e.num_total_blocks,
-            tokens_per_s=self.step_stats.recent_tokens_per_s(),
-            num_requests_done=c["done"],
-            num_requests_aborted=c["aborted"],
-            num_requests_errored=c["errored"],
-            num_requests_rejected=c["rejected"],
-            proposers=proposer_stats(self.step_stats),
-            scorers=scorer_stats(self.step_stats),
-            engine=engine_counters(e),
-            num_requests_timed_out=c["timed_out"],
-            num_preemptions=int(getattr(getattr(e, "scheduler", None), "num_preemptions", 0)),
-        )
+        """The stats snapshot the IO thread answers from (stats_reply.SnapshotBuilder: the counts every
+        iteration, the engine-wide figures at most every 50 ms while busy)."""
+        self.snapshot = self._snapshots.build(self.engine, self.counts, len(self.streams), self.step_stats)
 
     def abort_all(self, reason: FinishReason, error: str | None = None) -> None:
         for st in list(self.streams.values()):
