@@ -37,8 +37,16 @@ def scorer_table(res: dict) -> str:
             be, mq = cells[key].get("batch_expansion"), cells[key].get("mqa_graph")
             row.append(fmt(be["ms"] / mq["ms"]) if be and mq and mq["ms"] else "–")
         out.append(row)
+    fused = res.get("fused_linear")
+    fused = (
+        f", fused small-M linear layers ({fused})"
+        if isinstance(fused, str)
+        else ", fused small-M linear layers"
+        if fused
+        else ""
+    )
     note = (
-        f"{res['model']} ({res['dtype']}, random weights) on {res['device']}: floor = "
+        f"{res['model']} ({res['dtype']}, random weights{fused}) on {res['device']}: floor = "
         f"{res['weight_bytes'] / 1e9:.2f} GB streamed weights / {res['copy_bandwidth'] / 1e12:.2f} TB/s "
         f"measured copy bandwidth (read + write) = **{res['floor_ms']:.3f} ms**. Paths: graph = replay, "
         f"eager = no graphs; a bracket names an eager fallback."

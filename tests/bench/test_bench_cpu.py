@@ -209,3 +209,32 @@ def test_peer_runner_on_a_tiny_transformers_model():
     Cfg.methods = ["beam"]
     with pytest.raises(ValueError, match="unknown 'beam'; known: plain, assistant, prompt_lookup"):
         run_peers(model, assistant, prompts, Cfg)
+
+
+def test_the_scorer_bench_can_run_the_fused_linear_layers_and_says_so():
+    """``bench.scorers.fused_linear`` (and ``_gemms``) turn the model's option on before the scorers
+    are built, and the table's note names it. (On the CPU the fused path itself does not run: forwards
+    take it on CUDA or under the Triton interpreter.)"""
+    import torch
+
+    from specsched.bench.scorers import run_scorer_bench
+    from specsched.models import llama
+
+    built = []
+    real = llama.LlamaForCausalLM.set_fused_linear
+
+    def spy(self, on, gemms=False):
+        built.append((on, gemms))
+        return real(self, on, gemms)
+
+    cfg = smoke_cfg("bench.scorers.fused_linear=true", "bench.scorers.fused_linear_gemms=true",
+                    "bench.scorers.draft_model=null")  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama.LlamaForCausalLM, "set_fused_linear", spy)
+        res = run_scorer_bench(cfg.scorers, cfg.graphs, torch.device("cpu"), torch.float32, 16, 0)
+    assert built == [(True, True)]
+    assert res["fused_linear"] == "with its output / down GEMMs" and res["rows"]
+    assert "fused small-M linear layers (with its output / down GEMMs)" in scorer_table(res)
+    plain = smoke_cfg("bench.scorers.draft_model=null")
+    res = run_scorer_bench(plain.scorers, plain.graphs, torch.device("cpu"), torch.float32, 16, 0)
+    assert res["fused_linear"] is False and "fused small-M" not in scorer_table(res)
