@@ -144,8 +144,12 @@ def _dot_options(dtype: torch.dtype) -> dict:
                 EMULATE_BF16=emulate_bf16(dtype))  # fmt: skip
 
 
-def _launch_norm_linear(x, residual, norm_weight, eps, weight, bias, config):
-    (m, k), n = x.shape, weight.shape[0]
+def _launch_norm(kernel, x, residual, norm_weight, eps, weight, bias_ptrs: tuple, n: int, config,
+                 **constexprs):  # fmt: skip
+    """Both norm kernels' launch: ``y`` [M, n] and the new residual, the (residual add +) RMSNorm
+    arguments, then ``constexprs``. ``bias_ptrs``: the kernel's pointers between the weight and ``y``
+    (``norm_linear``'s bias; None passes ``y``, unread)."""
+    (m, k) = x.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     new_res = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else x
     if m == 0 or n == 0:
@@ -155,35 +159,26 @@ def _launch_norm_linear(x, residual, norm_weight, eps, weight, bias, config):
     x, weight = row_major(x), row_major(weight)
     res = row_major(residual) if residual is not None else x
     cfg = config or fused_linear_config(n, k, x.dtype)
-    _norm_linear_kernel[(triton.cdiv(m, _BLOCK_M), triton.cdiv(n, cfg.block_n))](
-        x, res, norm_weight.contiguous(), weight, bias if bias is not None else y, y, new_res, m,
+    kernel[(triton.cdiv(m, _BLOCK_M), triton.cdiv(n, cfg.block_n))](
+        x, res, norm_weight.contiguous(), weight, *(y if b is None else b for b in bias_ptrs), y, new_res, m,
         _row_stride(x), _row_stride(res), weight.stride(0), y.stride(0), k, float(eps), 1.0 / k,
-        N=n, K=k, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **_dot_options(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **NO_FP_FUSION,
+        K=k, HAS_RESIDUAL=residual is not None, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        **constexprs, **_dot_options(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **NO_FP_FUSION,
     )  # fmt: skip
     return y, new_res
+
+
+def _launch_norm_linear(x, residual, norm_weight, eps, weight, bias, config):
+    n = weight.shape[0]
+    return _launch_norm(_norm_linear_kernel, x, residual, norm_weight, eps, weight, (bias,), n, config,
+                        N=n, HAS_BIAS=bias is not None)  # fmt: skip
 
 
 def _launch_norm_swiglu(x, residual, norm_weight, eps, weight, config):
-    (m, k), inter = x.shape, weight.shape[0] // 2
-    y = torch.empty((m, inter), dtype=x.dtype, device=x.device)
-    new_res = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else x
-    if m == 0 or inter == 0:
-        if residual is not None:
-            torch.add(x, residual, out=new_res)
-        return y, new_res
-    x, weight = row_major(x), row_major(weight)
-    res = row_major(residual) if residual is not None else x
-    cfg = config or fused_linear_config(inter, k, x.dtype)
-    _norm_swiglu_kernel[(triton.cdiv(m, _BLOCK_M), triton.cdiv(inter, cfg.block_n))](
-        x, res, norm_weight.contiguous(), weight, y, new_res, m,
-        _row_stride(x), _row_stride(res), weight.stride(0), y.stride(0), k, float(eps), 1.0 / k,
-        INTER=inter, K=k, HAS_RESIDUAL=residual is not None, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, LIBDEVICE_EXP=not is_interpreted(), **_dot_options(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **NO_FP_FUSION,
-    )  # fmt: skip
-    return y, new_res
+    inter = weight.shape[0] // 2
+    return _launch_norm(_norm_swiglu_kernel, x, residual, norm_weight, eps, weight, (), inter, config,
+                        INTER=inter, LIBDEVICE_EXP=not is_interpreted())  # fmt: skip
 
 
 def norm_linear_ref(

@@ -102,33 +102,34 @@ def test_early_rejection_checks_in_the_documented_order():
     assert "queue is full (4 waiting" in why
 
 
-class FakeEngine:
-    """What SnapshotBuilder reads of an engine; ``stats`` counts how often its counters were built."""
-
-    def __init__(self) -> None:
-        self.num_waiting, self.num_running, self.num_free_blocks, self.num_total_blocks = 0, 1, 10, 16
-        self.has_unfinished = True
-        self.num_counter_builds = 0
-
-    def stats(self) -> dict:
-        self.num_counter_builds += 1
-        return {"steps": self.num_counter_builds}
-
-
-def test_the_snapshot_reads_counts_every_time_and_the_engine_wide_figures_when_due():
+def test_the_snapshot_reads_counts_every_time_and_the_engine_wide_figures_when_due(monkeypatch):
+    from specsched.daemon import stats_reply
     from specsched.daemon.stats_reply import SnapshotBuilder
+    from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig
+    from specsched.engine.engine import Engine
+    from specsched.engine.request import Request, SamplingParams
 
-    engine, steps, builder = FakeEngine(), EngineStats(10.0), SnapshotBuilder(refresh_s=0.05)
+    builds = []
+    real = stats_reply.engine_counters
+    monkeypatch.setattr(stats_reply, "engine_counters", lambda e: builds.append(1) or real(e))
+    engine = Engine(
+        EngineConfig(model=ModelConfig(source="tiny", device="cpu"), cache=CacheConfig(num_blocks=64))
+    )
+    steps, builder = EngineStats(10.0), SnapshotBuilder(refresh_s=0.05)
     counts = {"done": 0, "aborted": 0, "errored": 0, "rejected": 0, "timed_out": 0}
+    engine.add_request(Request("a", [5, 6, 7], SamplingParams(max_tokens=8)))
     first = builder.build(engine, counts, 1, steps, now=100.0)
-    assert first.engine == {"steps": 1} and first.num_running == 1
-    engine.num_running, engine.num_waiting = 3, 2  # admission reads these: never stale
-    busy = builder.build(engine, counts, 5, steps, now=100.01)
-    assert (busy.num_running, busy.num_waiting, busy.num_inflight) == (3, 2, 5)
-    assert busy.engine == {"steps": 1} and engine.num_counter_builds == 1  # not rebuilt within 50 ms
-    assert builder.build(engine, counts, 5, steps, now=100.06).engine == {"steps": 2}  # 50 ms passed
+    assert len(builds) == 1 and first.num_waiting == 1 and first.engine["steps"] == 0
+    engine.step()  # the prefill: the request runs now (admission reads num_running: never stale)
+    busy = builder.build(engine, counts, 1, steps, now=100.01)
+    assert (busy.num_running, busy.num_waiting, busy.num_inflight) == (1, 0, 1)
+    assert len(builds) == 1 and busy.engine["steps"] == 0  # the engine-wide figures: not within 50 ms
+    assert builder.build(engine, counts, 1, steps, now=100.06).engine["steps"] == 1  # 50 ms passed
+    engine.step()
     counts["done"] += 1  # a request finished: a stats right after its done sees its steps
-    done = builder.build(engine, counts, 4, steps, now=100.07)
-    assert done.engine == {"steps": 3} and done.num_requests_done == 1
-    engine.has_unfinished = False  # idle: always current
-    assert builder.build(engine, counts, 0, steps, now=100.071).engine == {"steps": 4}
+    done = builder.build(engine, counts, 1, steps, now=100.07)
+    assert done.engine["steps"] == 2 and done.num_requests_done == 1 and len(builds) == 3
+    while engine.has_unfinished:
+        engine.step()
+    idle = builder.build(engine, counts, 0, steps, now=100.071)  # idle: always current
+    assert len(builds) == 4 and idle.engine["steps"] == engine.stats.num_steps

@@ -90,9 +90,13 @@ def test_match_bits_are_read_off_the_steps(tmp_path):
     assert complete_bits(run, seed=3).bits == bits.bits  # deterministic for a seed
 
 
-def test_batching_respects_max_num_seqs_and_join_order(tmp_path):
-    # four requests, every draft rejected (k=1, a=0 at every index): one token per request per step
-    lengths = {"r0": 5, "r1": 3, "r2": 4, "r3": 2}  # output tokens; decode steps needed: L - 1
+BATCHING_LENGTHS = {"r0": 5, "r1": 3, "r2": 4, "r3": 2}  # output tokens; decode steps needed: L - 1
+
+
+def write_batching_log(path) -> None:
+    """Four requests, two at a time in join order, every draft rejected (k=1, a=0 at every index): one
+    token per request per step. By hand: steps 1-2 r0+r1, r1 done; 3-4 r0+r2, r0 done; 5 r2+r3."""
+    lengths = BATCHING_LENGTHS
     steps, step, live, pos = [], 0, ["r0", "r1"], {r: 0 for r in lengths}
     queue = ["r2", "r3"]
     while live:
@@ -103,7 +107,12 @@ def test_batching_respects_max_num_seqs_and_join_order(tmp_path):
         live = [r for r in live if pos[r] < lengths[r] - 1]
         while queue and len(live) < 2:
             live.append(queue.pop(0))
-    write_log(tmp_path / "b.sqlite", CONFIG, steps, [(r, 10, n) for r, n in lengths.items()])
+    write_log(path, CONFIG, steps, [(r, 10, n) for r, n in lengths.items()])
+
+
+def test_batching_respects_max_num_seqs_and_join_order(tmp_path):
+    lengths = BATCHING_LENGTHS
+    write_batching_log(tmp_path / "b.sqlite")
     run = load_run(tmp_path / "b.sqlite")
     assert [r.key for r in run.requests] == ["r0", "r1", "r2", "r3"]
     report = replay(run, [{"name": "fixed", "k": 3, "scorer": "mqa"}])

@@ -12,7 +12,7 @@ from specsched.policies.replay import complete_bits, refit_costs, simulate
 from specsched.policies.replay_churn import GROUPS, MIN_STEPS, ChurnResidual, churn_class, group_of
 from specsched.policies.replay_log import load_run
 
-from .test_replay import CONFIG, decode_step, write_log
+from .test_replay import CONFIG, decode_step, write_batching_log, write_log
 
 
 def test_churn_class():
@@ -76,19 +76,7 @@ def test_refit_finds_a_planted_cost_of_steps_after_a_finish(tmp_path):
 
 
 def test_the_replay_charges_each_step_its_classes_residual(tmp_path):
-    # by hand (test_replay's batching case): steps 1-2 r0+r1, r1 done; 3-4 r0+r2, r0 done; 5 r2+r3
-    lengths = {"r0": 5, "r1": 3, "r2": 4, "r3": 2}
-    steps, step, live, pos = [], 0, ["r0", "r1"], {r: 0 for r in lengths}
-    queue = ["r2", "r3"]
-    while live:
-        steps.append(decode_step(step, [(r, 10 + pos[r], 1, 0) for r in live]))
-        step += 1
-        for r in live:
-            pos[r] += 1
-        live = [r for r in live if pos[r] < lengths[r] - 1]
-        while queue and len(live) < 2:
-            live.append(queue.pop(0))
-    write_log(tmp_path / "b.sqlite", CONFIG, steps, [(r, 10, n) for r, n in lengths.items()])
+    write_batching_log(tmp_path / "b.sqlite")  # steps 1-2 r0+r1, r1 done; 3-4 r0+r2, r0 done; 5 r2+r3
     run = load_run(tmp_path / "b.sqlite")
     bits, policy = complete_bits(run), {"name": "fixed", "k": 3, "scorer": "mqa"}
     costs = refit_costs(run, churn=False)
