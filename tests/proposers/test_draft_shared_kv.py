@@ -78,6 +78,7 @@ def test_proposes_never_write_the_targets_committed_kv_and_shared_catch_up_is_on
     for k, v in engine.kv_cache[:LAYERS]:  # marks a draft's rewrite would erase (the same values else)
         for p in range(req.num_computed):
             k[req.block_table[p // BLOCK], p % BLOCK] += 1000.0
+            v[req.block_table[p // BLOCK], p % BLOCK] -= 1000.0
     for step in range(6):
         before = committed_kv(engine, req)
         kept, ks = engine.scheduler.reserve_lookahead([req], [3])  # the blocks the drafts write into
