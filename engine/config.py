@@ -143,13 +143,19 @@ class SchedulerConfig:
     # decide takes while the GPU scores is taken from the daemon's other work (streaming, the log's
     # writer, the next launch), which then runs later (engine/planning.py).
     decide_cost: str = "exposed"
+    # Plain decode steps run back to back on the device when a step drafts nothing and every request
+    # is greedy (engine/multi_step.py; vLLM's num_scheduler_steps): each step's argmax feeds the next
+    # without a host read, and the host's per-step work is paid once per this many tokens. A request
+    # then streams this many tokens at a time and a new one waits up to this many forwards for its
+    # prefill. 1: off.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.decide_cost not in ("exposed", "host"):
             raise ValueError(f"scheduler.decide_cost must be exposed or host, got {self.decide_cost!r}")
         if self.decide_budget is not None and not self.decide_budget > 0:
             raise ValueError(f"scheduler.decide_budget must be > 0 or null, got {self.decide_budget}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "max_plan_age"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "max_plan_age", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.max_joined_share <= 1.0:

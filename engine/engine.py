@@ -14,6 +14,7 @@ import torch
 
 from specsched.engine.components import EngineParts, build_parts
 from specsched.engine.config import EngineConfig
+from specsched.engine.multi_step import DecodeSteps, num_decode_steps
 from specsched.engine.planning import Planner
 from specsched.engine.prefill import PrefillStep
 from specsched.engine.proposing import by_proposer, peek_caps, propose, request_views
@@ -22,7 +23,6 @@ from specsched.engine.request import FinishReason, Request, SamplingParams, Spec
 from specsched.engine.scheduler import Scheduler
 from specsched.engine.stats import EngineStats
 from specsched.engine.step_timer import StepTimer
-from specsched.kernels.rejection_sampling import verify
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.fixed import predict_plan
 from specsched.proposers.base import Proposals
@@ -30,7 +30,7 @@ from specsched.proposers.base import Proposals
 _NO_IDS: frozenset[int] = frozenset()  # the EOS ids a request that ignores EOS stops at
 
 
-class Engine(PrefillStep):
+class Engine(PrefillStep, DecodeSteps):
     def __init__(
         self, cfg: EngineConfig, parts: EngineParts | None = None, policy: Policy | None = None
     ) -> None:
@@ -166,7 +166,10 @@ class Engine(PrefillStep):
         timer.mark("view")
         plan = self._decide(reqs, view)
         timer.mark("decide")  # the critical path's decide: ~0 when the plan was decided ahead
-        kept, ks = self.scheduler.reserve_lookahead(reqs, plan.k)  # may lower k or preempt
+        num_steps = num_decode_steps(reqs, plan.k, self.cfg.scheduler.decode_steps, self.max_model_len)
+        kept, ks = self._reserve(reqs, plan.k, num_steps)  # may lower k or preempt
+        num_steps = num_steps if len(kept) == len(reqs) and all(k == num_steps - 1 for k in ks) else 1
+        ks = ks if num_steps == 1 else [0] * len(kept)
         views = view.requests  # in batch order
         if len(kept) != len(reqs):  # kept is in batch order
             ids = {id(r) for r in kept}
@@ -176,20 +179,17 @@ class Engine(PrefillStep):
         with self._timed(rec, "propose_ms"):
             props = self._propose(reqs, ks, names)
         with self._timed(rec, "score_ms"):
-            logits = self.scorers[plan.scorer].score(reqs, props)  # [sum(k_i+1), vocab]
+            scored = self._score(plan.scorer, reqs, props, num_steps)  # logits, or [S, B] tokens
         if self._is_prediction_deferred:  # the costs as the decide saw them: before the observe
             predict_plan(plan, view, self.costs)
         self._while_scoring(reqs, names)
         timer.mark("overlap")  # on CUDA while the GPU scores: off the critical path up to its time
         with self._timed(rec, "verify_ms"):
-            result = verify(logits, props, [r.sampling for r in reqs], [r.generator for r in reqs])
-            if self.on_device_wait is not None:
-                self.on_device_wait()
-            emitted = result.to_lists()
+            emitted, match_bits = self._verify(scored, reqs, props, num_steps)
         outputs = self._commit(reqs, emitted, props.num_draft, names)
         timer.mark("commit")
-        self._record(rec, reqs, names, plan, props, views, emitted, result.match_bits(), outputs)
-        self.policy.observe(plan, [len(e) - 1 for e in emitted])
+        self._record(rec, reqs, names, plan, props, views, emitted, match_bits, outputs, num_steps)
+        self.policy.observe(plan, [r.num_accepted for r in rec.requests])
         timer.mark("record")
         return outputs, rec
 
@@ -217,22 +217,26 @@ class Engine(PrefillStep):
                 self.proposers[n].on_scoring(reqs if len(by) == 1 else [reqs[i] for i in idx])
         self.planner.decide_ahead(self.policy, self.costs, lambda: self._view(reqs, names, is_ahead=True))
 
-    def _record(self, rec, reqs, names, plan, props, views, emitted, match_bits, outputs) -> None:
+    def _record(self, rec, reqs, names, plan, props, views, emitted, match_bits, outputs, num_steps) -> None:
         """Fill the step's record (the decision log's ``steps`` and ``step_requests`` rows); ``views``:
         the policy's view of each request (batch order): its context (the tokens before this step's)
-        and max k."""
+        and max k. A run of ``num_steps`` plain steps scored ``num_steps`` tokens per request and
+        says so in its ``plan_info`` (``decode_steps``)."""
         rec.requests = [
             StepRequestRecord(
-                r.request_id, v.context_len - 1, k, len(e) - 1, b, len(o.new_token_ids), v.max_k
+                r.request_id, v.context_len - 1, k, min(len(e) - 1, k), b, len(o.new_token_ids), v.max_k
             )
             for r, v, e, k, b, o in zip(reqs, views, emitted, props.num_draft, match_bits, outputs)
         ]
-        rec.batch_size, rec.num_tokens = len(reqs), props.num_tokens + len(reqs)
+        rec.batch_size, rec.num_tokens = len(reqs), props.num_tokens + len(reqs) * num_steps
+        rec.num_decode_steps = num_steps
         rec.num_emitted = sum(map(len, emitted))
         rec.scorer, rec.policy, rec.is_synthetic = plan.scorer, plan.policy, props.is_synthetic
         kinds = set(names)
         rec.proposer = names[0] if len(kinds) == 1 else "+".join(sorted(kinds))
         rec.predicted_ms, rec.plan_info = plan.predicted_ms, plan.info
+        if num_steps > 1:
+            rec.plan_info = {**plan.info, "decode_steps": num_steps}
         rec.predicted_propose_ms = plan.info.get("predicted_propose_ms")
         rec.predicted_score_ms = plan.info.get("predicted_score_ms")
         rec.predicted_verify_ms = plan.info.get("predicted_verify_ms")
@@ -269,7 +273,7 @@ class Engine(PrefillStep):
         observe, trim, block_size = self.acceptance.observe, self.scheduler.trim, self.scheduler.block_size
         is_decode = names is not None
         for i, (r, toks, k) in enumerate(zip(reqs, emitted, num_draft)):
-            n_acc = len(toks) - 1
+            n_acc = min(len(toks) - 1, k)  # a run of plain steps emits several tokens with k = 0
             out = r.output_ids
             num_tokens = len(r.prompt_ids) + len(out)  # before this step's tokens
             kept, reason = self._kept(r, toks)

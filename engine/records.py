@@ -39,6 +39,9 @@ class StepRecord:
     total_ms: float = 0.0  # schedule .. commit, measured
     num_emitted: int = 0
     plan_info: dict = field(default_factory=dict)  # the policy's reasoning (JSON in the log)
+    # plain decode steps this record ran back to back (scheduler.decode_steps; in the log as
+    # plan_info's "decode_steps" when > 1): its times cover that many forwards
+    num_decode_steps: int = 1
     # host (perf_counter) ms per phase: schedule, view, decide, reserve, propose, score, overlap,
     # verify (with its wait for the GPU), commit, record, stats, other (engine.step_timer)
     host_ms: dict[str, float] = field(default_factory=dict)

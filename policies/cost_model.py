@@ -214,8 +214,8 @@ class CostModels:
         measured (the prequential error, :meth:`prediction_error`), then each model learns its
         component; the features are computed once for both."""
         reqs = record.requests
-        if record.kind != "decode" or not reqs:
-            return False
+        if record.kind != "decode" or not reqs or record.num_decode_steps != 1:
+            return False  # a run of plain steps (scheduler.decode_steps) is not one step's cost
         if not record.scorer:
             raise ValueError(f"decode step record {record.step} has no scorer")
         propose_ms, score_ms, verify_ms, total_ms = (

@@ -35,7 +35,7 @@ _MEASURED = ("propose_ms", "score_ms", "verify_ms", "total_ms")
 # (policies/replay.py: decide_spill_ms); a plan_info that is not JSON reads as neither
 _PLAN_AHEAD = ", ".join(
     f"case when json_valid(plan_info) then json_extract(plan_info, '$.{key}') end as {key}"
-    for key in ("is_planned_ahead", "plan_age")
+    for key in ("is_planned_ahead", "plan_age", "decode_steps")
 )
 _STEP_COLUMNS = (
     "step kind start_time batch_size num_tokens scorer policy proposer is_synthetic predicted_propose_ms "
@@ -189,6 +189,12 @@ def _load(db, path: str, run_id: int | None) -> RecordedRun:
         row["host_ms"] = _host_ms(row.pop("host_ms", None))
         is_ahead, age = row.pop("is_planned_ahead"), row.pop("plan_age")
         row["plan_info"] = {"is_planned_ahead": True, "plan_age": age or 0} if is_ahead else {}
+        row["num_decode_steps"] = num_steps = row.pop("decode_steps") or 1
+        if num_steps != 1:
+            raise ReplayError(
+                f"{path}: run {run_id} step {row['step']} ran {num_steps} plain decode steps back to back "
+                "(scheduler.decode_steps); the replay models one forward per step: record with decode_steps=1"
+            )
         steps[row["step"]] = StepRecord(**row)
     rows: dict[str, list[tuple[int, StepRequestRecord]]] = {}
     max_k = ", max_k" if "max_k" in db["step_requests"].columns_dict else ""  # schema >= 3

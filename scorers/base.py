@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from specsched.engine.request import Request
+from specsched.models.graph_buckets import HostInputs
 from specsched.proposers.base import Proposals
 
 
@@ -21,3 +22,10 @@ class Scorer(ABC):
     @abstractmethod
     def score(self, batch: list[Request], proposals: Proposals) -> torch.Tensor:  # [sum(k_i+1), vocab]
         ...
+
+    def decode_forward(
+        self, x: HostInputs, device_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [>= x.num_rows, vocab]
+        """The target's logits for ``x``'s rows of one token each (a plain decode step from host
+        inputs, :mod:`specsched.scorers.multi_step`); ``device_ids``: the ids at ``x.scatter_index``."""
+        raise NotImplementedError(f"scorer {self.name!r} cannot run plain decode steps from host inputs")

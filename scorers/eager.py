@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from specsched.engine.request import Request
+from specsched.models.graph_buckets import HostInputs
 from specsched.models.llama import KVCache, LlamaForCausalLM
 from specsched.proposers.base import Proposals
 from specsched.scorers.base import Scorer
@@ -25,3 +26,10 @@ class EagerScorer(Scorer):
         x = build_scoring_inputs_vec(sb, proposals.draft_tokens, self.device, is_expanded=self.is_expanded)
         logits = self.model(x.input_ids, x.positions, x.meta, self.kv_cache)  # [padded tokens, vocab]
         return logits[: proposals.num_tokens + len(batch)]
+
+    @torch.inference_mode()
+    def decode_forward(
+        self, x: HostInputs, device_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [>= x.num_rows, vocab]
+        ids, pos, meta, _ = x.to_device(self.device, device_ids, pad_tokens=self.device.type == "cuda")
+        return self.model(ids, pos, meta, self.kv_cache)

@@ -107,6 +107,12 @@ class GraphScorer(Scorer):
         x = scoring_host_inputs(sb, drafts, is_expanded=self.is_expanded)
         return self.runner.run_host(x, drafts if x.scatter_index is not None else None)
 
+    def decode_forward(
+        self, x: HostInputs, device_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [>= x.num_rows, vocab]
+        """A plain decode step on the runner's decode buckets (the rows a k = 0 ``score`` runs)."""
+        return self.runner.run_host(x, device_ids)
+
     @property
     def graph_buckets(self) -> list[int]:
         """Padded sizes for the cost model: rows (batch expansion) or tokens (MQA) of the buckets."""

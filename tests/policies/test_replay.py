@@ -186,6 +186,11 @@ def test_bad_logs_raise_clear_errors(tmp_path):
     write_log(tmp_path / "d.sqlite", CONFIG, [decode_step(0, [("a", 3, 1, 0)])], [("a", 3, 3)])
     with pytest.raises(ReplayError, match="no run 7; runs in this log: 1"):
         load_run(tmp_path / "d.sqlite", 7)
+    run_of_steps = decode_step(1, [("a", 3, 0, 0)])  # scheduler.decode_steps: 3 forwards in one record
+    run_of_steps.plan_info, run_of_steps.num_decode_steps = {"decode_steps": 3}, 3
+    write_log(tmp_path / "m.sqlite", CONFIG, [decode_step(0, [("a", 2, 0, 0)]), run_of_steps], [("a", 2, 5)])
+    with pytest.raises(ReplayError, match="step 1 ran 3 plain decode steps back to back"):
+        load_run(tmp_path / "m.sqlite")
     db = sqlite_utils.Database(tmp_path / "d.sqlite")
     db.execute("update runs set schema_version = 0")
     db.conn.commit()

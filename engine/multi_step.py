@@ -1,0 +1,77 @@
+"""How many plain decode steps one engine step runs back to back (``scheduler.decode_steps``).
+
+See :mod:`specsched.scorers.multi_step` for how they run. Only a step that drafts nothing for any
+request and whose requests are all greedy qualifies (a sampled request would need its uniforms and
+its sampling on the device between the steps); the count is capped so that no request runs past
+its ``max_tokens`` or the model's context (a request that stops earlier, at EOS or a stop id, drops
+the tokens after it at the commit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from specsched.engine.request import Request
+from specsched.kernels.rejection_sampling import verify
+from specsched.proposers.base import Proposals
+from specsched.scorers.base import Scorer
+from specsched.scorers.multi_step import greedy_decode_steps
+
+if TYPE_CHECKING:
+    from specsched.engine.scheduler import Scheduler
+
+
+def num_decode_steps(reqs: list[Request], ks: list[int], max_steps: int, max_model_len: int) -> int:
+    """Steps to run for ``reqs`` with planned drafts ``ks``: 1 unless every k is 0, every request is
+    greedy and ``max_steps`` > 1; then ``max_steps`` capped by the tokens every request may still
+    emit (``max_tokens`` and the context: a token at position p needs p < ``max_model_len``)."""
+    if max_steps <= 1 or not reqs or any(ks):
+        return 1
+    room = max_steps
+    for r in reqs:
+        s = r.sampling
+        if s.temperature != 0.0:  # SamplingParams.is_greedy, inlined
+            return 1
+        num_out = len(r.output_ids)
+        num_tokens = len(r.prompt_ids) + num_out
+        room = min(room, s.max_tokens - num_out, max_model_len - num_tokens + 1)
+    return max(1, room)
+
+
+class DecodeSteps:
+    """The engine's reserve, score and verify phases for one speculative step or a run of
+    ``num_steps`` plain steps (a mixin of :class:`~specsched.engine.engine.Engine`)."""
+
+    scheduler: Scheduler
+    scorers: dict[str, Scorer]
+    device: torch.device
+    on_device_wait: Callable[[], None] | None
+
+    def _reserve(self, reqs: list[Request], ks: list[int], num_steps: int) -> tuple[list[Request], list[int]]:
+        """The slots of the step: ``num_tokens + k_i`` each, or ``num_tokens + num_steps - 1`` for a
+        run of plain steps (:mod:`~specsched.engine.multi_step`; a request that did not get them
+        comes back with a lower k, and the step then runs one plain step)."""
+        return self.scheduler.reserve_lookahead(reqs, ks if num_steps == 1 else [num_steps - 1] * len(reqs))
+
+    def _score(self, scorer: str, reqs: list[Request], props: Proposals, num_steps: int) -> torch.Tensor:
+        """The scoring forward's logits ``[sum(k_i+1), vocab]``, or for a run of ``num_steps`` > 1
+        plain steps their argmax tokens ``[num_steps, B]`` (both on the device)."""
+        if num_steps == 1:
+            return self.scorers[scorer].score(reqs, props)
+        s = self.scorers[scorer]
+        return greedy_decode_steps(s.decode_forward, reqs, num_steps, self.scheduler.block_size, self.device)
+
+    def _verify(
+        self, scored: torch.Tensor, reqs: list[Request], props: Proposals, num_steps: int
+    ) -> tuple[list[list[int]], list[str]]:
+        """Each request's emitted tokens and match bits, read on the host (the step's one host read)."""
+        if num_steps == 1:
+            result = verify(scored, props, [r.sampling for r in reqs], [r.generator for r in reqs])
+        if self.on_device_wait is not None:
+            self.on_device_wait()
+        if num_steps == 1:
+            return result.to_lists(), result.match_bits()
+        return scored.T.tolist(), [""] * len(reqs)  # [B][S]: no drafts, nothing matched

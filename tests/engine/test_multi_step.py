@@ -1,0 +1,186 @@
+"""Runs of plain decode steps (``scheduler.decode_steps``): the same greedy tokens as one step at a
+time, for every scorer (eager and graph-replayed, emulated on CPU; real graphs on CUDA), across block
+boundaries, stops inside a run, sampled requests and speculative steps (which run one step)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specsched.engine.components import EngineParts
+from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specsched.engine.engine import Engine
+from specsched.engine.multi_step import num_decode_steps
+from specsched.engine.request import Request, SamplingParams
+from specsched.models.loader import load_model
+from specsched.policies.acceptance import AcceptanceEstimator
+from specsched.policies.base import BatchView, Plan, Policy
+from specsched.policies.cost_model import CostModels
+from specsched.proposers.registry import build_proposers
+from specsched.scorers.graph import GraphConfig, graph_buckets_of
+from specsched.scorers.registry import build_scorers
+
+BLOCK, NUM_BLOCKS, MAX_LEN = 4, 400, 256
+
+
+class FixedK(Policy):
+    """k per request from a list cycled over the steps (0 = a plain step)."""
+
+    name = "fixed_k_test"
+
+    def __init__(self, scorer: str, ks: list[int]) -> None:
+        self.scorer, self.ks, self.n = scorer, ks, 0
+
+    def decide(self, view: BatchView, costs) -> Plan:
+        k = self.ks[self.n % len(self.ks)]
+        self.n += 1
+        return Plan([min(k, r.max_k) for r in view.requests], self.scorer, self.name)
+
+
+def engine(
+    scorer: str, decode_steps: int, *, proposer: str = "none", ks=(0,), device: str = "cpu", graphs=True
+) -> Engine:
+    mcfg = ModelConfig(source="tiny", device=device, dtype="float32")
+    model = load_model(mcfg, progress=False).model
+    cfg = EngineConfig(
+        model=mcfg,
+        cache=CacheConfig(block_size=BLOCK, num_blocks=NUM_BLOCKS),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, decode_steps=decode_steps),
+        spec=SpecConfig(proposer=proposer, scorers=["batch_expansion", "mqa", "mqa_graph"], max_k=4),
+    )
+    kv = model.allocate_kv_cache(NUM_BLOCKS, BLOCK)
+    gcfg = GraphConfig.for_engine(cfg, MAX_LEN, enabled=graphs, emulate=device == "cpu", progress=False)
+    scorers = build_scorers(cfg.spec.scorers, model, kv, BLOCK, gcfg)
+    parts = EngineParts(
+        model=model, tokenizer=None, kv_cache=kv, num_blocks=NUM_BLOCKS,
+        proposers=build_proposers(cfg.spec, model, NUM_BLOCKS, BLOCK), scorers=scorers,
+        policy=FixedK(scorer, list(ks)), costs=CostModels(graph_buckets_of(scorers)),
+        acceptance=AcceptanceEstimator(), model_name="tiny", device=model.lm_head.weight.device,
+        max_model_len=MAX_LEN, eos_token_ids=[2],
+    )  # fmt: skip
+    return Engine(cfg, parts)
+
+
+def prompts(rng: random.Random, n: int) -> list[list[int]]:
+    # lengths 1..30 with block_size 4: a run of steps crosses block boundaries
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(3, 256) for _ in range(rng.randint(2, 5))]
+        out.append((motif * 10)[: rng.randint(1, 30)])
+    return out
+
+
+def run(e: Engine, ps: list[list[int]], params: list[SamplingParams]) -> tuple[list[list[int]], list]:
+    records = []
+    e.on_step = records.append
+    out = e.generate(ps, params)
+    assert e.num_free_blocks == e.num_total_blocks  # the reserved run's slots are all given back
+    return out, [r for r in records if r.kind == "decode"]
+
+
+# ---- how many steps ---------------------------------------------------------------------------------
+def req(prompt_len: int, num_out: int = 0, max_tokens: int = 100, temperature: float = 0.0) -> Request:
+    r = Request("r", [5] * prompt_len, SamplingParams(temperature=temperature, max_tokens=max_tokens))
+    r.output_ids = [6] * num_out
+    return r
+
+
+def test_num_decode_steps_only_for_plain_greedy_steps_within_the_limits():
+    two = [req(10), req(20, 3)]
+    assert num_decode_steps(two, [0, 0], 4, 256) == 4
+    assert num_decode_steps(two, [0, 0], 1, 256) == 1  # off
+    assert num_decode_steps(two, [0, 1], 4, 256) == 1  # a request drafts: one speculative step
+    assert num_decode_steps([req(10), req(5, temperature=0.7)], [0, 0], 4, 256) == 1  # sampled
+    assert num_decode_steps([req(10, 5, max_tokens=7), req(3)], [0, 0], 4, 256) == 2  # 2 tokens left
+    assert num_decode_steps([req(10, 6, max_tokens=7)], [0], 4, 256) == 1
+    # the token of the last step sits at position num_tokens - 1 + (S - 1) < max_model_len
+    assert num_decode_steps([req(250)], [0], 8, 256) == 7
+    assert num_decode_steps([req(256)], [0], 8, 256) == 1
+    assert num_decode_steps([], [], 4, 256) == 1
+
+
+# ---- the same tokens ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("scorer", ["mqa", "batch_expansion", "mqa_graph"])
+@pytest.mark.parametrize("steps", [2, 5])
+def test_runs_of_plain_steps_give_the_single_step_tokens(scorer, steps):
+    rng = random.Random(steps * 7 + len(scorer))
+    ps = prompts(rng, 7)  # more than max_num_seqs: requests join as others finish
+    # max_tokens not a multiple of the run, EOS (id 2) honoured on odd requests: runs cut short
+    params = [SamplingParams(max_tokens=rng.randint(1, 23), ignore_eos=i % 2 == 0) for i in range(len(ps))]
+    want, single = run(engine("mqa", 1), ps, params)
+    e = engine(scorer, steps)
+    got, recs = run(e, ps, params)
+    assert got == want
+    runs = [r for r in recs if r.num_decode_steps > 1]
+    assert runs, "the test must run several steps at once"
+    assert len(recs) < len(single)
+    for r in runs:
+        assert r.plan_info["decode_steps"] == r.num_decode_steps <= steps
+        assert r.num_tokens == r.batch_size * r.num_decode_steps
+        assert all(q.k == 0 and q.num_accepted == 0 and q.match_bits == "" for q in r.requests)
+        assert r.num_emitted == sum(q.num_emitted for q in r.requests) > r.batch_size or any(
+            q.num_emitted < r.num_decode_steps for q in r.requests
+        )  # every request got the run's tokens, unless a stop cut it
+    if scorer != "mqa":
+        runner = e.scorers[scorer].runner
+        assert runner.num_replays > 0 and runner.num_eager_fallbacks == 0
+
+
+def test_eos_inside_a_run_stops_the_request_there():
+    rng = random.Random(11)
+    ps = prompts(rng, 12)
+    params = [SamplingParams(max_tokens=40) for _ in ps]  # EOS honoured
+    base = engine("mqa", 1)
+    base.eos_token_ids = {t for out in run(engine("mqa", 1), ps, params)[0] for t in out[3:4]}  # real ids
+    want, _ = run(base, ps, params)
+    e = engine("batch_expansion", 4)
+    e.eos_token_ids = set(base.eos_token_ids)
+    got, recs = run(e, ps, params)
+    assert got == want
+    stopped = [out for out in got if len(out) < 40]
+    assert stopped, "some request must stop at an EOS"
+    assert any(q.num_emitted < r.num_decode_steps for r in recs if r.num_decode_steps > 1 for q in r.requests)
+
+
+def test_speculative_and_sampled_steps_run_one_step():
+    rng = random.Random(5)
+    ps = prompts(rng, 4)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True) for _ in ps]
+    want, _ = run(engine("mqa", 1), ps, params)
+    # n-gram drafts every other step: the drafting steps run alone, the plain ones in runs
+    got, recs = run(engine("mqa_graph", 3, proposer="ngram", ks=[3, 0]), ps, params)
+    assert got == want
+    assert any(r.num_decode_steps > 1 for r in recs)
+    assert all(r.num_decode_steps == 1 for r in recs if any(q.k for q in r.requests))
+    # a sampled request in the batch: every step is one step, and the seeded output is unchanged
+    sp = [SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)] + params[1:]
+    want, _ = run(engine("mqa", 1), ps, sp)
+    got, recs = run(engine("mqa", 4), ps, sp)
+    assert got == want
+    assert all(r.num_decode_steps == 1 for r in recs if r.batch_size == len(ps))
+
+
+def test_a_run_is_not_a_cost_model_observation():
+    e = engine("mqa", 4)
+    _, recs = run(e, prompts(random.Random(2), 3), [SamplingParams(max_tokens=10, ignore_eos=True)] * 3)
+    runs = [r for r in recs if r.num_decode_steps > 1]
+    assert runs and not any(e.costs.observe(r) for r in runs)
+    single = next(r for r in recs if r.num_decode_steps == 1)
+    assert e.costs.observe(single)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scorer", ["batch_expansion", "mqa_graph"])
+def test_runs_on_cuda_graphs_give_the_single_step_tokens(scorer):
+    rng = random.Random(1)
+    ps = prompts(rng, 6)
+    params = [SamplingParams(max_tokens=rng.randint(5, 30), ignore_eos=True) for _ in ps]
+    want, _ = run(engine(scorer, 1, device="cuda"), ps, params)
+    e = engine(scorer, 4, device="cuda")
+    got, recs = run(e, ps, params)
+    assert got == want
+    assert any(r.num_decode_steps == 4 for r in recs)
+    assert e.scorers[scorer].runner.num_eager_fallbacks == 0
