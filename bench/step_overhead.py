@@ -79,6 +79,7 @@ class _Clock:
 
 
 CLOCK = _Clock()
+DECODE_STEPS = [1]  # --decode-steps: scheduler.decode_steps of every engine built (runs of plain steps)
 
 
 class ForwardClock:
@@ -220,7 +221,7 @@ def engine_config(source: str, proposer: str, policy: dict, scorers: list[str]) 
     return EngineConfig(
         model=ModelConfig(source=source, device="cpu", dtype="float32", max_model_len=2048),
         cache=CacheConfig(block_size=16, num_blocks=1024),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, decode_steps=DECODE_STEPS[0]),
         spec=SpecConfig(
             proposer=proposer,
             scorers=scorers,
@@ -405,15 +406,16 @@ def _trim_profile(text: str) -> str:
 def print_tables(results: list[Result]) -> None:
     print("\n### Per decode step (medians over the timed generate's decode steps; tokens/step a mean)\n")
     print(
-        "| config | batch | steps | tokens/step | step ms | forward ms (calls) | host ms | host % "
-        "| outside forward: launches / .to(device) / host reads |"
+        "| config | batch | steps | tokens/step | step ms | forward ms (calls) | host ms | host ms / token "
+        "| host % | outside forward: launches / .to(device) / host reads |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         m = r.median
         print(
             f"| {r.config} | {r.batch} | {len(r.step_ms)} | {r.mean(r.tokens):.2f} | {m(r.step_ms):.3f} | "
             f"{m(r.forward_ms):.3f} ({m(r.forward_calls):.1f}) | {m(r.host_ms):.3f} | "
+            f"{m(r.host_ms) * r.batch / max(r.mean(r.tokens), 1e-9):.3f} | "
             f"{100 * m(r.host_ms) / m(r.step_ms):.0f}% | {r.ops[0]:.1f} / {r.ops[1]:.1f} / {r.ops[2]:.1f} |"
         )
     print("\n### Host ms per decode step by phase (means; forwards excluded)\n")
@@ -435,7 +437,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="thread CPU time or wall time")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per row; the least median host wins")
+    ap.add_argument("--decode-steps", type=int, default=1, help="scheduler.decode_steps")
     args = ap.parse_args(argv)
+    DECODE_STEPS[0] = args.decode_steps
     CLOCK.now = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -446,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"done: {name} batch {batch}", flush=True)
     print(
         f"\nsource={args.source} graphs={args.graphs} tokens={args.tokens} threads={args.threads} "
-        f"clock={args.clock} repeat={args.repeat}"
+        f"clock={args.clock} repeat={args.repeat} decode_steps={args.decode_steps}"
     )
     print_tables(results)
     if args.top:
