@@ -1,0 +1,55 @@
+"""``scheduler.decode_steps`` through the real daemon on loopback: streamed greedy tokens equal the
+in-process engine's one step at a time, chunks carry a run's tokens together, and the log's steps say
+how many forwards each ran."""
+
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+
+from specsched.client.sync_client import Client
+
+
+def reference(options: dict, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    import torch
+
+    from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+    from specsched.engine.engine import Engine
+    from specsched.engine.request import SamplingParams
+
+    sched = {**options["scheduler"], "decode_steps": 1}
+    cfg = EngineConfig(
+        model=ModelConfig(**options["model"]), cache=CacheConfig(**options["cache"]),
+        scheduler=SchedulerConfig(**sched), spec=SpecConfig(**options["spec"]),
+    )  # fmt: skip
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return Engine.from_config(cfg).generate(prompts, SamplingParams(max_tokens=max_tokens))
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_runs_of_plain_steps_stream_the_single_step_tokens(start_daemon):
+    d = start_daemon(scheduler={"decode_steps": 4}, log_db=True)
+    rng = random.Random(4)
+    # no repeats in the prompts: the n-gram proposer finds nothing, so the steps draft nothing
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(3, 20))] for _ in range(3)]
+    want = reference(d.options, prompts, 13)
+    runs = 0
+    with Client(d.endpoint, timeout_s=60) as c:
+        for p, w in zip(prompts, want, strict=True):
+            chunks = list(c.stream(prompt_ids=p, max_tokens=13))
+            assert [t for ch in chunks for t in ch.token_ids] == w
+            runs += sum(len(ch.token_ids) > 1 and ch.proposed == 0 for ch in chunks)
+            assert c.generate(prompt_ids=p, max_tokens=13).token_ids == w
+    assert runs > 0, "some chunk must carry a run's tokens"
+    d.stop()
+    db = sqlite3.connect(d.log_path)
+    infos = [json.loads(i) for (i,) in db.execute("select plan_info from steps where plan_info is not null")]
+    rows = db.execute("select batch_size, num_tokens, plan_info from steps where kind = 'decode'").fetchall()
+    assert any(i.get("decode_steps", 1) > 1 for i in infos)
+    for b, t, info in rows:  # a run scored one token per request per forward
+        steps = json.loads(info).get("decode_steps", 1) if info else 1
+        assert steps == 1 or t == b * steps
