@@ -167,9 +167,7 @@ class Engine(PrefillStep, DecodeSteps):
         plan = self._decide(reqs, view)
         timer.mark("decide")  # the critical path's decide: ~0 when the plan was decided ahead
         num_steps = num_decode_steps(reqs, plan.k, self.cfg.scheduler.decode_steps, self.max_model_len)
-        kept, ks = self._reserve(reqs, plan.k, num_steps)  # may lower k or preempt
-        num_steps = num_steps if len(kept) == len(reqs) and all(k == num_steps - 1 for k in ks) else 1
-        ks = ks if num_steps == 1 else [0] * len(kept)
+        kept, ks, num_steps = self._reserve(reqs, plan.k, num_steps)  # may lower k or preempt
         views = view.requests  # in batch order
         if len(kept) != len(reqs):  # kept is in batch order
             ids = {id(r) for r in kept}

@@ -50,11 +50,18 @@ class DecodeSteps:
     device: torch.device
     on_device_wait: Callable[[], None] | None
 
-    def _reserve(self, reqs: list[Request], ks: list[int], num_steps: int) -> tuple[list[Request], list[int]]:
-        """The slots of the step: ``num_tokens + k_i`` each, or ``num_tokens + num_steps - 1`` for a
-        run of plain steps (:mod:`~specsched.engine.multi_step`; a request that did not get them
-        comes back with a lower k, and the step then runs one plain step)."""
-        return self.scheduler.reserve_lookahead(reqs, ks if num_steps == 1 else [num_steps - 1] * len(reqs))
+    def _reserve(
+        self, reqs: list[Request], ks: list[int], num_steps: int
+    ) -> tuple[list[Request], list[int], int]:
+        """The step's slots: ``num_tokens + k_i`` per request, or ``num_tokens + num_steps - 1`` for a
+        run of plain steps. Returns the requests that stay (batch order), their k and the steps to
+        run: a run falls back to one plain step when a request did not get its slots or left."""
+        if num_steps == 1:
+            return *self.scheduler.reserve_lookahead(reqs, ks), 1
+        kept, got = self.scheduler.reserve_lookahead(reqs, [num_steps - 1] * len(reqs))
+        if len(kept) != len(reqs) or any(k != num_steps - 1 for k in got):
+            num_steps = 1
+        return kept, [0] * len(kept), num_steps
 
     def _score(self, scorer: str, reqs: list[Request], props: Proposals, num_steps: int) -> torch.Tensor:
         """The scoring forward's logits ``[sum(k_i+1), vocab]``, or for a run of ``num_steps`` > 1

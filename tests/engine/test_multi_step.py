@@ -40,22 +40,29 @@ class FixedK(Policy):
 
 
 def engine(
-    scorer: str, decode_steps: int, *, proposer: str = "none", ks=(0,), device: str = "cpu", graphs=True
+    scorer: str,
+    decode_steps: int,
+    *,
+    proposer: str = "none",
+    ks=(0,),
+    device: str = "cpu",
+    graphs=True,
+    num_blocks: int = NUM_BLOCKS,
 ) -> Engine:
     mcfg = ModelConfig(source="tiny", device=device, dtype="float32")
     model = load_model(mcfg, progress=False).model
     cfg = EngineConfig(
         model=mcfg,
-        cache=CacheConfig(block_size=BLOCK, num_blocks=NUM_BLOCKS),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, decode_steps=decode_steps),
         spec=SpecConfig(proposer=proposer, scorers=["batch_expansion", "mqa", "mqa_graph"], max_k=4),
     )
-    kv = model.allocate_kv_cache(NUM_BLOCKS, BLOCK)
+    kv = model.allocate_kv_cache(num_blocks, BLOCK)
     gcfg = GraphConfig.for_engine(cfg, MAX_LEN, enabled=graphs, emulate=device == "cpu", progress=False)
     scorers = build_scorers(cfg.spec.scorers, model, kv, BLOCK, gcfg)
     parts = EngineParts(
-        model=model, tokenizer=None, kv_cache=kv, num_blocks=NUM_BLOCKS,
-        proposers=build_proposers(cfg.spec, model, NUM_BLOCKS, BLOCK), scorers=scorers,
+        model=model, tokenizer=None, kv_cache=kv, num_blocks=num_blocks,
+        proposers=build_proposers(cfg.spec, model, num_blocks, BLOCK), scorers=scorers,
         policy=FixedK(scorer, list(ks)), costs=CostModels(graph_buckets_of(scorers)),
         acceptance=AcceptanceEstimator(), model_name="tiny", device=model.lm_head.weight.device,
         max_model_len=MAX_LEN, eos_token_ids=[2],
@@ -160,6 +167,28 @@ def test_speculative_and_sampled_steps_run_one_step():
     got, recs = run(engine("mqa", 4), ps, sp)
     assert got == want
     assert all(r.num_decode_steps == 1 for r in recs if r.batch_size == len(ps))
+
+
+def test_a_tight_cache_falls_back_to_single_steps_and_stays_lossless():
+    rng = random.Random(9)
+    ps = [p + [7] * 20 for p in prompts(rng, 4)]  # 21-50 tokens: 6-13 blocks of 4 each
+    params = [SamplingParams(max_tokens=30, ignore_eos=True) for _ in ps]
+    want, _ = run(engine("mqa", 1), ps, params)
+    e = engine("batch_expansion", 4, num_blocks=40)  # 39 usable blocks: 4 requests do not all fit
+    reserve, short = e.scheduler.reserve_lookahead, []
+
+    def spy(batch, ks):  # runs that did not get their slots
+        kept, got = reserve(batch, ks)
+        if any(ks) and (len(kept) < len(batch) or got != ks):
+            short.append(e.num_steps)
+        return kept, got
+
+    e.scheduler.reserve_lookahead = spy
+    got, recs = run(e, ps, params)
+    assert got == want
+    assert e.scheduler.num_preemptions > 0 and short, "the cache must refuse some run its slots"
+    assert any(r.num_decode_steps > 1 for r in recs)
+    assert all(r.num_decode_steps == 1 for r in recs if r.step in short)  # those ran one step
 
 
 def test_a_run_is_not_a_cost_model_observation():
