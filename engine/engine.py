@@ -54,9 +54,9 @@ class Engine(PrefillStep, DecodeSteps):
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, p.num_blocks, prefill_limits=limits)
         self.requests: dict[str, Request] = {}
         self.on_step: Callable[[StepRecord], None] | None = None
-        # called right before each step's host read of the device's results (the verification read),
-        # where the engine thread waits without the interpreter lock: the daemon paces the decision
-        # log's writer by it (log.pace=step)
+        # called right before each step's host read of the device's results (verification, which
+        # reads inside), where the engine thread waits without the interpreter lock: the daemon paces
+        # the decision log's writer (log.pace=step) and the IO thread's sends (send_pace=step) by it
         self.on_device_wait: Callable[[], None] | None = None
         self.stats = EngineStats()
         self.timer = StepTimer(self.device)  # phase times: perf_counter on the host, CUDA events on GPU

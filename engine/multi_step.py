@@ -74,11 +74,12 @@ class DecodeSteps:
     def _verify(
         self, scored: torch.Tensor, reqs: list[Request], props: Proposals, num_steps: int
     ) -> tuple[list[list[int]], list[str]]:
-        """Each request's emitted tokens and match bits, read on the host (the step's one host read)."""
-        if num_steps == 1:
-            result = verify(scored, props, [r.sampling for r in reqs], [r.generator for r in reqs])
+        """Each request's emitted tokens and match bits, read on the host (the step's one host read,
+        inside ``verify``: ``on_device_wait`` goes first, so that what it wakes runs while this thread
+        waits for the device without the interpreter lock)."""
         if self.on_device_wait is not None:
             self.on_device_wait()
-        if num_steps == 1:
-            return result.to_lists(), result.match_bits()
-        return scored.T.tolist(), [""] * len(reqs)  # [B][S]: no drafts, nothing matched
+        if num_steps > 1:
+            return scored.T.tolist(), [""] * len(reqs)  # [B][S]: no drafts, nothing matched
+        result = verify(scored, props, [r.sampling for r in reqs], [r.generator for r in reqs])
+        return result.to_lists(), result.match_bits()

@@ -36,10 +36,9 @@ class PrefillStep:
         done = [reqs[i] for i in sample]
         empty = Proposals.from_lists([[] for _ in done])  # host tensors: no device copy
         with self._timed(rec, "verify_ms"):
-            result = verify(logits, empty, [r.sampling for r in done], [r.generator for r in done])
-            if self.on_device_wait is not None:
+            if self.on_device_wait is not None:  # before verify's host read (see DecodeSteps._verify)
                 self.on_device_wait()
-            first = result.to_lists()
+            first = verify(logits, empty, [r.sampling for r in done], [r.generator for r in done]).to_lists()
         now = time.time()
         for r in done:
             r.first_token_time = now

@@ -7,6 +7,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from specsched.client.sync_client import Client
 from specsched.daemon.log import LogConfig, LogWriter
@@ -68,7 +69,7 @@ def test_nudge_is_a_no_op_when_the_log_takes_each_record(tmp_path):
     w.close()
 
 
-def test_engine_calls_on_device_wait_once_per_step_before_its_host_read():
+def test_engine_calls_on_device_wait_once_per_step_before_its_host_read(monkeypatch):
     cfg = EngineConfig(
         model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
         cache=CacheConfig(block_size=4, num_blocks=128),
@@ -79,11 +80,20 @@ def test_engine_calls_on_device_wait_once_per_step_before_its_host_read():
     events: list[str] = []
     engine.on_device_wait = lambda: events.append("wait")
     engine.on_step = lambda rec: events.append(rec.kind)
+    real = torch.Tensor.tolist
+
+    def tolist(t):  # the host reads of the device's results (verification reads the tokens this way)
+        events.append("read")
+        return real(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     engine.generate([[5, 6, 7, 8] * 4, [9, 10, 11] * 5], SamplingParams(max_tokens=6, ignore_eos=True))
-    steps = [e for e in events if e != "wait"]
+    steps = [e for e in events if e not in ("wait", "read")]
     assert steps and "decode" in steps and "prefill" in steps
-    # every step waited once, before its record: wait, kind, wait, kind, ...
-    assert events == [x for kind in steps for x in ("wait", kind)]
+    # every step waited once, before its first read and its record: wait, read.., kind, wait, ...
+    per_step = "|".join(events).replace("|read", "").split("|")
+    assert per_step == [x for kind in steps for x in ("wait", kind)]
+    assert "|".join(events).count("wait|read") == len(steps)  # no read before a step's wait
 
 
 def test_daemon_with_a_step_paced_durable_log_serves_and_commits(start_daemon):
