@@ -166,7 +166,8 @@ class Engine(PrefillStep, DecodeSteps):
         timer.mark("view")
         plan = self._decide(reqs, view)
         timer.mark("decide")  # the critical path's decide: ~0 when the plan was decided ahead
-        num_steps = num_decode_steps(reqs, plan.k, self.cfg.scheduler.decode_steps, self.max_model_len)
+        caps, max_steps = [v.max_k for v in view.requests], self.cfg.scheduler.decode_steps
+        num_steps = num_decode_steps(reqs, plan.k, caps, names, max_steps, self.max_model_len)
         kept, ks, num_steps = self._reserve(reqs, plan.k, num_steps)  # may lower k or preempt
         views = view.requests  # in batch order
         if len(kept) != len(reqs):  # kept is in batch order

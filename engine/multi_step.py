@@ -1,8 +1,9 @@
 """How many plain decode steps one engine step runs back to back (``scheduler.decode_steps``).
 
 See :mod:`specsched.scorers.multi_step` for how they run. Only a step that drafts nothing for any
-request and whose requests are all greedy qualifies (a sampled request would need its uniforms and
-its sampling on the device between the steps); the count is capped so that no request runs past
+request by the policy's choice (not for lack of drafts: see :func:`num_decode_steps`) and whose
+requests are all greedy qualifies (a sampled request would need its uniforms and its sampling on the
+device between the steps); the count is capped so that no request runs past
 its ``max_tokens`` or the model's context (a request that stops earlier, at EOS or a stop id, drops
 the tokens after it at the commit).
 """
@@ -24,16 +25,24 @@ if TYPE_CHECKING:
     from specsched.engine.scheduler import Scheduler
 
 
-def num_decode_steps(reqs: list[Request], ks: list[int], max_steps: int, max_model_len: int) -> int:
+def num_decode_steps(
+    reqs: list[Request], ks: list[int], caps: list[int], names: list[str], max_steps: int, max_model_len: int
+) -> int:
     """Steps to run for ``reqs`` with planned drafts ``ks``: 1 unless every k is 0, every request is
-    greedy and ``max_steps`` > 1; then ``max_steps`` capped by the tokens every request may still
-    emit (``max_tokens`` and the context: a token at position p needs p < ``max_model_len``)."""
+    greedy, ``max_steps`` > 1 and every request's k = 0 is a choice, not a lack of drafts: its
+    proposer is ``none``, its own ``spec.max_k`` is 0, or its cap ``caps[i]`` (what the proposer had on
+    offer, :class:`~specsched.policies.base.RequestView`'s ``max_k``) was above 0 and the policy took
+    none. An n-gram proposer without a match this step may have one after the next token: a run would
+    skip it. Then ``max_steps`` capped by the tokens every request may still emit (``max_tokens`` and
+    the context: a token at position p needs p < ``max_model_len``)."""
     if max_steps <= 1 or not reqs or any(ks):
         return 1
     room = max_steps
-    for r in reqs:
+    for r, cap, name in zip(reqs, caps, names, strict=True):
         s = r.sampling
         if s.temperature != 0.0:  # SamplingParams.is_greedy, inlined
+            return 1
+        if cap == 0 and name != "none" and r.spec.max_k != 0:
             return 1
         num_out = len(r.output_ids)
         num_tokens = len(r.prompt_ids) + num_out

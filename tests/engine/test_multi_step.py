@@ -94,18 +94,34 @@ def req(prompt_len: int, num_out: int = 0, max_tokens: int = 100, temperature: f
     return r
 
 
+def steps(reqs: list[Request], ks: list[int], max_steps: int = 4, caps=None, names=None) -> int:
+    caps = [4] * len(reqs) if caps is None else caps
+    return num_decode_steps(reqs, ks, caps, names or ["draft"] * len(reqs), max_steps, 256)
+
+
 def test_num_decode_steps_only_for_plain_greedy_steps_within_the_limits():
     two = [req(10), req(20, 3)]
-    assert num_decode_steps(two, [0, 0], 4, 256) == 4
-    assert num_decode_steps(two, [0, 0], 1, 256) == 1  # off
-    assert num_decode_steps(two, [0, 1], 4, 256) == 1  # a request drafts: one speculative step
-    assert num_decode_steps([req(10), req(5, temperature=0.7)], [0, 0], 4, 256) == 1  # sampled
-    assert num_decode_steps([req(10, 5, max_tokens=7), req(3)], [0, 0], 4, 256) == 2  # 2 tokens left
-    assert num_decode_steps([req(10, 6, max_tokens=7)], [0], 4, 256) == 1
+    assert steps(two, [0, 0]) == 4
+    assert steps(two, [0, 0], max_steps=1) == 1  # off
+    assert steps(two, [0, 1]) == 1  # a request drafts: one speculative step
+    assert steps([req(10), req(5, temperature=0.7)], [0, 0]) == 1  # sampled
+    assert steps([req(10, 5, max_tokens=7), req(3)], [0, 0]) == 2  # 2 tokens left
+    assert steps([req(10, 6, max_tokens=7)], [0]) == 1
     # the token of the last step sits at position num_tokens - 1 + (S - 1) < max_model_len
-    assert num_decode_steps([req(250)], [0], 8, 256) == 7
-    assert num_decode_steps([req(256)], [0], 8, 256) == 1
-    assert num_decode_steps([], [], 4, 256) == 1
+    assert steps([req(250)], [0], max_steps=8) == 7
+    assert steps([req(256)], [0], max_steps=8) == 1
+    assert steps([], []) == 1
+
+
+def test_a_run_only_when_k_0_is_the_policys_choice():
+    two = [req(10), req(20)]
+    # an n-gram proposer without a match (cap 0) may have one after the next token: no run
+    assert steps(two, [0, 0], caps=[4, 0], names=["ngram", "ngram"]) == 1
+    assert steps(two, [0, 0], caps=[4, 2], names=["ngram", "ngram"]) == 4  # drafts declined
+    assert steps(two, [0, 0], caps=[0, 0], names=["none", "none"]) == 4  # never drafts
+    no_spec = req(20)
+    no_spec.spec.max_k = 0  # the request turned speculation off
+    assert steps([req(10), no_spec], [0, 0], caps=[3, 0], names=["ngram", "ngram"]) == 4
 
 
 # ---- the same tokens ---------------------------------------------------------------------------------
