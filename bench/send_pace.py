@@ -7,7 +7,9 @@ token ids and their text, as a streaming step sends) to an outbox, and an IO thr
 daemon's (a ZeroMQ poller on a wake socket, ``encode_reply`` per message, a ROUTER socket sending to
 a DEALER client in another process that reads everything) sends them. ``loop`` wakes the IO thread as
 each step's replies are posted (the default ``daemon.send_pace=loop``); ``step`` wakes it at the next
-step's device wait (``send_pace=step``); ``none`` posts nothing. Modes alternate over ``--rounds``
+step's device wait (``send_pace=step``); ``late`` wakes it when that wait has ended (what
+``send_pace=step`` did before 2026-12-05 10:10, when the engine's hook ran after verification's host
+read instead of before it); ``none`` posts nothing. Modes alternate over ``--rounds``
 (the order flipped each round); the table gives the loop's host ms per step beyond the device wait.
 
 ``--decide-us D --decide-every E``: every E-th step runs D us of Python that never lets go of the
@@ -35,7 +37,7 @@ from specsched.bench.log_pace import device_wait, host_work, print_modes
 from specsched.daemon.io_thread import encode_reply
 from specsched.daemon.messages import Chunk
 
-MODES = ("none", "loop", "step")
+MODES = ("none", "loop", "step", "late")
 
 
 def _client(endpoint: str, ready) -> None:
@@ -120,7 +122,7 @@ def _run(mode, batch, steps, wait_us, sender, decide_us, decide_every) -> list[f
     for step in range(steps):
         t0 = time.perf_counter()
         host_work(80)
-        if is_due:  # send_pace=step: the engine's device wait wakes the IO thread
+        if is_due and mode == "step":  # send_pace=step: the engine's device wait wakes the IO thread
             sender.wake()
             is_due = False
         w0 = time.perf_counter()
@@ -130,6 +132,9 @@ def _run(mode, batch, steps, wait_us, sender, decide_us, decide_every) -> list[f
         if left > 0:
             device_wait(left)
         waited = min(time.perf_counter() - w0, wait_us / 1e6)  # the device's part of the wait
+        if is_due:  # late: woken once the wait has ended
+            sender.wake()
+            is_due = False
         host_work(40)
         if mode != "none":
             replies = [(b"client", Chunk(f"r{i}", [step % 50000, 17], " the", 6, 5)) for i in range(batch)]
