@@ -48,8 +48,10 @@ class DaemonConfig:
     engine_cpu: int | None = None
     # when a step's replies (chunks, dones) go out: "loop" = as each loop iteration ends; "step" = while
     # the engine's next step waits for the device (its verification read), so the IO thread's Python
-    # work does not take the interpreter lock from the engine's host work (at once when idle)
-    send_pace: str = "loop"
+    # work does not take the interpreter lock from the engine's host work (at once when idle). "step"
+    # since the H200 A/B of 2026-12-05 11:03 (bench=serve_pacing_ab, with log.pace=step): +12-27 % tok/s
+    # at N = 1-16 for goodput and k = 8; at N = 64 0 / -6 % and TTFT p50 +9-13 ms (docs/benchmarks.md)
+    send_pace: str = "step"
     # Python's thread switch interval while the daemon serves (sys.setswitchinterval; restored at close),
     # ms. A thread that wants the interpreter lock waits up to this long for the one holding it: with the
     # default (null = Python's 5 ms) a decide ahead of a few ms holds the IO and log-writer threads off

@@ -19,8 +19,9 @@ class LogConfig:
     # When the writer thread takes records off its queue (each costs it ~20-40 us of Python, which
     # the engine thread waits for whenever it lets go of the interpreter lock): "record" as each is
     # enqueued; "step" once per engine step, when the engine waits for the device (its verification
-    # read), where the engine needs no lock (daemon/log.py: LogWriter.nudge)
-    pace: str = "record"
+    # read), where the engine needs no lock (daemon/log.py: LogWriter.nudge); "step" since the H200 A/B
+    # of 2026-12-05 11:03 (with daemon.send_pace=step; docs/benchmarks.md)
+    pace: str = "step"
 
     def __post_init__(self) -> None:
         if self.path is not None and not str(self.path).strip():

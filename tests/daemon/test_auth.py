@@ -74,7 +74,7 @@ def test_daemon_config_auth_rules(tmp_path):
 def test_server_refuses_a_non_loopback_bind_without_curve_even_when_the_config_was_changed():
     from specsched.daemon.server import Server
 
-    cfg = DaemonConfig()
+    cfg = DaemonConfig(send_pace="loop")  # no engine here to pace sends by (send_pace=step hooks it)
     cfg.endpoint = "tcp://0.0.0.0:0"  # after validation
     server = Server(engine=None, cfg=cfg)
     with pytest.raises(ValueError, match="not a loopback address"):
