@@ -48,6 +48,7 @@ def make_record(step: int, rng: random.Random) -> StepRecord:
 
 
 def fast_cfg(path, **kw) -> LogConfig:
+    kw.setdefault("pace", "record")  # these tests drive the writer without an engine's nudges
     return LogConfig(path=str(path), flush_interval_s=kw.pop("flush_interval_s", 0.02), **kw)
 
 
@@ -108,7 +109,7 @@ def test_steps_from_another_thread_all_present(tmp_path):
 def test_requests_and_flush(tmp_path):
     path = tmp_path / "log.sqlite"
     # durable=false: only explicit flushes write (durable would commit request rows at once)
-    w = LogWriter(LogConfig(path=str(path), flush_interval_s=30.0, durable=False))
+    w = LogWriter(LogConfig(path=str(path), pace="record", flush_interval_s=30.0, durable=False))
     w.start_run({}, model="m", device="cpu", version="v")
     w.write_request(
         "a",
@@ -177,7 +178,7 @@ def test_durable_request_row_commits_itself_and_the_steps_before_it(tmp_path):
     """A request row starts a commit within commit_interval_ms (not the 30 s flush interval), with
     the steps queued before it; the listener hears the settled sequence number."""
     path = tmp_path / "log.sqlite"
-    w = LogWriter(LogConfig(path=str(path), flush_interval_s=30.0))  # durable is the default
+    w = LogWriter(LogConfig(path=str(path), pace="record", flush_interval_s=30.0))  # durable is the default
     assert w.is_durable
     w.start_run({}, model="m", device="cpu", version="v")
     heard: list[int] = []
@@ -198,7 +199,7 @@ def test_durable_request_row_commits_itself_and_the_steps_before_it(tmp_path):
 def test_durable_group_commit_batches_many_requests(tmp_path):
     """200 request rows enqueued at once settle in a few commits, not 200."""
     path = tmp_path / "log.sqlite"
-    w = LogWriter(LogConfig(path=str(path), flush_interval_s=30.0, commit_interval_ms=20.0))
+    w = LogWriter(LogConfig(path=str(path), pace="record", flush_interval_s=30.0, commit_interval_ms=20.0))
     w.start_run({}, model="m", device="cpu", version="v")
     heard: list[int] = []
     w.on_settled(heard.append)
@@ -215,7 +216,7 @@ def test_durable_failed_write_still_settles_and_retries(tmp_path):
     """A locked database: the request is settled (its done may go: counted in num_failures) and its
     row is written once the lock is gone."""
     path = tmp_path / "log.sqlite"
-    w = LogWriter(LogConfig(path=str(path), flush_interval_s=0.05, busy_timeout_s=0.02))
+    w = LogWriter(LogConfig(path=str(path), pace="record", flush_interval_s=0.05, busy_timeout_s=0.02))
     w.start_run({}, model="m", device="cpu", version="v")
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
@@ -230,7 +231,7 @@ def test_durable_failed_write_still_settles_and_retries(tmp_path):
 
 def test_loose_mode_does_not_commit_before_the_flush_interval(tmp_path):
     path = tmp_path / "log.sqlite"
-    w = LogWriter(LogConfig(path=str(path), flush_interval_s=30.0, durable=False))
+    w = LogWriter(LogConfig(path=str(path), pace="record", flush_interval_s=30.0, durable=False))
     w.start_run({}, model="m", device="cpu", version="v")
     assert request_row(w, "a") == 1
     time.sleep(0.2)

@@ -61,7 +61,7 @@ def test_without_nudges_the_flush_interval_still_writes(tmp_path):
 
 
 def test_nudge_is_a_no_op_when_the_log_takes_each_record(tmp_path):
-    w = LogWriter(LogConfig(path=str(tmp_path / "log.sqlite"), flush_interval_s=30.0))
+    w = LogWriter(LogConfig(path=str(tmp_path / "log.sqlite"), flush_interval_s=30.0, pace="record"))
     w.nudge()
     assert not w._nudge.is_set()
     with pytest.raises(ValueError, match="log.pace must be record or step"):

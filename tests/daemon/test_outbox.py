@@ -135,7 +135,8 @@ def test_a_final_reply_follows_the_list_with_its_chunks(tiny_tokenizer_dir):
     tok = Tokenizer.from_pretrained(tiny_tokenizer_dir)
     posts, wakes = [], []
     engine = SimpleNamespace(tokenizer=tok, on_step=None)
-    serving = Serving(engine, DaemonConfig(), posts.append, lambda: wakes.append(1), InstantLog())
+    cfg = DaemonConfig(send_pace="loop")  # wake at each flush: this fake engine has no device waits
+    serving = Serving(engine, cfg, posts.append, lambda: wakes.append(1), InstantLog())
     for i in range(3):
         st = RequestStream(b"c", f"r{i}", f"k{i}", True, [], 3, 0.0, IncrementalDetokenizer(tok))
         serving.streams[st.key] = st
