@@ -166,8 +166,10 @@ class Engine(PrefillStep, DecodeSteps):
         timer.mark("view")
         plan = self._decide(reqs, view)
         timer.mark("decide")  # the critical path's decide: ~0 when the plan was decided ahead
-        caps, max_steps = [v.max_k for v in view.requests], self.cfg.scheduler.decode_steps
-        num_steps = num_decode_steps(reqs, plan.k, caps, names, max_steps, self.max_model_len)
+        num_steps = max_steps = self.cfg.scheduler.decode_steps
+        if max_steps > 1:  # runs of plain steps (engine/multi_step.py); off: nothing to compute
+            caps = [v.max_k for v in view.requests]
+            num_steps = num_decode_steps(reqs, plan.k, caps, names, max_steps, self.max_model_len)
         kept, ks, num_steps = self._reserve(reqs, plan.k, num_steps)  # may lower k or preempt
         views = view.requests  # in batch order
         if len(kept) != len(reqs):  # kept is in batch order
