@@ -252,9 +252,13 @@ class Engine(PrefillStep, DecodeSteps):
         spec = self.cfg.spec
         peek = [spec.max_k] * len(reqs) if is_ahead else peek_caps(self.proposers, reqs, names)
         views = request_views(reqs, names, peek, self.acceptance, spec.max_k, self.max_model_len)
-        sched = self.scheduler
+        sched, max_steps = self.scheduler, self.cfg.scheduler.decode_steps
+        run = 1
+        if max_steps > 1 and reqs:  # what a plan with every k = 0 would run (the policy may weigh it)
+            caps = [v.max_k for v in views]
+            run = num_decode_steps(reqs, [0] * len(reqs), caps, names, max_steps, self.max_model_len)
         return BatchView(
-            views, sched.num_free_blocks, self.cfg.cache.block_size, list(self.scorers), self.num_steps
+            views, sched.num_free_blocks, self.cfg.cache.block_size, list(self.scorers), self.num_steps, run
         )
 
     def _proposer_names(self, reqs: list[Request]) -> list[str]:

@@ -29,6 +29,10 @@ class BatchView:
     block_size: int
     scorers: list[str]  # scorers available this run
     step: int = 0
+    # plain decode steps a plan with every k = 0 would run back to back (scheduler.decode_steps,
+    # engine/multi_step.py): 1 when runs are off or this batch cannot run one (a sampled request, a
+    # proposer with nothing on offer, a request about to finish)
+    decode_steps: int = 1
 
     @property
     def batch_size(self) -> int:

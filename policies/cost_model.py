@@ -22,6 +22,7 @@ from specsched.policies.bucket_bias import BucketBias, bucket_key
 from specsched.policies.cost_priors import FLOOR, PRIORS, seed_coefficients
 from specsched.policies.cost_store import load_models, save_models
 from specsched.policies.rls import OnlineLinearModel
+from specsched.policies.run_cost import RunRatio, run_ms
 from specsched.policies.running_error import RunningError
 from specsched.policies.shapes import (
     EXPANSION_SCORERS,
@@ -100,6 +101,7 @@ class CostModels:
         # replay only: what a change of the decode batch adds to a step, fitted on a recorded run by
         # policies.replay.refit_costs (policies/replay_churn.py); None: nothing
         self.churn = None
+        self.runs: dict[str, RunRatio] = {}  # scorer -> measured / predicted ms of its runs (run_cost.py)
         self.seed_defaults(device)
 
     # ---- models and priors ----
@@ -112,6 +114,7 @@ class CostModels:
         self.num_decodes.clear()
         self.errors.clear()
         self.biases.clear()
+        self.runs.clear()
 
     def _prior(self, key: tuple[str, ...]) -> list[float]:
         return seed_coefficients(self.device, key)
@@ -214,8 +217,11 @@ class CostModels:
         measured (the prequential error, :meth:`prediction_error`), then each model learns its
         component; the features are computed once for both."""
         reqs = record.requests
-        if record.kind != "decode" or not reqs or record.num_decode_steps != 1:
-            return False  # a run of plain steps (scheduler.decode_steps) is not one step's cost
+        if record.kind != "decode" or not reqs:
+            return False
+        if record.num_decode_steps != 1:  # a run of plain steps is not one step's cost: its own ratio
+            self._observe_run(record)
+            return False
         if not record.scorer:
             raise ValueError(f"decode step record {record.step} has no scorer")
         propose_ms, score_ms, verify_ms, total_ms = (
@@ -261,6 +267,21 @@ class CostModels:
         if m_overhead is not None:
             m_overhead.update(x_overhead, max(0.0, total_ms - propose_ms - score_ms - verify_ms))
         return True
+
+    def predict_run(self, scorer: str, s: ShapeStats, num_steps: int) -> float:
+        """Predicted ms of a run of ``num_steps`` plain steps of shape ``s`` (every k = 0) on
+        ``scorer``, corrected by the runs seen (:mod:`specsched.policies.run_cost`)."""
+        found = self.runs.get(scorer)
+        return run_ms(self, scorer, s, num_steps, found.value if found else 1.0)
+
+    def _observe_run(self, record: StepRecord) -> None:
+        """Update the run ratio of ``record.scorer`` from a run's record (its ms against the models'
+        prediction before the update)."""
+        measured = self.step_ms(record)
+        if not record.scorer or not (math.isfinite(measured) and measured > 0):
+            return
+        predicted = run_ms(self, record.scorer, _record_stats(record), record.num_decode_steps)
+        self.runs.setdefault(record.scorer, RunRatio()).update(predicted, measured)
 
     def prediction_error(self, scorer: str, signed: bool = False) -> float | None:
         """Running relative error of ``scorer``'s predicted step ms over its last ~16 steps (each

@@ -51,6 +51,7 @@ from specsched.policies.fixed import step_proposer
 from specsched.policies.goodput_explore import ExplorationSwitch, decode_scorer
 from specsched.policies.goodput_search import BatchProblem
 from specsched.policies.goodput_single import SingleProblem
+from specsched.policies.run_cost import weigh_run
 
 _REQUEST_FIELDS = attrgetter("acceptance", "acceptance_std", "context_len", "max_k", "last_k")
 
@@ -125,6 +126,7 @@ class GoodputPolicy(Policy):
         self._scorer_set: list[str] | None = None  # the scorers of the last full search
         self._last_full = 0  # decide count of the last full search
         self._k0_scorer: str | None = None  # a plain decode's scorer at the last search of every scorer
+        self._is_run = False  # the last plan was a run of plain steps taken over speculation
         cfg = self.config
         self.exploration = ExplorationSwitch(
             cfg.explore_stop_std, cfg.explore_stop_error, cfg.explore_restart, cfg.explore_min_steps
@@ -258,11 +260,28 @@ class GoodputPolicy(Policy):
 
         cost = prob.components(k, chosen)
         g_plan = prob.goodput(k, chosen) if is_probe or is_dither or num_cuts or is_decode else g
+        run = None
+        if view.decode_steps > 1:  # a plan with every k = 0 runs several plain steps: weigh that
+            ctx = [r.context_len for r in reqs]
+            g_spec = g_plan if is_spec and not (is_probe or is_dither) else None  # exploring: it drafts
+            run = weigh_run(costs, k0_scorer, ctx, view.decode_steps, g_spec, self._is_run, cfg.scorer_margin)
+            if g_spec is not None:  # a plan that drafts nothing leaves the hysteresis as it was
+                self._is_run = run.is_taken
+            if run.is_taken:
+                chosen, is_spec, is_decode, is_decode_try = scorers.index(k0_scorer), False, True, False
+                k = prob.zeros()
+                k_list, cost, g_plan = prob.as_list(k), prob.components(k, chosen), run.goodput
         ranked = sorted(range(len(scorers)), key=lambda s: -g_scorers[s])
         runner_up = next((s for s in ranked if s != chosen), None)
         g_off = prob.goodput_k0[chosen]
+        reason = _reason(prob.top, is_spec, g_plan, g_off, num_cuts, is_probe)
+        if run is not None and run.is_taken:
+            reason = (
+                f"run of {view.decode_steps} plain steps: {run.goodput:.4g} tokens/ms, speculating "
+                f"{run.spec_goodput:.4g}"
+            )
         info = {
-            "reason": _reason(prob.top, is_spec, g_plan, g_off, num_cuts, is_probe),
+            "reason": reason,
             "goodput": g_plan,
             "goodput_k0": g_off,
             "scorer_goodput": {scorers[s]: g_scorers[s] for s in ranked},
@@ -284,8 +303,12 @@ class GoodputPolicy(Policy):
         for name in ("propose_ms", "score_ms", "verify_ms", "overhead_ms"):
             info[f"predicted_{name}"] = cost[name]
         # expected tokens at the posterior means, as every policy's plan reports them (make_plan)
-        expected = prob.expected_at_mean(k)
-        return Plan(k_list, scorers[chosen], self.name, cost["total_ms"], expected, info)
+        expected, total_ms = prob.expected_at_mean(k), cost["total_ms"]
+        if run is not None:
+            info["run_goodput"], info["is_run"] = run.goodput, run.is_taken
+            if not is_spec:  # the engine runs a plan that drafts nothing as a run: its ms and tokens
+                expected, total_ms = float(len(reqs) * view.decode_steps), run.ms
+        return Plan(k_list, scorers[chosen], self.name, total_ms, expected, info)
 
 
 def _reason(top: int, is_spec: bool, g: float, g_off: float, num_cuts: int, is_probe: bool) -> str:

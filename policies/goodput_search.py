@@ -280,3 +280,7 @@ class BatchProblem:
     @staticmethod
     def as_list(k) -> list[int]:
         return k.tolist()
+
+    def zeros(self):
+        """The plan that drafts nothing."""
+        return np.zeros_like(self.cap)

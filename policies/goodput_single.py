@@ -155,6 +155,11 @@ class SingleProblem:
     def as_list(k: int) -> list[int]:
         return [k]
 
+    @staticmethod
+    def zeros() -> int:
+        """The plan that drafts nothing."""
+        return 0
+
 
 def _expected(mean: float, std: float, cap: int) -> list[float]:
     """E(k) for k = 0..cap under the Beta of ``mean`` and ``std``

@@ -1,0 +1,80 @@
+"""What a run of plain decode steps costs (``scheduler.decode_steps``, engine/multi_step.py).
+
+A run of S plain steps scores S forwards back to back and reads the host once: it pays S times a
+plain step's scoring, and once its verification read, its overhead (the host's schedule, commit,
+log) and the loop's time before it. So, from the single-step cost models at the k = 0 shape,
+
+    T_run(S) = ratio_s · (S · score_ms + verify_ms + overhead_ms),
+
+where ``ratio_s`` (per scorer) is the running mean of measured / predicted over the runs seen so
+far (1 before any): the single-step models' own errors and what the model above leaves out (a run's
+inputs for the next forward built on the device, one argmax per forward) are learned from the runs
+themselves. The cost models skip a run's record for their own fit (it is not one step's cost), and
+pass it here instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specsched.policies.shapes import ShapeStats
+
+MIN_RATIO, MAX_RATIO = 0.25, 4.0  # a run's measured / predicted ms is clipped to this range
+
+
+def plain_stats(context_lens: list[int]) -> ShapeStats:
+    """The shape of one plain decode step (every k = 0) over requests with these context lengths (KV
+    cached tokens plus the input token, as ``RequestView.context_len``)."""
+    b, ctx = len(context_lens), sum(context_lens)
+    return ShapeStats(b, b, 0, 0, 0, ctx, ctx)
+
+
+@dataclass
+class RunRatio:
+    """Running mean of measured / predicted ms of a scorer's runs (the last ~``window`` weigh most)."""
+
+    window: int = 16
+    value: float = 1.0
+    count: int = 0
+
+    def update(self, predicted: float, measured: float) -> None:
+        if predicted <= 0 or measured <= 0:
+            return
+        ratio = min(max(measured / predicted, MIN_RATIO), MAX_RATIO)
+        self.count += 1
+        self.value += (ratio - self.value) / min(self.count, self.window)
+
+
+def run_ms(costs, scorer: str, stats: ShapeStats, num_steps: int, ratio: float = 1.0) -> float:
+    """Predicted ms of a run of ``num_steps`` plain steps of shape ``stats`` on ``scorer`` (module
+    docstring), from the single-step models of ``costs`` (a
+    :class:`~specsched.policies.cost_model.CostModels`)."""
+    c = costs.predict_stats(scorer, "none", stats)
+    return ratio * (num_steps * c.score_ms + c.verify_ms + c.overhead_ms)
+
+
+@dataclass
+class RunChoice:
+    """A run of plain decode steps weighed against a step's speculative plan."""
+
+    goodput: float  # tokens / ms the run is predicted to give
+    ms: float  # its predicted ms
+    spec_goodput: float  # the speculative plan's (0: there was none to weigh it against)
+    is_taken: bool  # the step runs it instead of the speculative plan
+
+
+def weigh_run(
+    costs, scorer: str, context_lens: list[int], num_steps: int, g_spec: float | None, is_run: bool,
+    margin: float,
+) -> RunChoice:  # fmt: skip
+    """Whether a step of requests with ``context_lens`` runs ``num_steps`` plain steps on ``scorer``
+    (B · S tokens in :meth:`CostModels.predict_run` ms) instead of a speculative plan of goodput
+    ``g_spec`` tokens/ms (None: there is none to replace: the plan drafts nothing, or it is a probe
+    that is there to observe its drafts). With hysteresis: after a speculative step (``is_run``
+    False) the run must be ``margin`` better, after a run speculation must be ``margin`` better."""
+    ms = costs.predict_run(scorer, plain_stats(context_lens), num_steps)
+    g_run = len(context_lens) * num_steps / max(ms, 1e-9)
+    if g_spec is None:
+        return RunChoice(g_run, ms, 0.0, False)
+    taken = g_run * (1.0 + margin) >= g_spec if is_run else g_run > g_spec * (1.0 + margin)
+    return RunChoice(g_run, ms, g_spec, taken)

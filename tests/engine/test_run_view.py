@@ -1,0 +1,86 @@
+"""The policy sees what a plan that drafts nothing would run (``BatchView.decode_steps``), and goodput,
+which weighs runs against speculation with it, stays lossless when it takes them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specsched.engine.engine import Engine
+from specsched.engine.request import SamplingParams
+from specsched.policies.base import BatchView, Plan, Policy
+from tests.engine.test_multi_step import engine, prompts, run
+
+
+class Spy(Policy):
+    """k = 0 for every request; keeps each view."""
+
+    name = "spy_test"
+
+    def __init__(self) -> None:
+        self.views: list[BatchView] = []
+
+    def decide(self, view: BatchView, costs) -> Plan:
+        self.views.append(view)
+        return Plan([0] * view.batch_size, "mqa", self.name)
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_the_view_says_how_many_steps_a_plain_plan_runs(decode_steps):
+    e = engine("mqa", decode_steps, graphs=False)
+    spy = e.policy = Spy()
+    max_tokens = 11
+    out, recs = run(
+        e, [[5, 6, 7], [8, 9, 10, 11]], [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * 2
+    )
+    assert all(len(o) == max_tokens for o in out)
+    assert len(spy.views) == len(recs)
+    for view, rec in zip(spy.views, recs):
+        assert view.decode_steps == rec.num_decode_steps  # what the engine then ran
+    assert max(v.decode_steps for v in spy.views) == decode_steps
+    if decode_steps > 1:  # capped by the tokens left: 10 after the prefill's first, 4 + 4 + 2
+        assert [v.decode_steps for v in spy.views] == [4, 4, 2]
+
+
+def test_an_ngram_request_without_a_match_gets_no_run_in_the_view():
+    e = engine("mqa", 4, proposer="ngram", graphs=False)
+    spy = e.policy = Spy()
+    # random tokens: the n-gram proposer rarely has a match, and then the view offers no run
+    rng = random.Random(3)
+    run(e, [[rng.randrange(3, 256) for _ in range(9)]], [SamplingParams(max_tokens=8, ignore_eos=True)])
+    assert spy.views
+    for view in spy.views:
+        has_match = any(r.max_k > 0 for r in view.requests)
+        assert view.decode_steps == (1 if not has_match else view.decode_steps)
+    assert any(v.decode_steps == 1 for v in spy.views)
+
+
+def goodput_engine(proposer: str, decode_steps: int) -> Engine:
+    cfg = EngineConfig(
+        model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, decode_steps=decode_steps),
+        spec=SpecConfig(proposer=proposer, scorers=["batch_expansion", "mqa"], max_k=4),
+        policy={"name": "goodput"},
+    )
+    return Engine(cfg)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_goodput_with_runs_is_lossless(proposer):
+    ps = prompts(random.Random(7), 4)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * len(ps)
+    base = goodput_engine("none", 1).generate(ps, params)
+    e = goodput_engine(proposer, 4)
+    records = []
+    e.on_step = records.append
+    assert e.generate(ps, params) == base
+    decode = [r for r in records if r.kind == "decode"]
+    weighed = [r for r in decode if "run_goodput" in r.plan_info]
+    if proposer == "draft":  # a draft model always has drafts on offer: every view offers a run
+        assert weighed
+    for r in weighed:
+        if r.num_decode_steps > 1:  # a run ran: the plan drafted nothing
+            assert all(q.k == 0 for q in r.requests)

@@ -1,0 +1,105 @@
+"""goodput weighs runs of plain decode steps (``scheduler.decode_steps``): a plan that drafts nothing
+runs S forwards for one host round trip, so its tokens cost less than a single plain step's."""
+
+from __future__ import annotations
+
+import pytest
+
+from specsched.engine.records import StepRecord, StepRequestRecord
+from specsched.policies.base import BatchView, RequestView
+from specsched.policies.cost_model import CostModels
+from specsched.policies.goodput import GoodputConfig, GoodputPolicy
+from specsched.policies.run_cost import plain_stats, weigh_run
+
+SCORERS = ["batch_expansion", "mqa", "mqa_graph"]
+BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
+def cuda_costs() -> CostModels:
+    return CostModels({"mqa_graph": BUCKETS, "batch_expansion": BUCKETS}, device="cuda")
+
+
+def view(batch: int, a: float, decode_steps: int, std: float = 0.01) -> BatchView:
+    reqs = [RequestView(f"r{i}", 300, "draft", 8, a, std) for i in range(batch)]
+    return BatchView(reqs, 100_000, 16, SCORERS, 0, decode_steps)
+
+
+def quiet() -> GoodputPolicy:
+    """goodput without probes or dither (a deterministic plan from the estimates)."""
+    return GoodputPolicy(GoodputConfig(acceptance_z=0, dither_interval=0))
+
+
+def test_predict_run_is_s_forwards_and_one_round_trip():
+    costs = cuda_costs()
+    s = plain_stats([300] * 8)
+    one = costs.predict_stats("mqa_graph", "none", s)
+    for steps in (1, 4):
+        want = steps * one.score_ms + one.verify_ms + one.overhead_ms
+        assert costs.predict_run("mqa_graph", s, steps) == pytest.approx(want)
+    assert costs.predict_run("mqa_graph", s, 1) == pytest.approx(one.total_ms)  # k = 0: no propose
+
+
+def run_record(step: int, batch: int, steps: int, total_ms: float) -> StepRecord:
+    rec = StepRecord(step, "decode", 0.0, batch, batch * steps)
+    rec.requests = [StepRequestRecord(f"r{i}", 299, 0, 0, "", steps, 0) for i in range(batch)]
+    rec.scorer, rec.num_decode_steps, rec.total_ms = "mqa_graph", steps, total_ms
+    return rec
+
+
+def test_runs_teach_their_own_ratio_and_not_the_step_models():
+    costs = cuda_costs()
+    s = plain_stats([300] * 4)
+    predicted = costs.predict_run("mqa_graph", s, 4)
+    coef = costs.model("score", "mqa_graph").coef.copy()
+    for i in range(40):
+        assert costs.observe(run_record(i, 4, 4, 2.0 * predicted)) is False  # not one step's cost
+    assert costs.predict_run("mqa_graph", s, 4) == pytest.approx(2.0 * predicted, rel=1e-6)
+    assert (costs.model("score", "mqa_graph").coef == coef).all()
+    assert "mqa_graph" not in costs.num_decodes
+
+
+def test_weigh_run_hysteresis():
+    costs = cuda_costs()
+    ctx = [300] * 8
+    g_run = weigh_run(costs, "mqa_graph", ctx, 4, None, False, 0.02).goodput
+    assert g_run > 0
+    assert not weigh_run(costs, "mqa_graph", ctx, 4, None, False, 0.02).is_taken  # nothing to replace
+    assert weigh_run(costs, "mqa_graph", ctx, 4, g_run * 0.9, False, 0.02).is_taken
+    assert not weigh_run(costs, "mqa_graph", ctx, 4, g_run * 0.99, False, 0.02).is_taken  # within margin
+    assert weigh_run(costs, "mqa_graph", ctx, 4, g_run * 1.01, True, 0.02).is_taken  # held after a run
+    assert not weigh_run(costs, "mqa_graph", ctx, 4, g_run * 1.05, True, 0.02).is_taken
+
+
+@pytest.mark.parametrize("batch,a", [(1, 0.2), (8, 0.3), (64, 0.5)])
+def test_a_plan_that_speculates_one_step_at_a_time_runs_when_runs_pay(batch, a):
+    costs = cuda_costs()
+    single = quiet().decide(view(batch, a, 1), costs)
+    assert max(single.k) > 0  # one plain step at a time, speculating pays (a little)
+    plan = quiet().decide(view(batch, a, 4), costs)
+    assert plan.k == [0] * batch
+    assert plan.info["is_run"] and plan.info["reason"].startswith("run of 4 plain steps")
+    assert plan.info["run_goodput"] > single.info["goodput"]
+    assert plan.expected_tokens == batch * 4
+    assert plan.predicted_ms == pytest.approx(costs.predict_run(plan.scorer, plain_stats([300] * batch), 4))
+
+
+def test_high_acceptance_still_speculates_with_runs_on():
+    plan = quiet().decide(view(8, 0.8, 4), cuda_costs())
+    assert max(plan.k) > 0 and plan.info["is_run"] is False
+    assert plan.info["run_goodput"] < plan.info["goodput"]
+
+
+def test_a_probe_keeps_its_drafts():
+    costs = cuda_costs()
+    policy = GoodputPolicy(GoodputConfig(acceptance_z=2.0, dither_interval=0))
+    young = view(8, 0.1, 4, std=0.25)  # a wide posterior: the first decide probes at a + 2 sd
+    assert quiet().decide(young, costs).k == [0] * 8  # at the mean it drafts nothing
+    plan = policy.decide(young, costs)
+    assert plan.info["is_probe"]
+    assert max(plan.k) > 0 and plan.info["is_run"] is False
+
+
+def test_runs_off_leave_the_plan_as_it_was():
+    costs = cuda_costs()
+    plan = quiet().decide(view(8, 0.3, 1), costs)
+    assert "run_goodput" not in plan.info and max(plan.k) > 0
