@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -82,16 +83,23 @@ def carry_plan(
         num_joined = len(views) - len(kept)
         if max_joined is not None and num_joined > max(1, int(max_joined * len(views))):
             return None
-        able = [(u, uk) for u, uk in kept if caps.get(u.request_id, 1) > 0]
-        k, num_reopened = [], 0
+        k, fill, num_reopened = [], [], 0  # fill: positions that take the nearest request's k
         for v in views:
             i = index.get(v.request_id)
-            is_reopened = i is not None and old_k[i] == 0 and caps.get(v.request_id, 1) == 0 and v.max_k > 0
-            if i is None or is_reopened:
-                num_reopened += is_reopened
-                k.append(_nearest_k(v, able))
+            if i is None:
+                fill.append(len(k))
+                k.append(0)
+            elif old_k[i] == 0 and v.max_k > 0 and caps.get(v.request_id, 1) == 0:  # reopened
+                num_reopened += 1
+                fill.append(len(k))
+                k.append(0)
             else:
-                k.append(min(old_k[i], v.max_k))
+                ok = old_k[i]
+                k.append(ok if ok < v.max_k else v.max_k)
+        if fill:
+            nearest = _Nearest([(u, uk) for u, uk in kept if caps.get(u.request_id, 1) > 0])
+            for j in fill:
+                k[j] = nearest.k(views[j])
         num_left = len(ids) - len(kept)
     info = {**plan.info, "num_joined": num_joined, "num_left": num_left, "num_reopened": num_reopened}
     scorer = plan.scorer
@@ -100,11 +108,39 @@ def carry_plan(
     return replace(plan, k=k, scorer=scorer, info=info)
 
 
-def _nearest_k(v, able: list) -> int:
-    """The planned k of the request in ``able`` ((view, k) pairs) of ``v``'s proposer whose acceptance
-    estimate is nearest ``v``'s, capped by ``v.max_k``; 0 when there is none."""
-    like = [(abs(u.acceptance - v.acceptance), uk) for u, uk in able if u.proposer == v.proposer]
-    return min(min(like)[1], v.max_k) if like else 0
+class _Nearest:
+    """The planned k of the request in ``able`` ((view, k) pairs) of a request's proposer whose
+    acceptance estimate is nearest its own (the smaller k on a tie, and among requests of one
+    estimate), capped by its ``max_k``; 0 when its proposer has none. Looked up by bisection over
+    each proposer's distinct estimates (a fresh request's is its proposer's pooled prior, which many
+    share)."""
+
+    def __init__(self, able: list) -> None:
+        best: dict[str, dict[float, int]] = {}
+        for u, uk in able:
+            by_a = best.setdefault(u.proposer, {})
+            a = u.acceptance
+            if uk < by_a.get(a, uk + 1):
+                by_a[a] = uk
+        self.tables = {}
+        for name, by_a in best.items():
+            accs = sorted(by_a)
+            self.tables[name] = (accs, [by_a[a] for a in accs])
+
+    def k(self, v) -> int:
+        table = self.tables.get(v.proposer)
+        if table is None:
+            return 0
+        accs, ks = table
+        a = v.acceptance
+        i = bisect_left(accs, a)
+        near = []
+        if i < len(accs):
+            near.append((accs[i] - a, ks[i]))
+        if i > 0:
+            near.append((a - accs[i - 1], ks[i - 1]))
+        k = min(near)[1]
+        return k if k < v.max_k else v.max_k
 
 
 def _carry_same(old_k: list[int], views: list, caps: dict[str, int]) -> tuple[list[int], int]:
@@ -119,9 +155,9 @@ def _carry_same(old_k: list[int], views: list, caps: dict[str, int]) -> tuple[li
         else:
             k.append(ok if ok < m else m)
     if reopened:
-        able = [(u, uk) for u, uk in zip(views, old_k) if caps.get(u.request_id, 1) > 0]
+        nearest = _Nearest([(u, uk) for u, uk in zip(views, old_k) if caps.get(u.request_id, 1) > 0])
         for i in reopened:
-            k[i] = _nearest_k(views[i], able)
+            k[i] = nearest.k(views[i])
     return k, len(reopened)
 
 

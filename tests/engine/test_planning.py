@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
@@ -48,6 +50,44 @@ def test_carry_plan_reopens_a_request_that_could_not_draft_when_the_plan_was_dec
     assert carry_plan(["a", "b", "c"], plan, view, None).k == [4, 0, 0]
     still = view_of(["a", "b", "c"], [8, 0, 6], [0.5, 0.45, 0.1])
     assert carry_plan(["a", "b", "c"], plan, still, None, caps).k == [4, 0, 0]
+
+
+def reference_carry_k(ids, old_k, views, caps) -> list[int]:
+    """carry_plan's k by its definition, request by request (a brute-force nearest search)."""
+    index = {rid: i for i, rid in enumerate(ids)}
+    able = [(v, old_k[index[v.request_id]]) for v in views if v.request_id in index]
+    able = [(u, uk) for u, uk in able if caps.get(u.request_id, 1) > 0]
+    out = []
+    for v in views:
+        i = index.get(v.request_id)
+        if i is None or (old_k[i] == 0 and caps.get(v.request_id, 1) == 0 and v.max_k > 0):
+            like = [(abs(u.acceptance - v.acceptance), uk) for u, uk in able if u.proposer == v.proposer]
+            out.append(min(min(like)[1], v.max_k) if like else 0)
+        else:
+            out.append(min(old_k[i], v.max_k))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_carry_plan_gives_the_nearest_kept_k_as_defined(seed):
+    """Random batches (joins, leaves, reopened requests, two proposers, estimates shared by many
+    requests as a pooled prior is) against the brute-force definition."""
+    rng = random.Random(seed)
+    n_old = rng.randint(1, 40)
+    ids = [f"r{i}" for i in range(n_old)]
+    old_k = [rng.choice([0, 0, 1, 3, 5, 8]) for _ in ids]
+    caps = {rid: rng.choice([0, 4, 8]) for rid in ids}
+    shared = [0.33, 0.5]  # pooled priors: many requests hold one estimate
+    now = [rid for rid in ids if rng.random() < 0.8] + [f"n{i}" for i in range(rng.randint(0, 12))]
+    rng.shuffle(now)
+    accs = [rng.choice(shared) if rng.random() < 0.4 else round(rng.random(), 2) for _ in now]
+    proposers = [rng.choice(["ngram", "draft"]) for _ in now]
+    view = view_of(now, [rng.choice([0, 2, 8]) for _ in now], accs, proposers)
+    got = carry_plan(ids, Plan(old_k, "mqa", "goodput"), view, None, caps)
+    if got is None:  # nobody of the plan is left
+        assert not set(now) & set(ids)
+        return
+    assert got.k == reference_carry_k(ids, old_k, view.requests, caps)
 
 
 def test_carry_plan_that_drafts_nothing_runs_on_the_policy_s_decode_scorer():
