@@ -159,10 +159,11 @@ class CostModels:
     def predict_stats(self, scorer: str, proposer: str, s: ShapeStats) -> StepCost:
         """As :meth:`predict` from aggregates; array fields give array predictions (vectorised search)."""
         if not any(isinstance(v, np.ndarray) for v in vars(s).values()):  # one shape: no numpy call
-            propose = self.model("propose", proposer).predict(propose_features(s))  # a float
+            # a float; no drafts: no proposer's model (a plain step's price makes none for "none")
+            propose = self.model("propose", proposer).predict(propose_features(s)) if s.max_k > 0 else 0.0
             x = self.score_features(scorer, s)
             return StepCost(
-                propose_ms=float(propose) if s.max_k > 0 else 0.0,
+                propose_ms=float(propose),
                 score_ms=float(self.model("score", scorer).predict(x)) + self.score_bias(scorer, x),
                 verify_ms=float(self.model("verify").predict(verify_features(s))),
                 overhead_ms=float(self.model("overhead").predict(overhead_features(s))),

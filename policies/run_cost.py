@@ -35,14 +35,14 @@ class RunRatio:
 
     window: int = 16
     value: float = 1.0
-    count: int = 0
+    num_runs: int = 0
 
     def update(self, predicted: float, measured: float) -> None:
         if predicted <= 0 or measured <= 0:
             return
         ratio = min(max(measured / predicted, MIN_RATIO), MAX_RATIO)
-        self.count += 1
-        self.value += (ratio - self.value) / min(self.count, self.window)
+        self.num_runs += 1
+        self.value += (ratio - self.value) / min(self.num_runs, self.window)
 
 
 def run_ms(costs, scorer: str, stats: ShapeStats, num_steps: int, ratio: float = 1.0) -> float:
