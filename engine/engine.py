@@ -166,10 +166,9 @@ class Engine(PrefillStep, DecodeSteps):
         timer.mark("view")
         plan = self._decide(reqs, view)
         timer.mark("decide")  # the critical path's decide: ~0 when the plan was decided ahead
-        num_steps = max_steps = self.cfg.scheduler.decode_steps
-        if max_steps > 1:  # runs of plain steps (engine/multi_step.py); off: nothing to compute
-            caps = [v.max_k for v in view.requests]
-            num_steps = num_decode_steps(reqs, plan.k, caps, names, max_steps, self.max_model_len)
+        # a run of plain steps (engine/multi_step.py) only for a plan that drafts nothing: the view
+        # computed its length for this batch already (1 when runs are off)
+        num_steps = 1 if any(plan.k) else view.decode_steps
         kept, ks, num_steps = self._reserve(reqs, plan.k, num_steps)  # may lower k or preempt
         views = view.requests  # in batch order
         if len(kept) != len(reqs):  # kept is in batch order
@@ -254,7 +253,8 @@ class Engine(PrefillStep, DecodeSteps):
         views = request_views(reqs, names, peek, self.acceptance, spec.max_k, self.max_model_len)
         sched, max_steps = self.scheduler, self.cfg.scheduler.decode_steps
         run = 1
-        if max_steps > 1 and reqs:  # what a plan with every k = 0 would run (the policy may weigh it)
+        if max_steps > 1 and reqs:  # what a plan with every k = 0 would run (the policy weighs it; the
+            # step runs it when its plan drafts nothing)
             caps = [v.max_k for v in views]
             run = num_decode_steps(reqs, [0] * len(reqs), caps, names, max_steps, self.max_model_len)
         return BatchView(

@@ -50,11 +50,9 @@ def test_an_ngram_request_without_a_match_gets_no_run_in_the_view():
     # random tokens: the n-gram proposer rarely has a match, and then the view offers no run
     rng = random.Random(3)
     run(e, [[rng.randrange(3, 256) for _ in range(9)]], [SamplingParams(max_tokens=8, ignore_eos=True)])
-    assert spy.views
-    for view in spy.views:
-        has_match = any(r.max_k > 0 for r in view.requests)
-        assert view.decode_steps == (1 if not has_match else view.decode_steps)
-    assert any(v.decode_steps == 1 for v in spy.views)
+    no_match = [v for v in spy.views if not any(r.max_k > 0 for r in v.requests)]
+    assert no_match  # random tokens: most steps have no match
+    assert all(v.decode_steps == 1 for v in no_match)
 
 
 def goodput_engine(proposer: str, decode_steps: int) -> Engine:
