@@ -153,11 +153,14 @@ def profile_engine(top: int, tokens: int) -> None:
         print("\n".join(s.getvalue().splitlines()[: top + 20]))
 
 
-PHASE_CONFIGS = {  # label: (scorers, policy)
-    "fixed k=5 mqa_graph [mqa_graph]": (["mqa_graph"], {"name": "fixed", "k": 5, "scorer": "mqa_graph"}),
-    "fixed k=5 mqa_graph [all]": (["batch_expansion", "mqa", "mqa_graph"],
-                                  {"name": "fixed", "k": 5, "scorer": "mqa_graph"}),
-    "goodput [all]": (["batch_expansion", "mqa", "mqa_graph"], {"name": "goodput"}),
+ALL_SCORERS = ["batch_expansion", "mqa", "mqa_graph"]
+PHASE_CONFIGS = {  # label: (scorers, policy, scheduler overrides)
+    "fixed k=5 mqa_graph [mqa_graph]": (["mqa_graph"], {"name": "fixed", "k": 5, "scorer": "mqa_graph"}, {}),
+    "fixed k=5 mqa_graph [all]": (ALL_SCORERS, {"name": "fixed", "k": 5, "scorer": "mqa_graph"}, {}),
+    "goodput [all]": (ALL_SCORERS, {"name": "goodput"}, {}),
+    "goodput [all], no plan-ahead": (ALL_SCORERS, {"name": "goodput"}, {"plan_ahead": "off"}),
+    "goodput [all], decide rarely": (ALL_SCORERS, {"name": "goodput"}, {"decide_budget": 1e-3,
+                                                                       "max_plan_age": 16}),
 }  # fmt: skip
 
 
@@ -176,8 +179,10 @@ def phase_prompts(batch: int, seed: int = 0) -> list[list[int]]:
 def profile_phases(top: int, tokens: int, batches: list[int]) -> None:
     """The engine's host time per phase on CUDA (``StepRecord.host_ms``, medians over the decode
     steps at the full batch) for a fixed k on one scorer, the same with every scorer built, and
-    goodput; SmolLM2's shape, random bf16 weights, n-gram, plan-ahead as on the daemon (auto). Then a
-    cProfile of each config's decode loop at the largest batch (top functions by own time): which
+    goodput (as on the daemon, without plan-ahead, and deciding at most every 16 steps: which of its
+    host time the decide causes); SmolLM2's shape, random bf16 weights, n-gram, plan-ahead as on the
+    daemon (auto). Then a cProfile of each config's decode loop at the largest batch (a second
+    generate, top functions by own time; ``--top 0``: none): which
     host work one config does that another does not (H200, 2026-12-04: goodput's score phase
     0.06-0.3 ms longer than fixed k=5's, not seen on the CPU)."""
     import statistics
@@ -186,11 +191,11 @@ def profile_phases(top: int, tokens: int, batches: list[int]) -> None:
     from specsched.engine.engine import Engine
 
     for batch in batches:
-        for label, (scorers, policy) in PHASE_CONFIGS.items():
+        for label, (scorers, policy, sched) in PHASE_CONFIGS.items():
             cfg = EngineConfig(
                 model=ModelConfig(source="smollm2-135m", device="cuda", dtype="bfloat16", max_model_len=2048),
                 cache=CacheConfig(block_size=16, num_blocks=8192),
-                scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=4096),
+                scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=4096, **sched),
                 spec=SpecConfig(proposer="ngram", scorers=scorers, max_k=8),
                 policy=policy,
             )  # fmt: skip
@@ -204,11 +209,13 @@ def profile_phases(top: int, tokens: int, batches: list[int]) -> None:
                     out.append(r)
 
             engine.on_step = keep
-            pr = cProfile.Profile() if batch == max(batches) else None
-            if pr is not None:
-                pr.enable()
             engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
-            if pr is not None:
+            pr = None
+            if top > 0 and batch == max(batches):  # profiled apart: cProfile slows every Python call
+                engine.on_step = None
+                pr = cProfile.Profile()
+                pr.enable()
+                engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
                 pr.disable()
             phases: dict[str, list[float]] = defaultdict(list)
             for r in recs:
