@@ -69,6 +69,7 @@ class Engine(PrefillStep, DecodeSteps):
         self._unobserved: list[StepRecord] = []
         self._last_end: float | None = None  # perf_counter at the end of the last step, while busy
         self.num_steps = 0
+        self._is_after_run = False  # the last decode step ran plain steps back to back
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> Engine:
@@ -189,6 +190,7 @@ class Engine(PrefillStep, DecodeSteps):
         outputs = self._commit(reqs, emitted, props.num_draft, names)
         timer.mark("commit")
         self._record(rec, reqs, names, plan, props, views, emitted, match_bits, outputs, num_steps)
+        self._is_after_run = num_steps > 1
         self.policy.observe(plan, [r.num_accepted for r in rec.requests])
         timer.mark("record")
         return outputs, rec
@@ -229,7 +231,7 @@ class Engine(PrefillStep, DecodeSteps):
             for r, v, e, k, b, o in zip(reqs, views, emitted, props.num_draft, match_bits, outputs)
         ]
         rec.batch_size, rec.num_tokens = len(reqs), props.num_tokens + len(reqs) * num_steps
-        rec.num_decode_steps = num_steps
+        rec.num_decode_steps, rec.is_after_run = num_steps, self._is_after_run
         rec.num_emitted = sum(map(len, emitted))
         rec.scorer, rec.policy, rec.is_synthetic = plan.scorer, plan.policy, props.is_synthetic
         kinds = set(names)
@@ -237,6 +239,8 @@ class Engine(PrefillStep, DecodeSteps):
         rec.predicted_ms, rec.plan_info = plan.predicted_ms, plan.info
         if num_steps > 1:
             rec.plan_info = {**plan.info, "decode_steps": num_steps}
+        elif rec.is_after_run:
+            rec.plan_info = {**plan.info, "is_after_run": True}
         rec.predicted_propose_ms = plan.info.get("predicted_propose_ms")
         rec.predicted_score_ms = plan.info.get("predicted_score_ms")
         rec.predicted_verify_ms = plan.info.get("predicted_verify_ms")

@@ -42,6 +42,10 @@ class StepRecord:
     # plain decode steps this record ran back to back (scheduler.decode_steps; in the log as
     # plan_info's "decode_steps" when > 1): its times cover that many forwards
     num_decode_steps: int = 1
+    # the engine's decode step before this one was such a run: a proposer with its own KV cache (a
+    # draft model) caught up over the run's tokens in this step's propose, a one-off cost of leaving
+    # the run (in the log as plan_info's "is_after_run"; the cost models' propose fit skips it)
+    is_after_run: bool = False
     # host (perf_counter) ms per phase: schedule, view, decide, reserve, propose, score, overlap,
     # verify (with its wait for the GPU), commit, record, stats, other (engine.step_timer)
     host_ms: dict[str, float] = field(default_factory=dict)

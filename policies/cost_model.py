@@ -238,6 +238,11 @@ class CostModels:
         x_score, x_verify = self.score_features(scorer, s), verify_features(s)
         m_score, m_verify = self.model("score", scorer), self.model("verify")
         m_propose = self.model("propose", proposer) if is_spec else None
+        # after a run of plain steps a draft model's propose caught up over the run's tokens: a
+        # one-off cost of leaving the run, not what a speculative step costs (fitted, it made every
+        # speculative plan look dearer than the run and kept goodput in runs: the H200's 7B pair at
+        # a = 0.3, 2026-12-05, 0.81x fixed k = 3); its score, verify and overhead still teach
+        is_caught_up = record.is_after_run and is_spec
         m_overhead = self.model("overhead") if total_ms > 0 else None
         x_propose = propose_features(s) if is_spec else None
         x_overhead = overhead_features(s)
@@ -252,15 +257,16 @@ class CostModels:
             measured = total_ms
         else:  # no total measured: the three phases
             measured = propose_ms + score_ms + verify_ms
-        error = self.errors.get(scorer)
-        if error is None:
-            error = self.errors[scorer] = RunningError()
-        error.update(predicted, measured)
+        if not is_caught_up:
+            error = self.errors.get(scorer)
+            if error is None:
+                error = self.errors[scorer] = RunningError()
+            error.update(predicted, measured)
 
-        if m_propose is not None:
-            m_propose.update(x_propose, propose_ms)
-        else:
+        if m_propose is None:
             self.num_decodes[scorer] = self.num_decodes.get(scorer, 0) + 1
+        elif not is_caught_up:
+            m_propose.update(x_propose, propose_ms)
         m_score.update(x_score, score_ms)
         if self.is_bucket_bias and scorer in self.graph_buckets:
             self._bias(scorer).update(bucket_key(x_score), x_score, score_ms)

@@ -82,3 +82,18 @@ def test_goodput_with_runs_is_lossless(proposer):
     for r in weighed:
         if r.num_decode_steps > 1:  # a run ran: the plan drafted nothing
             assert all(q.k == 0 for q in r.requests)
+
+
+def test_the_step_after_a_run_says_so():
+    """A draft model catches up over a run's tokens in the next propose: that step's record says it
+    came after a run (the cost models' propose fit skips it), and no other does."""
+    e = engine("mqa", 4, proposer="draft", ks=(0, 2, 2, 0, 0, 3), graphs=False)
+    out, recs = run(e, [[5, 6, 7, 8]], [SamplingParams(max_tokens=40, ignore_eos=True)])
+    assert len(out[0]) == 40
+    flags = [r.is_after_run for r in recs]
+    want = [i > 0 and recs[i - 1].num_decode_steps > 1 for i in range(len(recs))]
+    assert flags == want
+    assert any(flags) and not all(flags)
+    for r in recs:
+        assert r.plan_info.get("is_after_run", False) == (r.is_after_run and r.num_decode_steps == 1)
+    assert any(r.is_after_run and r.num_proposed for r in recs)  # a drafting step after a run

@@ -58,6 +58,29 @@ def test_runs_teach_their_own_ratio_and_not_the_step_models():
     assert "mqa_graph" not in costs.num_decodes
 
 
+def spec_record(step: int, batch: int, k: int, propose_ms: float, is_after_run: bool) -> StepRecord:
+    rec = StepRecord(step, "decode", 0.0, batch, batch * (k + 1))
+    rec.requests = [StepRequestRecord(f"r{i}", 299, k, k // 2, "", k // 2 + 1, k) for i in range(batch)]
+    rec.scorer, rec.proposer, rec.is_after_run = "mqa_graph", "draft", is_after_run
+    rec.propose_ms, rec.score_ms, rec.verify_ms = propose_ms, 0.5, 0.05
+    rec.total_ms = propose_ms + 0.5 + 0.05 + 0.2
+    return rec
+
+
+def test_a_catch_up_after_a_run_does_not_teach_the_propose_model():
+    costs = cuda_costs()
+    costs.observe(spec_record(0, 4, 3, 0.4, False))
+    propose = costs.model("propose", "draft").coef.copy()
+    score = costs.model("score", "mqa_graph").coef.copy()
+    num_errors = costs.errors["mqa_graph"].count
+    assert costs.observe(spec_record(1, 4, 3, 9.0, True)) is True  # a catch-up of ~30 tokens per request
+    assert (costs.model("propose", "draft").coef == propose).all()
+    assert not (costs.model("score", "mqa_graph").coef == score).all()  # the rest of the step teaches
+    assert costs.errors["mqa_graph"].count == num_errors  # nor the prequential error
+    costs.observe(spec_record(2, 4, 3, 9.0, False))  # the same times not after a run: learnt
+    assert not (costs.model("propose", "draft").coef == propose).all()
+
+
 def test_weigh_run_hysteresis():
     costs = cuda_costs()
     ctx = [300] * 8
