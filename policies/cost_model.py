@@ -67,6 +67,15 @@ class CostSlopes:
     spec_request_ms: float  # per drafting request, per unit of the batch's max k
 
 
+# A step that took STALL_RATIO times its prediction, from models whose recent prequential error is
+# below STALL_FIT, stalled (H100, 2026-12-05: one step of the 7B pair's goodput window took 236 ms
+# against 7.5, 233 of it in one host phase; fitted, it made every plan look dearer and goodput ran
+# plain steps for the rest of the window): it teaches no model, only the error. Costs that really
+# moved that far raise the error over STALL_FIT within a few steps, and the models learn again.
+STALL_RATIO = 4.0
+STALL_FIT = 0.25
+
+
 class CostModels:
     """All components' online models; :mod:`specsched.policies.shapes` defines their features."""
 
@@ -102,6 +111,7 @@ class CostModels:
         # policies.replay.refit_costs (policies/replay_churn.py); None: nothing
         self.churn = None
         self.runs: dict[str, RunRatio] = {}  # scorer -> measured / predicted ms of its runs (run_cost.py)
+        self.num_stalls = 0  # steps skipped as stalls (STALL_RATIO)
         self.seed_defaults(device)
 
     # ---- models and priors ----
@@ -208,7 +218,8 @@ class CostModels:
 
     def observe(self, record: StepRecord) -> bool:
         """Update from a decode step's measured times; returns False for records it skips (prefill,
-        empty). Overhead = ``total_ms`` minus propose + score + verify (skipped when total is 0), plus
+        empty, a run of plain steps: its own ratio, a stall: :data:`STALL_RATIO`). Overhead =
+        ``total_ms`` minus propose + score + verify (skipped when total is 0), plus
         (``count_between``, the default) the caller's time before the step (``host_ms["between"]``:
         the daemon streaming the last step's outputs), which every step pays too: a policy that
         divides tokens by the step's ms then sees the cost of one more step as it is (H200,
@@ -257,11 +268,15 @@ class CostModels:
             measured = total_ms
         else:  # no total measured: the three phases
             measured = propose_ms + score_ms + verify_ms
+        error = self.errors.get(scorer)
+        if error is None:
+            error = self.errors[scorer] = RunningError()
+        fit = error.value  # before this step: a stall moves the error, and a lasting change ends it
         if not is_caught_up:
-            error = self.errors.get(scorer)
-            if error is None:
-                error = self.errors[scorer] = RunningError()
             error.update(predicted, measured)
+        if fit is not None and fit < STALL_FIT and measured > STALL_RATIO * predicted > 0:
+            self.num_stalls += 1  # the host stalled (a collection, the OS): not what the step costs
+            return False
 
         if m_propose is None:
             self.num_decodes[scorer] = self.num_decodes.get(scorer, 0) + 1

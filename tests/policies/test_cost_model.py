@@ -244,3 +244,46 @@ def test_overhead_learns_the_callers_time_between_steps():
     gap = with_between.predict("mqa", "ngram", shape).total_ms
     gap -= without.predict("mqa", "ngram", shape).total_ms
     assert gap == pytest.approx(0.7, abs=0.05)
+
+
+def stall_costs_and_coefs(n: int = 80) -> tuple[CostModels, dict]:
+    """Models that have learnt one shape's steady times (their error is small)."""
+    costs = CostModels(device="cuda")
+    for _ in range(n):
+        rec = record(
+            "mqa", "draft", [3, 3], [300, 400], propose_ms=0.4, score_ms=1.2, verify_ms=0.1, total_ms=2.0
+        )
+        assert costs.observe(rec)
+    assert costs.errors["mqa"].value < 0.05
+    return costs, {key: m.coef.copy() for key, m in costs.models.items()}
+
+
+def test_a_stalled_step_teaches_no_model_but_moves_the_error():
+    costs, coefs = stall_costs_and_coefs()
+    before = costs.errors["mqa"].value
+    stall = record(
+        "mqa", "draft", [3, 3], [300, 400], propose_ms=0.4, score_ms=1.2, verify_ms=0.1, total_ms=60.0
+    )
+    assert costs.observe(stall) is False
+    assert costs.num_stalls == 1
+    assert all((costs.models[key].coef == c).all() for key, c in coefs.items())
+    assert costs.errors["mqa"].value > before
+    # a step 3x its prediction is not a stall: it teaches
+    slow = record(
+        "mqa", "draft", [3, 3], [300, 400], propose_ms=0.4, score_ms=1.2, verify_ms=0.1, total_ms=6.0
+    )
+    assert costs.observe(slow) is True
+    assert not (costs.models[("overhead",)].coef == coefs[("overhead",)]).all()
+
+
+def test_costs_that_really_moved_are_learnt_after_a_few_steps():
+    costs, coefs = stall_costs_and_coefs()
+    moved = [
+        record("mqa", "draft", [3, 3], [300, 400], propose_ms=2.0, score_ms=6.0, verify_ms=0.5, total_ms=10.0)
+        for _ in range(40)
+    ]
+    taken = [costs.observe(r) for r in moved]
+    assert not taken[0]  # the first looks like a stall
+    assert sum(taken[:8]) >= 1 and all(taken[-20:])  # then the error says the machine changed
+    # the models follow (from 2.0 ms; forgetting 0.99 keeps part of the 80 old steps)
+    assert costs.predict("mqa", "draft", StepShape([3, 3], [300, 400])).total_ms > 6.0
