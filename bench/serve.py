@@ -28,6 +28,7 @@ from specsched.bench.serve_config import DaemonRun, ServeConfig
 from specsched.bench.serve_daemon import (
     Daemon,
     config_info,
+    daemon_env,
     daemon_overrides,
     engine_cpu,
     prepare_weights,
@@ -72,7 +73,7 @@ def run_config(
     ``reference`` (N -> prompt -> ids) from pass 1 when it is an empty dict (the baseline)."""
     rows: list[dict] = []
     daemon = Daemon(daemon_overrides(cfg, run, log_dir, extra), out_dir / f"{safe_name(run.name)}.log",
-                    cfg.env, daemon_cpus)  # fmt: skip
+                    daemon_env(cfg, run), daemon_cpus)  # fmt: skip
     info = config_info(run, daemon)
     fill = reference is not None and not reference
     try:
@@ -229,8 +230,8 @@ def _run_in_rounds(cfg: ServeConfig, prompts, out: Path, log_dir, reference, con
 def warm_start(cfg: ServeConfig, name: str, out: Path, daemon_cpus: set[int] | None = None) -> dict:
     """Start ``name`` once more (the model files and compile caches warm now) and time it."""
     run = next(c for c in cfg.configs if c.name == name)
-    daemon = Daemon(daemon_overrides(cfg, run, None), out / f"{safe_name(name)}.warm.log", cfg.env,
-                    daemon_cpus)  # fmt: skip
+    daemon = Daemon(daemon_overrides(cfg, run, None), out / f"{safe_name(name)}.warm.log",
+                    daemon_env(cfg, run), daemon_cpus)  # fmt: skip
     res = {"config": name, "startup_s": None, "error": None, "pid": daemon.pid}
     try:
         res["startup_s"] = daemon.wait_ready(cfg.startup_timeout_s)

@@ -18,14 +18,18 @@ class DaemonRun:
     row, default = the default policy with the default scorers, policy = any other. ``reference``
     (rounds mode only): the config whose first-round outputs this one's ``same output`` is checked
     against, in place of the baseline's (e.g. a deterministic-mode row against the deterministic
-    non-speculative row, in one interleaved run with the mode off and on)."""
+    non-speculative row, in one interleaved run with the mode off and on). ``env``: more environment
+    for this config's daemon, over ``bench.serve.env`` (e.g. ``OMP_NUM_THREADS: 1`` in one row of an
+    A/B). An override ``log=none`` keeps this daemon's decision log off under ``bench.serve.log_dir``."""
 
     name: str
     overrides: list[str] = field(default_factory=list)
     kind: str = "policy"
     reference: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.env = {str(k): str(v) for k, v in (self.env or {}).items()}
         if not self.name.strip():
             raise ValueError("bench.serve.configs: every config needs a non-empty name")
         if self.kind not in KINDS:

@@ -34,7 +34,8 @@ class Daemon:
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.argv = [sys.executable, "-m", "specsched.daemon", *overrides, f"daemon.endpoint={self.endpoint}"]
         cpu = engine_cpu(cpus)
-        if cpu is not None:  # every daemon's engine thread on the same CPU: configs compare on equal terms
+        is_own = any(o.startswith("daemon.engine_cpu=") for o in overrides)  # a config's own choice
+        if cpu is not None and not is_own:  # every daemon's engine thread on one CPU: configs compare alike
             self.argv.append(f"daemon.engine_cpu={cpu}")
         log_file.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = log_file
@@ -168,7 +169,14 @@ def daemon_overrides(
     cfg: ServeConfig, run: DaemonRun, log_dir: Path | None, extra: list[str] = ()
 ) -> list[str]:
     log = [f"log.path={log_dir / (safe_name(run.name) + '.sqlite')}"] if log_dir else ["log=none"]
+    if "log=none" in run.overrides:  # the config's own choice (a row without the log in an A/B)
+        log = []
     return [f"model.source={cfg.source}", *cfg.model_overrides, *run.overrides, *extra, *log]
+
+
+def daemon_env(cfg: ServeConfig, run: DaemonRun) -> dict[str, str]:
+    """The extra environment of ``run``'s daemon: the bench's, then the config's own."""
+    return {**cfg.env, **run.env}
 
 
 def config_info(run: DaemonRun, daemon: Daemon) -> dict:

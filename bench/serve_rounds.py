@@ -26,7 +26,14 @@ import random
 from pathlib import Path
 
 from specsched.bench.serve_config import DaemonRun, ServeConfig
-from specsched.bench.serve_daemon import Daemon, config_info, daemon_overrides, safe_name, start_up
+from specsched.bench.serve_daemon import (
+    Daemon,
+    config_info,
+    daemon_env,
+    daemon_overrides,
+    safe_name,
+    start_up,
+)
 from specsched.bench.serve_load import cycle_length, load_procs, run_pass
 from specsched.bench.serve_outputs import add_references, pass_row
 from specsched.bench.serve_results import PassResult, split_interleaved, summarize
@@ -131,7 +138,7 @@ def _start(
     daemon_cpus: set[int] | None,
 ) -> tuple[dict, Daemon | None]:  # fmt: skip
     overrides = daemon_overrides(cfg, run, log_dir, cfg.round_overrides)
-    daemon = Daemon(overrides, out / f"{safe_name(run.name)}.log", cfg.env, daemon_cpus)
+    daemon = Daemon(overrides, out / f"{safe_name(run.name)}.log", daemon_env(cfg, run), daemon_cpus)
     info = config_info(run, daemon)
     try:
         start_up(cfg, run.name, daemon, prompts, info)

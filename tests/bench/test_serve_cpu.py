@@ -360,9 +360,32 @@ def test_every_daemon_engine_thread_gets_the_same_cpu_of_the_daemon_half(monkeyp
     monkeypatch.setattr("specsched.bench.serve_daemon.subprocess.Popen", Popen)
     for cpus in (daemon, None):
         Daemon(["model=tiny"], tmp_path / "d.log", {}, cpus)
-    (pinned, env), (unpinned, _) = started
+    Daemon(["model=tiny", "daemon.engine_cpu=null"], tmp_path / "d.log", {}, daemon)  # its own choice
+    (pinned, env), (unpinned, _), (own, _) = started
     assert "daemon.engine_cpu=7" in pinned and not any("engine_cpu" in a for a in unpinned)
+    assert [a for a in own if "engine_cpu" in a] == ["daemon.engine_cpu=null"]
     assert env["PYTHONHASHSEED"] == "0"
+
+
+def test_a_config_brings_its_own_environment_and_may_turn_its_log_off(tmp_path):
+    from specsched.bench.serve_config import DaemonRun
+    from specsched.bench.serve_daemon import daemon_env, daemon_overrides
+
+    cfg = ServeConfig(
+        configs=[
+            {"name": "a", "env": {"OMP_NUM_THREADS": 1}},
+            {"name": "b", "overrides": ["policy=goodput", "log=none"]},
+        ],
+        env={"X": "bench", "OMP_NUM_THREADS": "8"},
+    )
+    a, b = cfg.configs
+    assert isinstance(a, DaemonRun) and a.env == {"OMP_NUM_THREADS": "1"}
+    assert daemon_env(cfg, a) == {"X": "bench", "OMP_NUM_THREADS": "1"}  # the config's over the bench's
+    assert daemon_env(cfg, b) == {"X": "bench", "OMP_NUM_THREADS": "8"}
+    logs = tmp_path / "logs"
+    assert daemon_overrides(cfg, a, logs)[-1] == f"log.path={logs / 'a.sqlite'}"
+    over = daemon_overrides(cfg, b, logs)
+    assert "log=none" in over and not any(o.startswith("log.path=") for o in over)
 
 
 def fake_sysfs(root, siblings: dict[int, str]) -> str:
