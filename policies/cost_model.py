@@ -274,7 +274,8 @@ class CostModels:
         fit = error.value  # before this step: a stall moves the error, and a lasting change ends it
         if not is_caught_up:
             error.update(predicted, measured)
-        if fit is not None and fit < STALL_FIT and measured > STALL_RATIO * predicted > 0:
+        is_stall = not is_caught_up and fit is not None and fit < STALL_FIT  # a catch-up is no stall
+        if is_stall and measured > STALL_RATIO * predicted > 0:
             self.num_stalls += 1  # the host stalled (a collection, the OS): not what the step costs
             return False
 
