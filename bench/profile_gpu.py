@@ -176,7 +176,7 @@ def phase_prompts(batch: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def profile_phases(top: int, tokens: int, batches: list[int]) -> None:
+def profile_phases(top: int, tokens: int, batches: list[int], only: list[str] | None = None) -> None:
     """The engine's host time per phase on CUDA (``StepRecord.host_ms``, medians over the decode
     steps at the full batch) for a fixed k on one scorer, the same with every scorer built, and
     goodput (as on the daemon, without plan-ahead, and deciding at most every 16 steps: which of its
@@ -192,6 +192,8 @@ def profile_phases(top: int, tokens: int, batches: list[int]) -> None:
 
     for batch in batches:
         for label, (scorers, policy, sched) in PHASE_CONFIGS.items():
+            if only and label not in only:
+                continue
             cfg = EngineConfig(
                 model=ModelConfig(source="smollm2-135m", device="cuda", dtype="bfloat16", max_model_len=2048),
                 cache=CacheConfig(block_size=16, num_blocks=8192),
@@ -243,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="batches of --parts phases")
+    ap.add_argument("--configs", nargs="+", choices=list(PHASE_CONFIGS), help="--parts phases: these only")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_gpu needs a CUDA device")
@@ -255,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         if "scorers" in args.parts:
             profile_scorers(args.top)
         if "phases" in args.parts:
-            profile_phases(args.top, args.tokens, args.batches)
+            profile_phases(args.top, args.tokens, args.batches, args.configs)
 
 
 if __name__ == "__main__":
