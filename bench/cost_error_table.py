@@ -11,7 +11,7 @@ what the replay charges a step, and gives a *noise floor*: each held-out step's 
 the median score ms of the fit steps of exactly its shape (batch size and token count), where there
 are any: what no model of the shape could beat, the step-to-step jitter of the machine.
 
-``python -m specsched.bench.cost_error_table a.sqlite [b.sqlite ...]``
+``python -m specsched.bench.cost_error_table a.sqlite [b.sqlite ...] [--all-runs]``
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from specsched.bench.markdown import fmt, table
-from specsched.engine.log_schema import LogFormatError
+from specsched.engine.log_schema import LogFormatError, open_log
 from specsched.engine.records import StepRecord
 from specsched.policies.cost_error import held_out_error
 from specsched.policies.cost_model import CostModels
-from specsched.policies.replay_log import RecordedRun, load_run
+from specsched.policies.replay_log import RecordedRun, ReplayError, load_run
 from specsched.policies.shapes import StepShape
 
 GROUPS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 1 << 30))
@@ -46,7 +46,7 @@ def group_label(g: tuple[int, int]) -> str:
 def grouped(records: Sequence[StepRecord]) -> list[StepRecord]:
     """The decode records with ``batch_size`` set to the upper bound of its group (the key only)."""
     return [dataclasses.replace(r, batch_size=group_of(r.batch_size)[1]) for r in records
-            if r.kind == "decode" and r.requests and r.scorer]  # fmt: skip
+            if r.kind == "decode" and r.requests and r.scorer and r.num_decode_steps == 1]  # fmt: skip
 
 
 def split(records: Sequence[StepRecord], fit_fraction: float = 0.5):
@@ -125,13 +125,31 @@ def cost_error_markdown(logs: Sequence[tuple[str, RecordedRun]]) -> str:
     return table(HEADER, cost_error_rows(logs))
 
 
+def read_log(path: str, all_runs: bool = False) -> RecordedRun:
+    """The log's last run, or (``all_runs``) its runs' steps one after another, in run order (runs of
+    plain steps are read and left out of the table: they are not one step)."""
+    if not all_runs:
+        return load_run(path, allow_runs=True)
+    db = open_log(path)
+    try:
+        ids = [r[0] for r in db.execute("select id from runs order by id")]
+    finally:
+        db.close()
+    runs = [load_run(path, i, allow_runs=True) for i in ids]
+    if not runs:
+        raise LogFormatError(f"{path}: the log holds no runs")
+    return dataclasses.replace(runs[-1], steps=[s for r in runs for s in r.steps])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logs", nargs="+", help="decision logs (SQLite)")
+    ap.add_argument("--all-runs", action="store_true",
+                    help="every run of each log in one table (regret logs: a run per window)")  # fmt: skip
     args = ap.parse_args(argv)
     try:
-        runs = [(p.rsplit("/", 1)[-1].removesuffix(".sqlite"), load_run(p)) for p in args.logs]
-    except LogFormatError as e:
+        runs = [(p.rsplit("/", 1)[-1].removesuffix(".sqlite"), read_log(p, args.all_runs)) for p in args.logs]
+    except (LogFormatError, ReplayError) as e:
         sys.stderr.write(f"cost_error_table: {e}\n")
         return 2
     sys.stdout.write(cost_error_markdown(runs) + "\n")

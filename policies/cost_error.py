@@ -44,7 +44,8 @@ def held_out_error(
     """Median relative error of the cost models' predicted score ms on held-out decode steps, per
     scorer and batch size.
 
-    The decode records are grouped by (scorer, batch size) in their order; the first
+    The decode records of one step each (a run of plain steps, ``scheduler.decode_steps``, has its
+    own ratio, not the step models) are grouped by (scorer, batch size) in their order; the first
     ``fit_fraction`` of each group is the fit set, the rest held out (so every group is both fitted
     and scored, whichever configurations ran when). The models (device seeds, no forgetting: the
     run taken as stationary) learn the fit set in its original order, then predict each held-out
@@ -53,8 +54,8 @@ def held_out_error(
     if not 0.0 < fit_fraction < 1.0:
         raise ValueError(f"fit_fraction must be in (0, 1), got {fit_fraction}")
     groups: dict[tuple[str, int], list[tuple[int, StepRecord]]] = defaultdict(list)
-    for i, rec in enumerate(records):
-        if rec.kind == "decode" and rec.requests and rec.scorer:
+    for i, rec in enumerate(records):  # a run of plain steps is not one step (nor learnt as one)
+        if rec.kind == "decode" and rec.requests and rec.scorer and rec.num_decode_steps == 1:
             groups[(rec.scorer, rec.batch_size)].append((i, rec))
     fit, held = [], {}
     for key, recs in groups.items():

@@ -35,7 +35,7 @@ _MEASURED = ("propose_ms", "score_ms", "verify_ms", "total_ms")
 # (policies/replay.py: decide_spill_ms); a plan_info that is not JSON reads as neither
 _PLAN_AHEAD = ", ".join(
     f"case when json_valid(plan_info) then json_extract(plan_info, '$.{key}') end as {key}"
-    for key in ("is_planned_ahead", "plan_age", "decode_steps")
+    for key in ("is_planned_ahead", "plan_age", "decode_steps", "is_after_run")
 )
 _STEP_COLUMNS = (
     "step kind start_time batch_size num_tokens scorer policy proposer is_synthetic predicted_propose_ms "
@@ -144,12 +144,14 @@ class RecordedRun:
         return [s for s in self.steps if s.kind == "prefill"]
 
 
-def load_run(path: str, run_id: int | None = None) -> RecordedRun:
+def load_run(path: str, run_id: int | None = None, allow_runs: bool = False) -> RecordedRun:
     """Read run ``run_id`` (None: the latest) of a decision log. Raises :class:`LogFormatError` for a
-    file that is not a log of this schema version, :class:`ReplayError` for anything else."""
+    file that is not a log of this schema version, :class:`ReplayError` for anything else, and for a
+    run with runs of plain steps (``scheduler.decode_steps``) unless ``allow_runs`` (readers that
+    use the steps' times only, e.g. the cost-error table; the replay models one forward per step)."""
     db = open_log(path)
     try:
-        return _load(db, str(path), run_id)
+        return _load(db, str(path), run_id, allow_runs)
     except sqlite3.DatabaseError as e:
         raise LogFormatError(f"{path}: damaged log ({e})") from e
     except (ReplayError, LogFormatError):
@@ -160,7 +162,7 @@ def load_run(path: str, run_id: int | None = None) -> RecordedRun:
         db.close()
 
 
-def _load(db, path: str, run_id: int | None) -> RecordedRun:
+def _load(db, path: str, run_id: int | None, allow_runs: bool = False) -> RecordedRun:
     ids = [r[0] for r in db.execute("select id from runs order by id")]
     if not ids:
         raise ReplayError(f"{path}: the log holds no runs")
@@ -190,7 +192,8 @@ def _load(db, path: str, run_id: int | None) -> RecordedRun:
         is_ahead, age = row.pop("is_planned_ahead"), row.pop("plan_age")
         row["plan_info"] = {"is_planned_ahead": True, "plan_age": age or 0} if is_ahead else {}
         row["num_decode_steps"] = num_steps = row.pop("decode_steps") or 1
-        if num_steps != 1:
+        row["is_after_run"] = bool(row.pop("is_after_run"))
+        if num_steps != 1 and not allow_runs:
             raise ReplayError(
                 f"{path}: run {run_id} step {row['step']} ran {num_steps} plain decode steps back to back "
                 "(scheduler.decode_steps); the replay models one forward per step: record with decode_steps=1"

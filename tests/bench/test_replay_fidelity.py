@@ -208,3 +208,40 @@ def test_cost_error_groups_by_batch_range(logs):
     assert [(r[1], r[2]) for r in rows] == [("mqa", "1"), ("mqa", "2-4")]
     fit, held = int(rows[0][3]), int(rows[0][4])
     assert abs(fit - held) <= 1 and fit + held == sum(s.batch_size == 1 for s in run.decode_steps)
+
+
+def test_cost_error_reads_every_run_and_leaves_runs_of_plain_steps_out(logs, tmp_path, capsys):
+    import shutil
+
+    import sqlite_utils
+
+    from specsched.bench.cost_error_table import main, read_log
+
+    both = tmp_path / "both.sqlite"  # two runs in one log, as the regret bench writes one per window
+    shutil.copy(logs / "k8.sqlite", both)
+    db = sqlite_utils.Database(both)
+    db.execute("insert into runs (started_at, config, model, device, version, schema_version) "
+               "select started_at, config, model, device, version, schema_version from runs")  # fmt: skip
+    db.execute("insert into steps select 2, step, kind, start_time, batch_size, num_tokens, scorer, policy, "
+               "proposer, is_synthetic, predicted_propose_ms, predicted_score_ms, predicted_verify_ms, "
+               "predicted_ms, propose_ms, score_ms, verify_ms, total_ms, num_emitted, plan_info, host_ms "
+               "from steps where run_id = 1")  # fmt: skip
+    db.execute("insert into step_requests select 2, step, request_id, context_len, k, num_accepted, "
+               "match_bits, num_emitted, max_k from step_requests where run_id = 1")  # fmt: skip
+    first = next(db.query("select min(step) as s from steps where run_id = 2 and kind = 'decode'"))["s"]
+    db.execute(
+        "update steps set plan_info = json_set(coalesce(plan_info, '{}'), '$.decode_steps', 4) "
+        "where run_id = 2 and step = ?",
+        [first],
+    )  # one record a run of 4 plain steps
+    db.conn.commit()
+    db.close()
+    one = load_run(logs / "k8.sqlite").decode_steps
+    merged = read_log(str(both), all_runs=True).decode_steps
+    assert len(merged) == 2 * len(one) and len(read_log(str(both)).decode_steps) == len(one)
+    assert sum(s.num_decode_steps == 4 for s in merged) == 1
+    assert len(grouped(merged)) == 2 * len(one) - 1  # the run is not one step
+    assert main([str(both), "--all-runs"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| both |")]
+    assert rows and sum(int(r.split("|")[4]) + int(r.split("|")[5]) for r in rows) == 2 * len(one) - 1

@@ -52,6 +52,28 @@ def test_held_out_error_is_measured_on_steps_not_fitted():
         held_out_error([], fit_fraction=1.0)
 
 
+def test_runs_of_plain_steps_are_neither_fitted_nor_scored():
+    """A run's record (4 forwards in one score ms) beside single steps of the same shape: scored as one
+    step it would be mispredicted ~4x (the regret bench's batch-expansion p90 of 74 % with runs on,
+    H100 2026-12-05)."""
+    m = get_machine("h200-llama2-7b")
+    recs = records(m, repeats=1)
+    plain = [r for r in recs if r.batch_size == 1 and r.scorer == "batch_expansion" and not r.num_proposed]
+    runs = []
+    for r in plain[: len(plain) // 2]:
+        run = dataclasses.replace(r, num_decode_steps=4, score_ms=4 * r.score_ms, total_ms=4 * r.total_ms)
+        runs.append(run)
+    rows = {
+        (e.scorer, e.batch_size): e
+        for e in held_out_error(recs + runs, device="cuda", graph_buckets=m.graph_buckets)
+    }
+    alone = {
+        (e.scorer, e.batch_size): e
+        for e in held_out_error(recs, device="cuda", graph_buckets=m.graph_buckets)
+    }
+    assert rows == alone
+
+
 def test_running_error_size_and_bias():
     e = RunningError(window=4, min_count=2)
     e.update(11.0, 10.0)

@@ -191,6 +191,13 @@ def test_bad_logs_raise_clear_errors(tmp_path):
     write_log(tmp_path / "m.sqlite", CONFIG, [decode_step(0, [("a", 2, 0, 0)]), run_of_steps], [("a", 2, 5)])
     with pytest.raises(ReplayError, match="step 1 ran 3 plain decode steps back to back"):
         load_run(tmp_path / "m.sqlite")
+    after = decode_step(2, [("a", 5, 1, 1)])  # the step after the run: a draft model caught up
+    after.plan_info, after.is_after_run = {"is_after_run": True}, True
+    write_log(
+        tmp_path / "r.sqlite", CONFIG, [decode_step(0, [("a", 2, 0, 0)]), run_of_steps, after], [("a", 2, 7)]
+    )
+    steps = load_run(tmp_path / "r.sqlite", allow_runs=True).steps  # readers of times only
+    assert [(s.num_decode_steps, s.is_after_run) for s in steps] == [(1, False), (3, False), (1, True)]
     db = sqlite_utils.Database(tmp_path / "d.sqlite")
     db.execute("update runs set schema_version = 0")
     db.conn.commit()
