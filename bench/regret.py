@@ -13,7 +13,9 @@ prompts cycles k in {0, fixed k, max k} x every scorer step by step (compiles, g
 cost models and acceptance estimates fitted on every scorer); then every config runs one short
 untimed generate. Each timed window starts from a copy of the profiled cost models and acceptance
 estimator, with a fresh engine and policy, and runs whole passes over the cell's prompts (so every
-config sees the same mix of prompts) until it took at least ``min_steps`` decode steps.
+config sees the same mix of prompts) until it took at least ``min_steps`` decode steps (forwards: a
+run of S plain steps, ``scheduler.decode_steps``, counts S; counted as records, a config that runs
+them took S times the tokens, and the grid with runs of 4 no longer fit a 540 s call).
 
 Per cell: the *oracle* is the config other than goodput with the best median tok/s; goodput's ratio
 to it and to non-speculative per repeat (median and min-max over repeats); goodput's ``decide`` ms
@@ -74,7 +76,7 @@ class Sample:
     config: str
     repeat: int
     tokens_per_s: float
-    num_steps: int  # decode steps in the window
+    num_steps: int  # decode steps in the window (forwards: a run of S plain steps counts S)
     num_passes: int
     mean_k: float
     decide_ms_p50: float | None
@@ -139,11 +141,13 @@ def write_window_log(
 def _passes(engine, cell: Cell, min_steps: int, tokens: int | None = None):
     records: list[StepRecord] = []  # decode steps
     steps: list[StepRecord] = []  # every step (prefills too), for the decision log
+    forwards = [0]  # decode forwards: a run of S plain steps (scheduler.decode_steps) is S of them
 
     def on_step(rec: StepRecord) -> None:
         steps.append(rec)
         if rec.kind == "decode":
             records.append(rec)
+            forwards[0] += rec.num_decode_steps
 
     engine.on_step = on_step
     groups = [cell.prompts[i : i + cell.batch] for i in range(0, len(cell.prompts), cell.batch)]
@@ -152,7 +156,7 @@ def _passes(engine, cell: Cell, min_steps: int, tokens: int | None = None):
     num_tokens = passes = 0
     sync(device)
     t0 = time.perf_counter()
-    while not passes or (len(records) < min_steps and tokens is None):
+    while not passes or (forwards[0] < min_steps and tokens is None):
         for group in groups:
             num_tokens += sum(map(len, engine.generate(group, params)))
         passes += 1
@@ -163,7 +167,7 @@ def _passes(engine, cell: Cell, min_steps: int, tokens: int | None = None):
               if "decide_ms" in r.plan_info and not r.plan_info.get("plan_age")]  # fmt: skip
     request_steps = sum(r.batch_size for r in records)
     fields = dict(
-        tokens_per_s=num_tokens / wall, num_steps=len(records), num_passes=passes,
+        tokens_per_s=num_tokens / wall, num_steps=forwards[0], num_passes=passes,
         mean_k=sum(r.num_proposed for r in records) / max(request_steps, 1),
         decide_ms_p50=float(np.percentile(decide, 50)) if decide else None,
         decide_ms_p99=float(np.percentile(decide, 99)) if decide else None,

@@ -126,3 +126,19 @@ def test_each_timed_window_is_one_run_of_its_cell_s_decision_log(result):
         assert settings.scorers == list(cfg.real.scorers) and settings.max_k == cfg.real.max_k
         assert settings.proposer == ("none" if config["config"] == NON_SPEC else "ngram")
         assert settings.policy["name"] in ("fixed", "goodput")
+
+
+def test_a_window_counts_forwards_so_runs_of_plain_steps_do_not_lengthen_it():
+    from types import SimpleNamespace
+
+    from specsched.bench.regret import _passes
+    from tests.engine.test_multi_step import engine
+
+    e = engine("mqa", 4, graphs=False)  # non-speculative in runs of 4 plain steps
+    cell = SimpleNamespace(prompts=[[5, 6, 7], [8, 9, 10, 11]], batch=2, max_new_tokens=16,
+                           spec=SimpleNamespace(model=e.model))  # fmt: skip
+    fields, records, _ = _passes(e, cell, 40)
+    forwards = sum(r.num_decode_steps for r in records)
+    assert fields["num_steps"] == forwards >= 40
+    assert len(records) < forwards  # runs ran: counted as records the window would take ~4x as long
+    assert forwards < 40 + 2 * 15  # whole passes (15 decode forwards each): it stops at the first over 40
