@@ -32,7 +32,8 @@ from specsched.policies.registry import POLICIES
 PRIOR_STRENGTH = 2.0  # pseudo-observations of the run mean in a request's imputation rate
 _MEASURED = ("propose_ms", "score_ms", "verify_ms", "total_ms")
 # of a step's plan_info, only whether it runs a plan decided ahead and how many steps ran it before
-# (policies/replay.py: decide_spill_ms); a plan_info that is not JSON reads as neither
+# (policies/replay.py: decide_spill_ms), the plain steps it ran back to back and whether it came
+# after such a run (engine/records.py); a plan_info that is not JSON reads as none of them
 _PLAN_AHEAD = ", ".join(
     f"case when json_valid(plan_info) then json_extract(plan_info, '$.{key}') end as {key}"
     for key in ("is_planned_ahead", "plan_age", "decode_steps", "is_after_run")
