@@ -160,7 +160,8 @@ PHASE_CONFIGS = {  # label: (scorers, policy, scheduler overrides)
     "goodput [all]": (ALL_SCORERS, {"name": "goodput"}, {}),
     "goodput [all], no plan-ahead": (ALL_SCORERS, {"name": "goodput"}, {"plan_ahead": "off"}),
     "goodput [all], decide rarely": (ALL_SCORERS, {"name": "goodput"}, {"decide_budget": 1e-3,
-                                                                       "max_plan_age": 16}),
+                                                                       "max_plan_age": 16,
+                                                                       "decide_cost": "host"}),
 }  # fmt: skip
 
 

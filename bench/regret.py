@@ -204,22 +204,25 @@ def run_cell(cell: Cell, cfg, seed: int) -> dict:
     log_dir = cfg.get("log_dir")
     samples: list[Sample] = []
     records: list[StepRecord] = []
-    for r in range(cfg.repeats):
-        order = list(cell.runs)
-        random.Random(seed * 1000 + r).shuffle(order)
-        for run in order:
-            # as the daemon after its start-up: what is alive now (the model, every record kept so
-            # far) leaves the collector's full passes, which would otherwise grow with the records
-            # and stall a window's step (H100, 2026-12-05: 233 ms in one of goodput's steps)
-            freeze_heap()
-            fields, recs, steps = run_window(run, state, cell, cfg.min_steps)
-            if log_dir:
-                write_window_log(log_dir, cell, run, r, steps, state[0])
-            samples.append(Sample(run.label, r, **fields))
-            records += recs
-            logger.info("regret %s batch %d repeat %d %s: %.1f tok/s (%d steps)", cell.proposer,
-                        cell.batch, r, run.label, fields["tokens_per_s"], fields["num_steps"])  # fmt: skip
-    gc.unfreeze()  # the cell's garbage may go once its windows are done
+    try:
+        for r in range(cfg.repeats):
+            order = list(cell.runs)
+            random.Random(seed * 1000 + r).shuffle(order)
+            for run in order:
+                # as the daemon after its start-up: what is alive now (the model, every record kept so
+                # far) leaves the collector's full passes, which would otherwise grow with the records
+                # and stall a window's step (H100, 2026-12-05: 233 ms in one of goodput's steps)
+                freeze_heap()
+                fields, recs, steps = run_window(run, state, cell, cfg.min_steps)
+                if log_dir:
+                    write_window_log(log_dir, cell, run, r, steps, state[0])
+                samples.append(Sample(run.label, r, **fields))
+                records += recs
+                logger.info("regret %s batch %d repeat %d %s: %.1f tok/s (%d steps)", cell.proposer,
+                            cell.batch, r, run.label, fields["tokens_per_s"],
+                            fields["num_steps"])  # fmt: skip
+    finally:
+        gc.unfreeze()  # the cell's garbage may go once its windows are done (or one failed)
     device = "cuda" if cell.spec.model.lm_head.weight.device.type == "cuda" else "cpu"
     errors = held_out_error(records, device=device, graph_buckets=graph_buckets_of(cell.spec.scorers))
     out = summarize(samples, [r.label for r in cell.runs])

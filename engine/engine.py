@@ -237,10 +237,12 @@ class Engine(PrefillStep, DecodeSteps):
         kinds = set(names)
         rec.proposer = names[0] if len(kinds) == 1 else "+".join(sorted(kinds))
         rec.predicted_ms, rec.plan_info = plan.predicted_ms, plan.info
-        if num_steps > 1:
-            rec.plan_info = {**plan.info, "decode_steps": num_steps}
-        elif rec.is_after_run:
-            rec.plan_info = {**plan.info, "is_after_run": True}
+        if num_steps > 1 or rec.is_after_run:  # a copy: the plan's info may be carried to the next step
+            rec.plan_info = dict(plan.info)
+            if num_steps > 1:
+                rec.plan_info["decode_steps"] = num_steps
+            if rec.is_after_run:  # a run after a run carries both
+                rec.plan_info["is_after_run"] = True
         rec.predicted_propose_ms = plan.info.get("predicted_propose_ms")
         rec.predicted_score_ms = plan.info.get("predicted_score_ms")
         rec.predicted_verify_ms = plan.info.get("predicted_verify_ms")
