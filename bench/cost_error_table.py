@@ -2,7 +2,8 @@
 median <= 5% per scorer and batch size).
 
 :func:`specsched.policies.cost_error.held_out_error` groups a run's decode steps by (scorer, batch
-size), fits fresh models (device seeds, no forgetting) on the first half of each group in log order,
+size), fits fresh models (device seeds, no forgetting, the run's graph buckets as saved with its
+cost models) on the first half of each group in log order,
 and scores the score-ms prediction of the rest. Here the batch size a step is grouped by is its
 group's upper bound (1, 2-4, 5-16, 17-64, 65+), so that the groups of a serving log (batches that
 drift as requests join and leave) hold enough steps; the prediction still uses each step's own
@@ -81,11 +82,17 @@ def noise_floor(records: Sequence[StepRecord], fit_fraction: float = 0.5) -> dic
     return out
 
 
-def total_error(records: Sequence[StepRecord], device: str, fit_fraction: float = 0.5) -> dict:
+def total_error(
+    records: Sequence[StepRecord],
+    device: str,
+    fit_fraction: float = 0.5,
+    graph_buckets: dict[str, list[int]] | None = None,
+) -> dict:
     """(scorer, group upper bound) -> median |pred - meas| / meas of the total step ms, with the
-    split of :func:`held_out_error` (the first ``fit_fraction`` of each group fits)."""
+    split of :func:`held_out_error` (the first ``fit_fraction`` of each group fits) and the run's
+    ``graph_buckets`` (padding and per-graph residuals, as the engine's models had them)."""
     fit, held = split(records, fit_fraction)
-    costs = CostModels(None, device=device, forgetting=1.0)
+    costs = CostModels(graph_buckets, device=device, forgetting=1.0)
     for _, rec in sorted(fit, key=lambda x: x[0]):
         costs.observe(rec)
     out = {}
@@ -107,9 +114,11 @@ def cost_error_rows(logs: Sequence[tuple[str, RecordedRun]]) -> list[list[str]]:
     rows = []
     for name, run in logs:
         device = "cuda" if run.device.startswith("cuda") else "cpu"
-        recs = grouped(run.decode_steps)
-        totals, floor = total_error(recs, device), noise_floor(recs)
-        for e in held_out_error(recs, device=device):
+        recs, buckets = grouped(run.decode_steps), run.settings.graph_buckets or None
+        # the graphs the run captured (saved with its cost models): each scorer's padding and
+        # per-graph residual, as the engine predicted (a log without them: every scorer unpadded)
+        totals, floor = total_error(recs, device, graph_buckets=buckets), noise_floor(recs)
+        for e in held_out_error(recs, device=device, graph_buckets=buckets):
             key = (e.scorer, e.batch_size)
             pct = [fmt(100 * d[key], 1) if key in d else "–" for d in (floor, totals)]
             rows.append([name, e.scorer, group_label(group_of(e.batch_size)), str(e.num_fit),
