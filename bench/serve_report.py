@@ -132,6 +132,45 @@ def targets_table(res: dict) -> str:
     return table(header, out) + "\n\n" + "\n".join(lines)
 
 
+def paired_table(res: dict) -> str:
+    """The targets' ratios per round (bench=serve_rounds): every config runs one loop in each round,
+    in the same stretch of the host's time, so a drift of the host's speed between rounds hits them
+    alike and cancels in the ratio of two configs' loops of one round; the pooled passes above do not
+    cancel it. Per N: the default config's tok/s over the best fixed row's (chosen as in the targets
+    table) and over the baseline's, round by round: median [min–max]. Empty without round tok/s."""
+    rounds: dict[tuple[str, int], list[float]] = {}
+    for r in res["rows"]:
+        if r.get("round_tok_s") and not r["num_errors"] and not r.get("error"):
+            rounds.setdefault((r["config"], r["concurrency"]), r["round_tok_s"])
+    kinds = {c["name"]: c["kind"] for c in res["configs"]}
+    default = next((n for n, k in kinds.items() if k == "default"), None)
+    base = next((n for n, k in kinds.items() if k == "baseline"), None)
+    tok, out = mean_tok_s(res["rows"]), []
+    for n in sorted({n for _, n in rounds}):
+        g = rounds.get((default, n))
+        best = max(((tok[(c, n)], c) for c, k in kinds.items() if k == "fixed" and (c, n) in rounds),
+                   default=None)  # fmt: skip
+        if not g or best is None:
+            continue
+        vs_best = [a / b - 1 for a, b in zip(g, rounds[(best[1], n)]) if b > 0]
+        vs_base = [a / b for a, b in zip(g, rounds.get((base, n)) or []) if b > 0]
+        out.append([str(n), best[1], str(len(vs_best)), _median_range(vs_best, "{:+.1%}"),
+                    f"{sum(v >= -LEAD_GOAL for v in vs_best)} / {len(vs_best)}",
+                    _median_range(vs_base, "{:.2f}")])  # fmt: skip
+    if not out:
+        return ""
+    header = ["N", "best fixed row", "rounds", f"{default} vs it, per round: median [min–max]",
+              "rounds ≥ −3%", "× non-spec, per round: median [min–max]"]  # fmt: skip
+    return table(header, out)
+
+
+def _median_range(values: list[float], form: str) -> str:
+    if not values:
+        return "–"
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{form.format(mid)} [{form.format(lo)} – {form.format(hi)}]"
+
+
 def slices_table(rows: list[dict], key: str = "slice_tok_s", what: str = "slice") -> str:
     """Interleaved passes: the tok/s of each loop's slices (what one slice-long pass would measure), or
     (``key`` round_tok_s) of each round's whole loop."""
@@ -231,6 +270,8 @@ def serve_section(res: dict) -> str:
         *(["Tok/s of each slice of the interleaved loops:", "", slices_table(res["rows"]), ""]
           if slices_table(res["rows"]) else []),
         "Targets (issue 12):", "", targets_table(res), "",
+        *(["The targets per round (the configs' loops of one round ran in the same seconds):", "",
+           paired, ""] if (paired := paired_table(res)) else []),
         *([host_note(), "", host_table(res["host_phases"]), ""] if res.get("host_phases") else []),
         *(["Where each daemon's time went (decision logs, every pass and N; step wall ms + the loop's "
            "time before it):", "", step_mix_table(mix), ""] if (mix := _step_mix(res)) else []),
