@@ -15,7 +15,9 @@ untimed generate. Each timed window starts from a copy of the profiled cost mode
 estimator, with a fresh engine and policy, and runs whole passes over the cell's prompts (so every
 config sees the same mix of prompts) until it took at least ``min_steps`` decode steps (forwards: a
 run of S plain steps, ``scheduler.decode_steps``, counts S; counted as records, a config that runs
-them took S times the tokens, and the grid with runs of 4 no longer fit a 540 s call).
+them took S times the tokens, and the grid with runs of 4 no longer fit a 540 s call), or the
+batch's own ``min_steps_by_batch`` (a step at batch 64 carries 64 requests' tokens: fewer steps
+time it as well, and the full grid at 500 steps a window is ~40 min of an H200).
 
 Per cell: the *oracle* is the config other than goodput with the best median tok/s; goodput's ratio
 to it and to non-speculative per repeat (median and min-max over repeats); goodput's ``decide`` ms
@@ -213,7 +215,7 @@ def run_cell(cell: Cell, cfg, seed: int) -> dict:
                 # far) leaves the collector's full passes, which would otherwise grow with the records
                 # and stall a window's step (H100, 2026-12-05: 233 ms in one of goodput's steps)
                 freeze_heap()
-                fields, recs, steps = run_window(run, state, cell, cfg.min_steps)
+                fields, recs, steps = run_window(run, state, cell, min_steps_of(cfg, cell.batch))
                 if log_dir:
                     write_window_log(log_dir, cell, run, r, steps, state[0])
                 samples.append(Sample(run.label, r, **fields))
@@ -230,6 +232,17 @@ def run_cell(cell: Cell, cfg, seed: int) -> dict:
                acceptance=cell.acceptance, samples=[asdict(s) for s in samples],
                cost_error=[asdict(e) for e in errors])  # fmt: skip
     return out
+
+
+def min_steps_of(cfg, batch: int) -> int:
+    """The decode steps a window of a cell at ``batch`` takes at least: ``min_steps_by_batch[batch]``
+    where given, else ``min_steps``."""
+    by = cfg.get("min_steps_by_batch") or {}
+    found = by.get(batch, by.get(str(batch)))  # int keys from yaml, str ones from some overrides
+    steps = cfg.min_steps if found is None else int(found)
+    if steps < 0:
+        raise ValueError(f"bench.regret.min_steps_by_batch[{batch}] must be >= 0, got {steps}")
+    return steps
 
 
 def is_goodput(label: str) -> bool:
@@ -288,13 +301,24 @@ def run_regret(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_
         except Exception as e:
             logger.exception("regret suite %s failed", suite)
             errors[suite] = f"{type(e).__name__}: {e}"[:300]
-    out = {"cells": cells, "repeats": cfg.repeats, "min_steps": cfg.min_steps, "errors": errors}
+    out = {
+        "cells": cells,
+        "repeats": cfg.repeats,
+        "min_steps": cfg.min_steps,
+        "errors": errors,
+        "min_steps_by_batch": {int(b): int(n) for b, n in (plain.get("min_steps_by_batch") or {}).items()},
+    }
     out["markdown"] = regret_markdown(out)
     return out
 
 
 def _ratio(r: dict | None) -> str:
     return "–" if r is None else f"{r['median']:.3f} [{r['min']:.3f}–{r['max']:.3f}]"
+
+
+def _by_batch(res: dict) -> str:
+    by = res.get("min_steps_by_batch") or {}
+    return f" (at batch {', '.join(f'{b}: >= {n}' for b, n in sorted(by.items()))})" if by else ""
 
 
 def regret_markdown(res: dict) -> str:
@@ -333,7 +357,7 @@ def regret_markdown(res: dict) -> str:
     ]
     parts = [
         f"### Regret (issue 13): {res['repeats']} interleaved repeats of >= {res['min_steps']} decode "
-        "steps per config; ratios per repeat: median [min–max]", "", table(head, rows), "",
+        f"steps per config{_by_batch(res)}; ratios per repeat: median [min–max]", "", table(head, rows), "",
         f"goodput decide p99 at batch 64: {fmt(max(big), 3) + ' ms' if big else '– (no batch-64 cell)'}", "",
         "### Regret: every config (tok/s median over repeats, min–max)", "",
         table(["proposer", "batch", "config", "tok/s", "min–max", "mean k", "min steps"], detail), "",

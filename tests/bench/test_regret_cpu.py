@@ -26,6 +26,7 @@ def result(tmp_path_factory):
             f"bench.out_dir={out}",
             f"bench.regret.log_dir={out / 'logs'}",
             "bench.regret.scheduler={decide_cost: host}",  # every window's engine
+            "bench.regret.min_steps_by_batch={2: 14}",  # the batch-2 cell's windows run longer
         ]
         cfg = compose("bench", overrides=overrides).bench
     res = cli.run_bench(cfg, "specsched-bench bench=regret_cpu")
@@ -46,6 +47,8 @@ def test_every_config_of_every_cell_runs_interleaved_repeats(result):
         for r in range(cfg.repeats):  # each repeat runs every config once
             assert sorted(s["config"] for s in samples if s["repeat"] == r) == sorted(CONFIGS)
         assert all(s["num_steps"] >= cfg.min_steps and s["tokens_per_s"] > 0 for s in samples)
+        if c["batch"] == 2:  # min_steps_by_batch: ~5 steps a pass, so 6 would stop after 2 passes
+            assert min(s["num_steps"] for s in samples) >= 14
         good = [s for s in samples if s["config"] == "policy goodput"]
         assert all(s["decide_ms_p99"] >= s["decide_ms_p50"] > 0 for s in good)
         assert {e["scorer"] for e in c["cost_error"]} <= {"batch_expansion", "mqa"} and c["cost_error"]
@@ -67,6 +70,7 @@ def test_ratios_follow_from_the_rows(result):
             assert c[key]["median"] == pytest.approx(statistics.median(per))
             assert (c[key]["min"], c[key]["max"]) == (pytest.approx(min(per)), pytest.approx(max(per)))
             assert f"{c[key]['median']:.3f} [{c[key]['min']:.3f}–{c[key]['max']:.3f}]" in text
+    assert "repeats of >= 6 decode steps per config (at batch 2: >= 14);" in text
     for title in ("### Regret (issue 13)", "### Regret: every config", "### Cost-model held-out error"):
         assert title in text
 
