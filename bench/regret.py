@@ -238,7 +238,7 @@ def min_steps_of(cfg, batch: int) -> int:
     """The decode steps a window of a cell at ``batch`` takes at least: ``min_steps_by_batch[batch]``
     where given, else ``min_steps``."""
     by = cfg.get("min_steps_by_batch") or {}
-    found = by.get(batch, by.get(str(batch)))  # int keys from yaml, str ones from some overrides
+    found = by.get(batch, by.get(str(batch)))  # a key written as a string counts too
     steps = cfg.min_steps if found is None else int(found)
     if steps < 0:
         raise ValueError(f"bench.regret.min_steps_by_batch[{batch}] must be >= 0, got {steps}")
