@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from specsched.bench.markdown import fmt, table
+from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.policies.base import BatchView, RequestView
 from specsched.policies.cost_model import CostModels
 from specsched.policies.goodput import GoodputPolicy
@@ -36,8 +37,6 @@ BUCKETS = {"batch_expansion": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], "mqa_grap
 def trained_costs(device: str, seed: int = 0) -> CostModels:
     """Cost models that have seen a few hundred steps of every scorer at random shapes (the decide's
     search then weighs real trade-offs instead of the seeds)."""
-    from specsched.engine.records import StepRecord, StepRequestRecord
-
     rng = np.random.default_rng(seed)
     costs = CostModels(BUCKETS, device="cuda" if device.startswith("cuda") else "cpu")
     for _ in range(300):
