@@ -10,7 +10,10 @@ drift as requests join and leave) hold enough steps; the prediction still uses e
 shape. The same split also scores the *total* step ms (propose + score + verify + overhead), which is
 what the replay charges a step, and gives a *noise floor*: each held-out step's score ms predicted by
 the median score ms of the fit steps of exactly its shape (batch size and token count), where there
-are any: what no model of the shape could beat, the step-to-step jitter of the machine.
+are any: what no model of the shape could beat, the step-to-step jitter of the machine. The last
+column scores each step's score ms predicted before the models learn it, in one pass with the
+engine's forgetting (:func:`specsched.policies.cost_error.prequential_error`): the error the policy
+met live, which follows a drift of the machine that the fit-then-hold-out split does not.
 
 ``python -m specsched.bench.cost_error_table a.sqlite [b.sqlite ...] [--all-runs]``
 """
@@ -28,7 +31,7 @@ import numpy as np
 from specsched.bench.markdown import fmt, table
 from specsched.engine.log_schema import LogFormatError, open_log
 from specsched.engine.records import StepRecord
-from specsched.policies.cost_error import held_out_error
+from specsched.policies.cost_error import held_out_error, prequential_error
 from specsched.policies.cost_model import CostModels
 from specsched.policies.replay_log import RecordedRun, ReplayError, load_run
 from specsched.policies.shapes import StepShape
@@ -110,7 +113,8 @@ def _total(costs: CostModels, rec: StepRecord) -> float:
 
 def cost_error_rows(logs: Sequence[tuple[str, RecordedRun]]) -> list[list[str]]:
     """One row per log, scorer and batch group: steps fitted / held out, score-ms median and p90
-    error, the noise floor, total-ms median error (percent)."""
+    error, the noise floor, total-ms median error, the score-ms error predicted before learnt
+    (percent)."""
     rows = []
     for name, run in logs:
         device = "cuda" if run.device.startswith("cuda") else "cpu"
@@ -118,16 +122,17 @@ def cost_error_rows(logs: Sequence[tuple[str, RecordedRun]]) -> list[list[str]]:
         # the graphs the run captured (saved with its cost models): each scorer's padding and
         # per-graph residual, as the engine predicted (a log without them: every scorer unpadded)
         totals, floor = total_error(recs, device, graph_buckets=buckets), noise_floor(recs)
+        online = prequential_error(recs, device, buckets)
         for e in held_out_error(recs, device=device, graph_buckets=buckets):
             key = (e.scorer, e.batch_size)
-            pct = [fmt(100 * d[key], 1) if key in d else "–" for d in (floor, totals)]
+            pct = [fmt(100 * d[key], 1) if key in d else "–" for d in (floor, totals, online)]
             rows.append([name, e.scorer, group_label(group_of(e.batch_size)), str(e.num_fit),
                          str(e.num_held_out), fmt(100 * e.median, 1), fmt(100 * e.p90, 1), *pct])  # fmt: skip
     return rows
 
 
 HEADER = ["log", "scorer", "batch", "fit steps", "held-out steps", "score ms median err %", "score p90 %",
-          "noise floor %", "total ms median err %"]  # fmt: skip
+          "noise floor %", "total ms median err %", "score ms, predicted before learnt (live) %"]  # fmt: skip
 
 
 def cost_error_markdown(logs: Sequence[tuple[str, RecordedRun]]) -> str:

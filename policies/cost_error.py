@@ -20,7 +20,7 @@ from specsched.policies.cost_model import CostModels
 from specsched.policies.running_error import RunningError
 from specsched.policies.shapes import StepShape
 
-__all__ = ["HeldOutError", "RunningError", "held_out_error"]
+__all__ = ["HeldOutError", "RunningError", "held_out_error", "prequential_error"]
 
 
 @dataclass
@@ -72,6 +72,29 @@ def held_out_error(
             out.append(HeldOutError(scorer, batch, num_fit, len(errors), float(np.median(errors)),
                                     float(np.percentile(errors, 90))))  # fmt: skip
     return out
+
+
+def prequential_error(
+    records: Iterable[StepRecord],
+    device: str = "cpu",
+    graph_buckets: dict[str, list[int]] | None = None,
+    forgetting: float = 0.99,
+    key=lambda rec: (rec.scorer, rec.batch_size),
+) -> dict[tuple, float]:
+    """Median relative error of each decode step's score ms predicted before the models learn it,
+    per ``key`` (default: scorer and batch size): one pass in log order with the engine's forgetting,
+    as the policy met its predictions live. Unlike :func:`held_out_error` (fit on the first part,
+    models taken as stationary) it follows a drift of the machine, as the live models do, so the two
+    differ by how much the machine drifted. Runs of plain steps are skipped, as the models skip them."""
+    costs = CostModels(graph_buckets, device=device, forgetting=forgetting)
+    errors: dict[tuple, list[float]] = defaultdict(list)
+    for rec in records:
+        if rec.kind != "decode" or not rec.requests or not rec.scorer or rec.num_decode_steps != 1:
+            continue
+        if rec.score_ms > 0:
+            errors[key(rec)].append(_score_error(costs, rec))
+        costs.observe(rec)
+    return {k: float(np.median(v)) for k, v in errors.items()}
 
 
 def _score_error(costs, rec: StepRecord) -> float:

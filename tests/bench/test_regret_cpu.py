@@ -53,6 +53,7 @@ def test_every_config_of_every_cell_runs_interleaved_repeats(result):
         assert all(s["decide_ms_p99"] >= s["decide_ms_p50"] > 0 for s in good)
         assert {e["scorer"] for e in c["cost_error"]} <= {"batch_expansion", "mqa"} and c["cost_error"]
         assert all(e["median"] >= 0 and e["num_held_out"] > 0 for e in c["cost_error"])
+        assert all(e["live_median"] is not None and e["live_median"] >= 0 for e in c["cost_error"])
 
 
 def test_ratios_follow_from_the_rows(result):
@@ -71,6 +72,7 @@ def test_ratios_follow_from_the_rows(result):
             assert (c[key]["min"], c[key]["max"]) == (pytest.approx(min(per)), pytest.approx(max(per)))
             assert f"{c[key]['median']:.3f} [{c[key]['min']:.3f}–{c[key]['max']:.3f}]" in text
     assert "repeats of >= 6 decode steps per config (at batch 2: >= 14);" in text
+    assert "| predicted before learnt (live) median % |" in text
     for title in ("### Regret (issue 13)", "### Regret: every config", "### Cost-model held-out error"):
         assert title in text
 

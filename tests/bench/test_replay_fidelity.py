@@ -213,7 +213,7 @@ def test_cost_error_groups_by_batch_range(logs):
 def test_cost_error_table_prices_with_the_runs_graph_buckets(logs):
     """The table scores the models the engine ran: with the graph buckets saved beside the log's
     cost models (padding, eager flags, per-graph residuals), as the regret bench's table does."""
-    from specsched.policies.cost_error import held_out_error
+    from specsched.policies.cost_error import held_out_error, prequential_error
 
     run = load_run(logs / "k8.sqlite")
     buckets = {"mqa": [1, 2, 3]}  # batch 4 is past the last bucket: eager; batches 1-3 padded
@@ -223,6 +223,8 @@ def test_cost_error_table_prices_with_the_runs_graph_buckets(logs):
     assert [r[5] for r in rows] == [f"{100 * e.median:.1f}" for e in want]
     plain = held_out_error(grouped(run.decode_steps), device="cpu")
     assert [e.median for e in want] != [e.median for e in plain]  # the buckets change the prediction
+    live = prequential_error(grouped(run.decode_steps), "cpu", buckets)  # the last column
+    assert [r[-1] for r in rows] == [f"{100 * live[(e.scorer, e.batch_size)]:.1f}" for e in want]
 
 
 def test_cost_error_reads_every_run_and_leaves_runs_of_plain_steps_out(logs, tmp_path, capsys):
