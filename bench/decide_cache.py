@@ -25,34 +25,27 @@ import numpy as np
 import torch
 
 from specsched.bench.markdown import fmt, table
-from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.policies.base import BatchView, RequestView
 from specsched.policies.cost_model import CostModels
+from specsched.policies.fixed import FixedConfig, FixedPolicy
 from specsched.policies.goodput import GoodputPolicy
+from specsched.policies.sim_machine import get_machine
+from specsched.policies.simulate import Scenario, simulate
 
 SCORERS = ["batch_expansion", "mqa", "mqa_graph"]
-BUCKETS = {"batch_expansion": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], "mqa_graph": [1, 2, 4, 8, 16, 32, 64]}
+MACHINE = "h200-smollm2-135m"  # policies/sim_machine.py: SmolLM2 on the H200, as modelled
 
 
-def trained_costs(device: str, seed: int = 0) -> CostModels:
-    """Cost models that have seen a few hundred steps of every scorer at random shapes (the decide's
-    search then weighs real trade-offs instead of the seeds)."""
-    rng = np.random.default_rng(seed)
-    costs = CostModels(BUCKETS, device="cuda" if device.startswith("cuda") else "cpu")
-    for _ in range(300):
-        b = int(rng.integers(1, 65))
-        k, ctx = rng.integers(0, 9, b), rng.integers(16, 2000, b)
-        for s in SCORERS:
-            tokens = int(k.sum()) + b
-            score = {"batch_expansion": 1.0 + 0.004 * tokens, "mqa": 3.0 + 0.002 * tokens}.get(
-                s, 1.1 + 0.002 * tokens
-            )
-            reqs = [
-                StepRequestRecord(f"r{i}", int(c) - 1, int(ki), 0) for i, (ki, c) in enumerate(zip(k, ctx))
-            ]
-            costs.observe(StepRecord(0, "decode", 0.0, b, tokens, scorer=s, proposer="ngram", requests=reqs,
-                                     propose_ms=0.05 if k.max() else 0.0, score_ms=score, verify_ms=0.2,
-                                     total_ms=score + 0.5 + 0.01 * b))  # fmt: skip
+def trained_costs(seed: int = 0) -> CostModels:
+    """Cost models that learnt fixed-k steps of every scorer at batch 1, 16 and 64 on the simulator's
+    SmolLM2 machine (policies/simulate.py), so that the decide's search weighs real trade-offs."""
+    m = get_machine(MACHINE)
+    costs = CostModels(m.graph_buckets, device=m.device)
+    for batch in (1, 16, 64):
+        for scorer in SCORERS:
+            for k in (0, 3, 8):
+                sc = Scenario(m, 0.5, batch, "ngram", num_steps=20, scorers=list(SCORERS))
+                simulate(FixedPolicy(FixedConfig(k=k, scorer=scorer)), sc, seed=seed, costs=costs)
     return costs
 
 
@@ -101,7 +94,7 @@ def _spin(seconds: float) -> None:
 
 def probe(batch: int, steps: int, device: str, seed: int = 0) -> dict:
     """Median host µs of the decide and of the proxy after it and after a spin of its length."""
-    costs, policy, proxy = trained_costs(device, seed), GoodputPolicy(), LaunchProxy(device)
+    costs, policy, proxy = trained_costs(seed), GoodputPolicy(), LaunchProxy(device)
     vs = views(batch, steps + 50, seed)
     for v in vs[:50]:  # warm: the policy's caches, the proxy's first launches
         policy.decide(v, costs)
