@@ -31,7 +31,7 @@ import numpy as np
 from specsched.bench.markdown import fmt, table
 from specsched.engine.log_schema import LogFormatError, open_log
 from specsched.engine.records import StepRecord
-from specsched.policies.cost_error import held_out_error, prequential_error
+from specsched.policies.cost_error import held_out_error, is_scored_step, prequential_error
 from specsched.policies.cost_model import CostModels
 from specsched.policies.replay_log import RecordedRun, ReplayError, load_run
 from specsched.policies.shapes import StepShape
@@ -50,7 +50,7 @@ def group_label(g: tuple[int, int]) -> str:
 def grouped(records: Sequence[StepRecord]) -> list[StepRecord]:
     """The decode records with ``batch_size`` set to the upper bound of its group (the key only)."""
     return [dataclasses.replace(r, batch_size=group_of(r.batch_size)[1]) for r in records
-            if r.kind == "decode" and r.requests and r.scorer and r.num_decode_steps == 1]  # fmt: skip
+            if is_scored_step(r)]  # fmt: skip
 
 
 def split(records: Sequence[StepRecord], fit_fraction: float = 0.5):

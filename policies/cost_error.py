@@ -20,7 +20,13 @@ from specsched.policies.cost_model import CostModels
 from specsched.policies.running_error import RunningError
 from specsched.policies.shapes import StepShape
 
-__all__ = ["HeldOutError", "RunningError", "held_out_error", "prequential_error"]
+__all__ = ["HeldOutError", "RunningError", "held_out_error", "is_scored_step", "prequential_error"]
+
+
+def is_scored_step(rec: StepRecord) -> bool:
+    """A decode step the error tables score: scored by a named scorer, one forward (a run of plain
+    steps, ``scheduler.decode_steps``, has its own ratio and is not learnt as one step)."""
+    return rec.kind == "decode" and bool(rec.requests) and bool(rec.scorer) and rec.num_decode_steps == 1
 
 
 @dataclass
@@ -54,8 +60,8 @@ def held_out_error(
     if not 0.0 < fit_fraction < 1.0:
         raise ValueError(f"fit_fraction must be in (0, 1), got {fit_fraction}")
     groups: dict[tuple[str, int], list[tuple[int, StepRecord]]] = defaultdict(list)
-    for i, rec in enumerate(records):  # a run of plain steps is not one step (nor learnt as one)
-        if rec.kind == "decode" and rec.requests and rec.scorer and rec.num_decode_steps == 1:
+    for i, rec in enumerate(records):
+        if is_scored_step(rec):
             groups[(rec.scorer, rec.batch_size)].append((i, rec))
     fit, held = [], {}
     for key, recs in groups.items():
@@ -89,7 +95,7 @@ def prequential_error(
     costs = CostModels(graph_buckets, device=device, forgetting=forgetting)
     errors: dict[tuple, list[float]] = defaultdict(list)
     for rec in records:
-        if rec.kind != "decode" or not rec.requests or not rec.scorer or rec.num_decode_steps != 1:
+        if not is_scored_step(rec):
             continue
         if rec.score_ms > 0:
             errors[key(rec)].append(_score_error(costs, rec))
