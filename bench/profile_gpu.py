@@ -6,7 +6,7 @@ For the scorer shapes of the issue's targets and for a small model's engine step
   graph replays too), and the top kernels by total time — the list to fuse next;
 - for the engine step: the host's share (cProfile, top functions by cumulative time).
 
-    python -m specsched.bench.profile_gpu [--parts scorers draft engine phases] [--top 12]
+    python -m specsched.bench.profile_gpu [--parts scorers draft engine phases eager_host] [--top 12]
         [--batches 1 16 64]   (phases: host ms per step phase, fixed k vs goodput, and their profiles)
 
 Timing/profiling only: random bf16 weights (``llama2-7b``, ``llama-68m``, ``smollm2-135m`` presets).
@@ -153,6 +153,38 @@ def profile_engine(top: int, tokens: int) -> None:
         print("\n".join(s.getvalue().splitlines()[: top + 20]))
 
 
+def profile_eager_host(top: int) -> None:
+    """Where the eager MQA scorer's host time goes (issue 17: 3.6x the floor at llama2-7b shapes,
+    batch 1, k 3, ctx 550, against ~1.4x in a graph): host ms per ``score`` call without a sync (the
+    launches queue ahead of the GPU only while the host is slower), then a cProfile of 20 calls,
+    top functions by own time: our wrappers' Python, Triton's launcher, torch's dispatch."""
+    model = random_model("llama2-7b", torch.device("cuda"), torch.bfloat16)
+    bs, ctx, k = 16, 550, 3
+    kv = model.allocate_kv_cache(4 + -(-(ctx + k + 1) // bs), bs)
+    scorer = build_scorers(["mqa"], model, kv, bs, GraphConfig(enabled=False))["mqa"]
+    reqs, props, _ = shared_prefix_batch(1, k, ctx, bs, 1, model.cfg.vocab_size, 0, "cuda")
+    step = lambda: scorer.score(reqs, props)  # noqa: E731
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        step()
+    host = (time.perf_counter() - t0) * 1e3 / 20
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / 20
+    print(f"\n## eager mqa llama2-7b batch 1 k {k} ctx {ctx}: host {host:.3f} ms a call, wall {wall:.3f}")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(20):
+        step()
+    pr.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
+    print("\n".join(out.getvalue().splitlines()[: top + 12]))
+
+
 ALL_SCORERS = ["batch_expansion", "mqa", "mqa_graph"]
 PHASE_CONFIGS = {  # label: (scorers, policy, scheduler overrides)
     "fixed k=5 mqa_graph [mqa_graph]": (["mqa_graph"], {"name": "fixed", "k": 5, "scorer": "mqa_graph"}, {}),
@@ -258,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
             profile_engine(args.top, args.tokens)
         if "scorers" in args.parts:
             profile_scorers(args.top)
+        if "eager_host" in args.parts:
+            profile_eager_host(args.top)
         if "phases" in args.parts:
             profile_phases(args.top, args.tokens, args.batches, args.configs)
 
