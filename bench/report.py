@@ -9,7 +9,12 @@ from pathlib import Path
 
 from specsched.bench.markdown import fmt, table
 
-SCORER_LABELS = {"batch_expansion": "batch expansion", "mqa": "MQA", "mqa_graph": "MQA graph"}
+SCORER_LABELS = {
+    "batch_expansion": "batch expansion",
+    "mqa": "MQA",
+    "mqa_graph": "MQA graph",
+    "mqa piecewise": "MQA piecewise",
+}
 
 
 def scorer_table(res: dict) -> str:
@@ -31,7 +36,7 @@ def scorer_table(res: dict) -> str:
             elif r["error"]:
                 row.append(f"error: {r['error'][:60]}")
             else:
-                path = "" if r["path"] in ("graph", "eager") else f" [{r['path']}]"
+                path = "" if r["path"] in ("graph", "eager", "piecewise") else f" [{r['path']}]"
                 row.append(f"{fmt(r['ms'], 3)} ({fmt(r['vs_floor'])}×){path}")
         if len(header) > len(row):
             be, mq = cells[key].get("batch_expansion"), cells[key].get("mqa_graph")
@@ -55,7 +60,7 @@ def scorer_table(res: dict) -> str:
         note += (
             f" Graphs ({g['name']}): {g['num_graphs']} captured in {g['capture_s']} s, "
             f"{g['graph_memory_mib']} MiB; {g['num_eager_fallbacks']} eager fallbacks "
-            f"{g['fallback_reasons'] or ''}."
+            f"{g.get('fallback_reasons') or ''}."
         )
     parts = [note, "", table(header, out)]
     if res.get("draft_rows"):

@@ -10,7 +10,7 @@ from the one holding its last cached token on, so the scored tokens' K/V writes 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -29,7 +29,8 @@ from specsched.kernels.metadata import build_metadata
 from specsched.models.cuda_graphs import GraphRunner
 from specsched.models.graph_buckets import decode_buckets
 from specsched.proposers.base import Proposals
-from specsched.scorers.graph import GraphForward, graph_runners_of
+from specsched.scorers.graph import GraphForward, build_piecewise_runner, graph_runners_of
+from specsched.scorers.mqa import MQAScorer
 from specsched.scorers.registry import build_scorers
 
 logger = logging.getLogger(__name__)
@@ -104,12 +105,17 @@ def run_scorer_bench(
     kv = model.allocate_kv_cache(num_blocks, block_size)
     gcfg = graph_config(graphs_cfg, max_b, max_k, max_ctx + max_k + 1)
     scorers = build_scorers(list(cfg.scorers), model, kv, block_size, gcfg)
+    if cfg.get("piecewise") and "mqa" in scorers and gcfg.uses_graphs(device) and not fused:  # + eager row
+        pw = build_piecewise_runner(model, kv, replace(gcfg, piecewise=True))
+        scorers["mqa piecewise"] = MQAScorer(model, kv, block_size, pw)
     runners = graph_runners_of(scorers)
     rows: list[ScorerRow] = []
     for b, k, c in shapes:
         reqs, props, _ = shared_prefix_batch(b, k, c, block_size, 1, model.cfg.vocab_size, seed, device)
         for name, scorer in scorers.items():
             before = {id(r): sum(r.fallback_reasons.values()) for r in runners}
+            pw = getattr(scorer, "piecewise", None)
+            pw_before = pw.num_eager_fallbacks if pw is not None else 0
             try:
                 step = lambda s=scorer, r=reqs, p=props: s.score(r, p)  # noqa: E731
                 times = time_ms(step, device, cfg.warmup, cfg.iters)
@@ -118,12 +124,15 @@ def run_scorer_bench(
                 rows.append(ScorerRow(b, k, c, name, float("nan"), float("nan"), floor_ms, "error", repr(e)))
                 continue
             path = "graph" if hasattr(scorer, "runner") else "eager"
+            if pw is not None:
+                path = "piecewise" if pw.num_eager_fallbacks == pw_before else "eager fallback: tokens"
             for r in runners:
                 if getattr(scorer, "runner", None) is r and sum(r.fallback_reasons.values()) > before[id(r)]:
                     path = "eager fallback: " + ", ".join(r.fallback_reasons)
             rows.append(ScorerRow(b, k, c, name, median(times), min(times), floor_ms, path))
             logger.info("scorer %-16s batch %3d k %d ctx %5d: %.3f ms (%s)", name, b, k, c, rows[-1].ms, path)
     graph_stats = [r.stats() for r in runners]
+    graph_stats += [s.piecewise.stats() for s in scorers.values() if getattr(s, "piecewise", None)]
     del scorers, runners, kv
     draft_rows = []
     if cfg.draft_model:

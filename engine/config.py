@@ -41,6 +41,10 @@ class ModelConfig:
     # 0 tokens: every prefill eager, chunked by the budget alone.
     prefill_graph_tokens: int = 2048
     prefill_graph_rows: int = 16
+    # The eager MQA scorer (``mqa``) on piecewise CUDA graphs: every op but the attention replayed per
+    # token count, the attention eager over the batch's own rows, any k (models/piecewise_graphs.py).
+    # Off until its GPU tests and bench.scorers measure it.
+    piecewise_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_graph_tokens < 0:

@@ -19,10 +19,12 @@ from triton.language.extra import libdevice
 
 from specsched.kernels.triton_utils import (
     NO_FP_FUSION,
+    cdiv,
     check_float,
     check_launchable,
     emulate_bf16,
     is_interpreted,
+    next_pow2,
     round_to,
     row_major,
 )
@@ -69,8 +71,8 @@ def _launch(gate_up: torch.Tensor) -> torch.Tensor:
     if t == 0 or inter == 0:
         return out
     x = row_major(gate_up)
-    block = min(_BLOCK, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
+    block = min(_BLOCK, next_pow2(inter))
+    _silu_and_mul_kernel[(t, cdiv(inter, block))](
         x, out, x.stride(0), out.stride(0),
         INTER=inter, BLOCK=block, LIBDEVICE_EXP=not is_interpreted(), EMULATE_BF16=emulate_bf16(x.dtype),
         num_warps=4 if block >= 512 else 1, **NO_FP_FUSION,

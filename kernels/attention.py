@@ -35,6 +35,8 @@ def paged_attention_torch(
     v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,  # [T, num_heads, head_dim], filled in place when given
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Reference: gather every row's keys into a padded batch, one SDPA call with an explicit
     bottom-right causal mask. No host sync (uses the host ints ``max_q``/``max_k``); correct
@@ -75,7 +77,8 @@ def paged_attention_torch(
             q.new_zeros(1, num_heads, head_dim),
         ]
     )
-    return o[flat]
+    o = o[flat]
+    return o if out is None else out.copy_(o)
 
 
 def _triton_backend() -> AttentionFn:

@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from specsched.kernels.metadata import AttentionMetadata
 from specsched.kernels.triton_attention import LaunchConfig, launch_config, paged_attention_triton
+from specsched.kernels.triton_utils import cdiv
 
 MAX_SPLITS = 16  # launch_config's cap
 
@@ -86,7 +86,7 @@ def launch_configs(d: AttentionDomain, num_sms: int) -> dict[LaunchConfig, tuple
                 cfg = launch_config(max_q, max_k, rows, d.group, d.kv_heads, d.head_dim, num_sms=num_sms)
                 found.setdefault(cfg, (rows, max_q, max_k))
                 last = cfg
-            if last is not None and rows * triton.cdiv(max_q, last.block_q) * d.kv_heads > 2 * num_sms:
+            if last is not None and rows * cdiv(max_q, last.block_q) * d.kv_heads > 2 * num_sms:
                 break  # past this, more rows give the same configs
     return found
 

@@ -42,9 +42,11 @@ import triton.language as tl
 from specsched.kernels.triton_utils import (
     FLOAT_DTYPES,
     FP_FUSION,
+    cdiv,
     check_launchable,
     emulate_bf16,
     is_interpreted,
+    next_pow2,
     round_to,
     runtime_args,
 )
@@ -79,11 +81,11 @@ class MatmulConfig:
 
     def k_per_split(self, k: int) -> int:
         """The width of each K slice: a multiple of ``block_k`` (the last slice may be shorter)."""
-        return triton.cdiv(triton.cdiv(k, self.block_k), self.split_k) * self.block_k
+        return cdiv(cdiv(k, self.block_k), self.split_k) * self.block_k
 
     def num_splits(self, k: int) -> int:
         """Slices that hold at least one K step (``split_k`` or fewer for a short K)."""
-        return triton.cdiv(k, self.k_per_split(k))
+        return cdiv(k, self.k_per_split(k))
 
 
 def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
@@ -100,11 +102,11 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     layers (N >= 64 tiles: 7B) are left unsplit. ``tl.dot`` needs every dimension >= 16.
     """
     wide = dtype in (torch.float16, torch.bfloat16)
-    block_k = min(64 if wide else 32, max(16, triton.next_power_of_2(k)))
+    block_k = min(64 if wide else 32, max(16, next_pow2(k)))
     block_n = 128 if n >= 16384 else 64
-    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    block_n = min(block_n, max(16, next_pow2(n)))
     split_k = 1
-    if k > 1024 and triton.cdiv(n, block_n) < 64:
+    if k > 1024 and cdiv(n, block_n) < 64:
         split_k = min(4, k // 384)
     return MatmulConfig(64, block_n, block_k, num_warps=4, num_stages=3 if wide else 2, split_k=split_k)
 
@@ -203,7 +205,7 @@ def _launch(
     splits = cfg.num_splits(k)
     is_partial = splits > 1
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if is_partial else y
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
+    grid = (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), splits)
     _linear_kernel[grid](
         x, weight, bias if bias is not None else y, part, m, x.stride(0), weight.stride(0), y.stride(0),
         N=n, K=k, K_PER_SPLIT=cfg.k_per_split(k), IS_PARTIAL=is_partial, HAS_BIAS=bias is not None,
@@ -213,8 +215,8 @@ def _launch(
         **FP_FUSION,
     )  # fmt: skip
     if is_partial:
-        block_n = min(1024, triton.next_power_of_2(n))
-        _sum_splits_kernel[(m, triton.cdiv(n, block_n))](
+        block_n = min(1024, next_pow2(n))
+        _sum_splits_kernel[(m, cdiv(n, block_n))](
             part, bias if bias is not None else y, y, m, y.stride(0),
             N=n, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_N=block_n,
             EMULATE_BF16=emulate_bf16(x.dtype), **FP_FUSION,

@@ -45,17 +45,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from specsched.kernels.activation import silu_and_mul_ref
 from specsched.kernels.fused_linear_kernels import _norm_linear_kernel, _norm_swiglu_kernel
 from specsched.kernels.norm import add_rms_norm_ref, rms_norm_ref
 from specsched.kernels.triton_utils import (
     NO_FP_FUSION,
+    cdiv,
     check_float,
     check_launchable,
     emulate_bf16,
     is_interpreted,
+    next_pow2,
     row_major,
 )
 
@@ -82,8 +83,8 @@ def fused_linear_config(n: int, k: int, dtype: torch.dtype) -> FusedLinearConfig
     which configs, the run did not keep): the next run of that benchmark tunes them."""
     half = dtype in (torch.float16, torch.bfloat16)
     is_wide = n >= 8192
-    block_k = min(64 if is_wide or not half else 128, max(16, triton.next_power_of_2(k)))
-    block_n = min(64 if is_wide else 16, max(16, triton.next_power_of_2(n)))
+    block_k = min(64 if is_wide or not half else 128, max(16, next_pow2(k)))
+    block_n = min(64 if is_wide else 16, max(16, next_pow2(n)))
     return FusedLinearConfig(block_n, block_k, num_warps=4, num_stages=3 if half else 2)
 
 
@@ -159,7 +160,7 @@ def _launch_norm(kernel, x, residual, norm_weight, eps, weight, bias_ptrs: tuple
     x, weight = row_major(x), row_major(weight)
     res = row_major(residual) if residual is not None else x
     cfg = config or fused_linear_config(n, k, x.dtype)
-    kernel[(triton.cdiv(m, _BLOCK_M), triton.cdiv(n, cfg.block_n))](
+    kernel[(cdiv(m, _BLOCK_M), cdiv(n, cfg.block_n))](
         x, res, norm_weight.contiguous(), weight, *(y if b is None else b for b in bias_ptrs), y, new_res, m,
         _row_stride(x), _row_stride(res), weight.stride(0), y.stride(0), k, float(eps), 1.0 / k,
         K=k, HAS_RESIDUAL=residual is not None, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

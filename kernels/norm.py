@@ -22,6 +22,7 @@ from specsched.kernels.triton_utils import (
     check_float,
     check_launchable,
     emulate_bf16,
+    next_pow2,
     num_warps_for,
     round_to,
     row_major,
@@ -74,17 +75,23 @@ def _rms_norm_kernel(
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, hidden = x.shape
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(out) if residual is not None else None
+    res_out = None
+    if residual is not None:
+        res_out = torch.empty_like(out) if residual_out is None else residual_out
     if num_tokens == 0:
         return out, res_out
     x = row_major(x)
     res = row_major(residual) if residual is not None else x
     ro = res_out if res_out is not None else out
-    block = triton.next_power_of_2(hidden)
+    block = next_pow2(hidden)
     _rms_norm_kernel[(num_tokens,)](
         x, res, weight.contiguous(), out, ro, x.stride(0), res.stride(0), out.stride(0), ro.stride(0),
         float(eps), 1.0 / hidden,
@@ -162,11 +169,30 @@ def add_rms_norm(
     residual: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H], same dtype as x
     eps: float,
+    *,
+    residual_out: torch.Tensor | None = None,  # [T, H], rows contiguous: the new residual written here
 ) -> tuple[torch.Tensor, torch.Tensor]:  # normed [T, H], new residual = x + residual [T, H]
-    """Residual add fused with RMSNorm: the Triton kernel on CUDA, the torch reference elsewhere."""
+    """Residual add fused with RMSNorm: the Triton kernel on CUDA, the torch reference elsewhere.
+    ``residual_out`` (not aliasing ``x`` or ``residual``) receives the new residual, e.g. a static
+    buffer that a later CUDA graph reads (models/piecewise_graphs.py)."""
     _check("add_rms_norm", x, weight, residual)
+    if residual_out is not None:
+        _check_out("add_rms_norm", "residual_out", residual_out, x)
     if x.is_cuda:
-        out, res_out = _launch(x, residual, weight, eps)
+        out, res_out = _launch(x, residual, weight, eps, residual_out)
         assert res_out is not None
         return out, res_out
-    return add_rms_norm_ref(x, residual, weight, eps)
+    normed, new_residual = add_rms_norm_ref(x, residual, weight, eps)
+    if residual_out is None:
+        return normed, new_residual
+    return normed, residual_out.copy_(new_residual)
+
+
+def _check_out(op: str, name: str, out: torch.Tensor, like: torch.Tensor) -> None:
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(
+            f"{op}: {name} must be {tuple(like.shape)} {like.dtype} on {like.device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError(f"{op}: {name} must be contiguous in its last dimension")

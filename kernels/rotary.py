@@ -27,6 +27,7 @@ from specsched.kernels.triton_utils import (
     check_float,
     check_launchable,
     emulate_bf16,
+    next_pow2,
     round_to,
     row_major,
     runtime_args,
@@ -187,17 +188,18 @@ def _launch(
     slot_mapping: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    q_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     t, d = qkv.shape[0], k_cache.shape[3]
-    q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
     if t == 0:
         return q
     qkv, cos, sin, slot_mapping = row_major(qkv), row_major(cos), row_major(sin), slot_mapping.contiguous()
-    half_pad = triton.next_power_of_2(d // 2)
+    half_pad = next_pow2(d // 2)
     max_h = max(1, _MAX_TILE // half_pad)
-    block_hq = min(triton.next_power_of_2(num_heads), max_h)
-    block_hkv = min(triton.next_power_of_2(num_kv_heads), max_h)
-    block_v = min(triton.next_power_of_2(num_kv_heads * d), _MAX_TILE)
+    block_hq = min(next_pow2(num_heads), max_h)
+    block_hkv = min(next_pow2(num_kv_heads), max_h)
+    block_v = min(next_pow2(num_kv_heads * d), _MAX_TILE)
     _rotary_store_kv_kernel[(t,)](
         qkv, cos, sin, q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k_cache.stride(1),
@@ -233,9 +235,21 @@ def rotary_store_kv(
     slot_mapping: torch.Tensor,  # [T] int64 cache slots (graph padding: the pad block's slots)
     num_heads: int,
     num_kv_heads: int,
+    *,
+    q_out: torch.Tensor | None = None,  # [T, num_heads, D] contiguous: the rotated q written here
 ) -> torch.Tensor:  # rotated q [T, num_heads, D]
-    """RoPE on q and k + KV store: the Triton kernel on CUDA, the torch reference elsewhere."""
+    """RoPE on q and k + KV store: the Triton kernel on CUDA, the torch reference elsewhere.
+    ``q_out`` receives the rotated q (e.g. a static buffer read by the attention launched between two
+    CUDA graphs, models/piecewise_graphs.py)."""
     _check(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+    if q_out is not None:
+        want = (qkv.shape[0], num_heads, k_cache.shape[3])
+        if tuple(q_out.shape) != want or q_out.dtype != qkv.dtype or not q_out.is_contiguous():
+            raise ValueError(
+                f"rotary_store_kv: q_out must be a contiguous {want} {qkv.dtype} tensor, got "
+                f"{tuple(q_out.shape)} {q_out.dtype} (contiguous: {q_out.is_contiguous()})"
+            )
     if qkv.is_cuda:
-        return _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
-    return rotary_store_kv_ref(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        return _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, q_out)
+    q = rotary_store_kv_ref(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+    return q if q_out is None else q_out.copy_(q)

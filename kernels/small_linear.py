@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from specsched.kernels.fused_linear import (
     FUSED_MAX_ROWS,
@@ -27,6 +26,7 @@ from specsched.kernels.fused_linear import (
 from specsched.kernels.fused_linear_kernels import _small_linear_kernel
 from specsched.kernels.triton_utils import (
     NO_FP_FUSION,
+    cdiv,
     check_float,
     check_launchable,
     is_interpreted,
@@ -54,7 +54,7 @@ def _launch(x, weight, bias, config: FusedLinearConfig | None) -> torch.Tensor:
         return y
     x, weight = row_major(x), row_major(weight)
     cfg = config or fused_linear_config(n, k, x.dtype)
-    _small_linear_kernel[(triton.cdiv(m, _BLOCK_M), triton.cdiv(n, cfg.block_n))](
+    _small_linear_kernel[(cdiv(m, _BLOCK_M), cdiv(n, cfg.block_n))](
         x, weight, bias if bias is not None else y, y, m, _row_stride(x), weight.stride(0), y.stride(0),
         N=n, K=k, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         **_dot_options(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **NO_FP_FUSION,

@@ -47,7 +47,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from specsched.kernels.metadata import AttentionMetadata, check_attention_args
@@ -58,7 +57,7 @@ from specsched.kernels.triton_attention_kernels import (  # noqa: F401 -- the co
     _paged_attn_kernel,
     _store_kv_kernel,
 )
-from specsched.kernels.triton_utils import FP_FUSION
+from specsched.kernels.triton_utils import FP_FUSION, cdiv, next_pow2
 
 _LOG2E = 1.4426950408889634
 DETERMINISTIC_SPLIT_KEYS = 256  # keys per split in deterministic mode: fixed positions, every launch
@@ -85,6 +84,7 @@ class LaunchConfig:
         return self.split_keys > 0
 
 
+@functools.lru_cache(maxsize=4096)  # every layer of a forward asks with the same bounds
 def launch_config(
     max_q: int,
     max_k: int,
@@ -112,12 +112,12 @@ def launch_config(
     """
     if deterministic:
         return deterministic_launch_config(max_k, group, head_dim)
-    group_pad = triton.next_power_of_2(group)
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    group_pad = next_pow2(group)
+    block_d = max(16, next_pow2(head_dim))
     target_m = 64 if block_d <= 128 else 32
-    block_q = min(triton.next_power_of_2(max(max_q, 1)), max(1, target_m // group_pad))
+    block_q = min(next_pow2(max(max_q, 1)), max(1, target_m // group_pad))
     block_q = max(block_q, 16 // group_pad, 1)
-    programs = max(num_rows, 1) * triton.cdiv(max(max_q, 1), block_q) * kv_heads
+    programs = max(num_rows, 1) * cdiv(max(max_q, 1), block_q) * kv_heads
     half_full = num_sms // 2 <= programs < num_sms  # splits help, but long tiles do not
     if block_n is None:
         small_m = block_q * group_pad <= 32
@@ -125,7 +125,7 @@ def launch_config(
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
-        num_splits = min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max(max_k, 1), block_n), 16)
+        num_splits = min(cdiv(2 * num_sms, programs), cdiv(max(max_k, 1), block_n), 16)
     num_splits = max(num_splits, 1)
     if num_warps is None:
         num_warps = 8 if block_q * group_pad * block_d >= 128 * 128 else 4
@@ -134,6 +134,7 @@ def launch_config(
     return LaunchConfig(block_q, group_pad, block_n, block_d, num_splits, num_warps, num_stages)
 
 
+@functools.lru_cache(maxsize=256)
 def deterministic_launch_config(
     max_k: int, group: int, head_dim: int, split_keys: int = DETERMINISTIC_SPLIT_KEYS
 ) -> LaunchConfig:
@@ -143,14 +144,14 @@ def deterministic_launch_config(
     one merge kernel per (group, head_dim, dtype), whatever the batch. One query tile of 16 matrix
     rows (decode rows waste least; a prefill chunk takes more tiles), one key tile of 64 (32 for
     head_dim > 128)."""
-    group_pad = triton.next_power_of_2(group)
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    group_pad = next_pow2(group)
+    block_d = max(16, next_pow2(head_dim))
     block_n = 64 if block_d <= 128 else 32
     if split_keys < block_n or split_keys % block_n:
         raise ValueError(
             f"split_keys must be a positive multiple of the key tile {block_n}, got {split_keys}"
         )
-    num_splits = triton.cdiv(max(max_k, 1), split_keys)
+    num_splits = cdiv(max(max_k, 1), split_keys)
     block_q = max(1, 16 // group_pad)
     return LaunchConfig(block_q, group_pad, block_n, block_d, num_splits, 4, 2, split_keys)
 
@@ -253,7 +254,7 @@ def paged_attention_triton(
     ws_nv = q.new_empty((num_tokens if fixed and splits > 1 else 1,), dtype=torch.int32)
     # The interpreter (triton 3.9) gets tl.dot wrong on bf16 operands: compute those dots in fp32.
     upcast = q.dtype == torch.bfloat16 and is_interpreted()
-    grid = (meta.num_rows, triton.cdiv(meta.max_q, cfg.block_q), kv_heads * splits)
+    grid = (meta.num_rows, cdiv(meta.max_q, cfg.block_q), kv_heads * splits)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables, ws_ml, ws_acc,
         ws_nv, float(scale) * _LOG2E,
@@ -275,7 +276,7 @@ def paged_attention_triton(
     elif splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, meta.cu_seqlens_q, ws_ml, ws_acc, meta.num_rows, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+            NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits),
             HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, **FP_FUSION,
         )  # fmt: skip
     return out
@@ -322,5 +323,5 @@ def store_kv_triton(
     row = k2.shape[1]
     _store_kv_kernel[(k.shape[0],)](
         k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0), k_cache.stride(1),
-        ROW=row, BLOCK=triton.next_power_of_2(row), **FP_FUSION,
+        ROW=row, BLOCK=next_pow2(row), **FP_FUSION,
     )  # fmt: skip

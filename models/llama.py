@@ -83,9 +83,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim]
         return rms_norm(x, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), fused."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, residual_out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), fused; the sum written to ``residual_out`` when given."""
+        return add_rms_norm(x, residual, self.weight, self.eps, residual_out=residual_out)
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:  # [head_dim // 2]
@@ -229,11 +231,41 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         attn: AttentionFn,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (layer output, residual stream) — their sum is the hidden state
+        q, residual = self.pre_attention(x, residual, cos, sin, kv, meta.slot_mapping)
+        return self.post_attention(attn(q, kv[0], kv[1], meta, self.self_attn.scale), residual)
+
+    def pre_attention(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the previous layer's output (the embeddings for layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]; None at layer 0 (x is then the residual)
+        cos: torch.Tensor,  # [T, D/2]
+        sin: torch.Tensor,  # [T, D/2]
+        kv: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,  # [T] int64: where each token's K/V is stored
+        *,
+        q_out: torch.Tensor | None = None,  # [T, heads, D]: write the rotated q here
+        residual_out: torch.Tensor | None = None,  # [T, hidden]: write the new residual here (layer > 0)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (rotated q [T, heads, D], residual stream [T, hidden])
+        """The layer up to its attention: input norm (+ residual add), QKV projection, RoPE and the
+        K/V store. :meth:`forward` is this, the attention, then :meth:`post_attention`; the
+        piecewise graphs (models/piecewise_graphs.py) capture the two parts and launch the attention
+        between them."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, cos, sin, kv, meta, attn)
+            h, residual = self.input_layernorm.add_and_norm(x, residual, residual_out=residual_out)
+        sa = self.self_attn
+        qkv = sa.qkv_proj(h)
+        heads = (sa.num_heads, sa.num_kv_heads)
+        return rotary_store_kv(qkv, cos, sin, kv[0], kv[1], slot_mapping, *heads, q_out=q_out), residual
+
+    def post_attention(
+        self,
+        o: torch.Tensor,  # [T, heads, D]: the attention's output
+        residual: torch.Tensor,  # [T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (layer output, residual stream), as forward
+        """The layer after its attention: output projection, post-attention norm (+ residual add), MLP."""
+        h = self.self_attn.o_proj(o.reshape(o.shape[0], self.self_attn.q_size))
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 

@@ -24,8 +24,15 @@ import torch
 from specsched.engine.request import Request
 from specsched.kernels.metadata import AttentionMetadata
 from specsched.models.cuda_graphs import GraphRunner
-from specsched.models.graph_buckets import HostInputs, decode_buckets, mqa_buckets, prefill_buckets
+from specsched.models.graph_buckets import (
+    HostInputs,
+    decode_buckets,
+    mqa_buckets,
+    prefill_buckets,
+    size_ladder,
+)
 from specsched.models.llama import KVCache, LlamaForCausalLM
+from specsched.models.piecewise_graphs import PiecewiseRunner
 from specsched.proposers.base import Proposals, Proposer
 from specsched.scorers.base import Scorer
 from specsched.scorers.metadata_gpu import pack_scoring_batch, scoring_host_inputs
@@ -50,6 +57,10 @@ class GraphConfig:
     # prefill chunks of up to prefill_rows prompts / prefill_tokens tokens on graphs (0 tokens: eager)
     prefill_rows: int = 16
     prefill_tokens: int = 2048
+    # the eager MQA scorer (``mqa``) on piecewise graphs: every op but the attention replayed per
+    # token count (up to max_batch * (max_k + 1) tokens), the attention eager over the batch's own
+    # rows (models/piecewise_graphs.py); off: every kernel launched from Python
+    piecewise: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_rows < 1 or self.prefill_tokens < 0:
@@ -83,7 +94,7 @@ class GraphConfig:
         prefill = min(cfg.model.prefill_graph_tokens, sched.max_num_batched_tokens)
         rows = min(cfg.model.prefill_graph_rows, sched.max_num_seqs)
         kw = dict(max_batch=sched.max_num_seqs, max_k=cfg.spec.max_k, max_model_len=max_model_len,
-                  prefill_rows=rows, prefill_tokens=prefill)  # fmt: skip
+                  prefill_rows=rows, prefill_tokens=prefill, piecewise=cfg.model.piecewise_graphs)  # fmt: skip
         return cls(**{**kw, **overrides})
 
     def uses_graphs(self, device: torch.device) -> bool:
@@ -167,7 +178,8 @@ def build_graph_scorers(
     names: list[str], model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, cfg: GraphConfig
 ) -> dict[str, Scorer]:
     """The named scorers with ``batch_expansion``/``mqa_graph`` on CUDA graphs (``cfg`` allows them:
-    :func:`specsched.scorers.registry.build_scorers` checks); ``mqa`` stays eager."""
+    :func:`specsched.scorers.registry.build_scorers` checks); ``mqa`` eager, or on piecewise graphs
+    with ``cfg.piecewise``."""
     graph_names = [n for n in names if n != "mqa"]
     runner = build_target_runner(graph_names, model, kv_cache, block_size, cfg) if graph_names else None
     out: dict[str, Scorer] = {}
@@ -177,8 +189,21 @@ def build_graph_scorers(
         elif n == "mqa_graph":
             out[n] = MQAGraphScorer(runner, block_size)
         else:
-            out[n] = MQAScorer(model, kv_cache, block_size)
+            out[n] = MQAScorer(model, kv_cache, block_size, build_piecewise_runner(model, kv_cache, cfg))
     return out
+
+
+def build_piecewise_runner(
+    model: LlamaForCausalLM, kv_cache: KVCache, cfg: GraphConfig
+) -> PiecewiseRunner | None:
+    """The eager MQA scorer's piecewise graphs (``cfg.piecewise``), token buckets of the size ladder up
+    to ``max_batch * (max_k + 1)``; None when off."""
+    if not cfg.piecewise:
+        return None
+    return PiecewiseRunner(
+        model, kv_cache, size_ladder(cfg.max_batch * (cfg.max_k + 1)), name="mqa piecewise",
+        emulate=cfg.emulate, progress=cfg.progress, num_warmup=cfg.num_warmup,
+    )  # fmt: skip
 
 
 def graph_buckets_of(scorers: dict[str, Scorer]) -> dict[str, list[int]]:

@@ -38,11 +38,12 @@ def test_cli_smoke_run_end_to_end(tmp_path):
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["errors"] == {}
     scorer_rows = res["scorers"]["rows"]
-    want = {(b, 2, 12, s) for b in (1, 2) for s in ("batch_expansion", "mqa", "mqa_graph")}
+    want = {(b, 2, 12, s) for b in (1, 2) for s in ("batch_expansion", "mqa", "mqa_graph", "mqa piecewise")}
     assert {(r["batch"], r["k"], r["context"], r["scorer"]) for r in scorer_rows} == want
     assert all(r["ms"] > 0 and not r["error"] for r in scorer_rows)
     paths = {r["scorer"]: r["path"] for r in scorer_rows}
     assert paths["mqa_graph"] == "graph"  # emulated replay, no fallback
+    assert paths["mqa piecewise"] == "piecewise" and paths["mqa"] == "eager"
     e2e = res["e2e"]
     assert [r["config"] for r in e2e] == [
         "non-speculative", "fixed k=2 batch_expansion", "fixed k=2 mqa_graph", "policy goodput"

@@ -202,7 +202,7 @@ class RandomK(Policy):
 
 
 def graph_engine(
-    device: str, scorer: str, proposer: str, graphs: bool, seed: int = 0
+    device: str, scorer: str, proposer: str, graphs: bool, seed: int = 0, piecewise: bool = False
 ) -> tuple[Engine, GraphForward | None]:
     """An engine over the tiny preset with graph scorers (emulated on CPU) and, when the draft
     proposer has the ``graph_forward`` hook, graph-replayed draft steps (returned)."""
@@ -216,7 +216,9 @@ def graph_engine(
                         draft=DraftConfig(source="self", num_layers=2)),
     )  # fmt: skip
     kv = model.allocate_kv_cache(num_blocks, BLOCK)
-    gcfg = GraphConfig.for_engine(cfg, max_len, enabled=graphs, emulate=device == "cpu", progress=False)
+    gcfg = GraphConfig.for_engine(
+        cfg, max_len, enabled=graphs, emulate=device == "cpu", progress=False, piecewise=piecewise
+    )
     scorers = build_scorers(cfg.spec.scorers, model, kv, BLOCK, gcfg)
     proposers = build_proposers(cfg.spec, model, num_blocks, BLOCK)
     draft_fwd = None
@@ -239,10 +241,12 @@ def random_prompts(rng: random.Random, n: int) -> list[list[int]]:
     return out
 
 
-def check_greedy_equality(device: str, scorer: str, proposer: str) -> Engine:
+def check_greedy_equality(device: str, scorer: str, proposer: str, piecewise: bool = False) -> Engine:
     rng = random.Random(sum(map(ord, device + scorer + proposer)))
     base, _ = graph_engine(device, "mqa", "none", graphs=False)
-    spec, draft_fwd = graph_engine(device, scorer, proposer, graphs=True, seed=rng.randrange(100))
+    spec, draft_fwd = graph_engine(
+        device, scorer, proposer, graphs=True, seed=rng.randrange(100), piecewise=piecewise
+    )
     prompts = random_prompts(rng, 5)
     params = [SamplingParams(max_tokens=rng.randint(1, 14), ignore_eos=True) for _ in prompts]
     assert spec.generate(prompts, params) == base.generate(prompts, params)
@@ -257,6 +261,14 @@ def test_emulated_graphs_greedy_equals_non_speculative(scorer, proposer):
     engine = check_greedy_equality("cpu", scorer, proposer)
     runner = engine.scorers[scorer].runner
     assert runner.num_replays > 0 and runner.num_eager_fallbacks == 0
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_emulated_piecewise_mqa_greedy_equals_non_speculative(proposer):
+    """The eager MQA scorer on (emulated) piecewise graphs: random k per request every step."""
+    engine = check_greedy_equality("cpu", "mqa", proposer, piecewise=True)
+    runner = engine.scorers["mqa"].piecewise
+    assert runner is not None and runner.num_replays > 0 and runner.num_eager_fallbacks == 0
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------
@@ -315,4 +327,37 @@ def test_cuda_graphs_greedy_equals_non_speculative(scorer, proposer):
     engine = check_greedy_equality("cuda", scorer, proposer)
     runner = engine.scorers[scorer].runner
     print(f"GPU engine {scorer}/{proposer}:", runner.stats())
+    assert runner.num_replays > 0 and runner.num_eager_fallbacks == 0
+
+
+@gpu
+@no_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_piecewise_mqa_vs_eager_mqa(dtype, decoding_batch):
+    """Real piecewise graphs on the GPU against the eager MQA scorer, ragged k, two batches."""
+    rng = random.Random(300)
+    model = tiny_model("cuda", dtype, preset="llama-68m")
+    model.set_attn_backend("triton")
+    kv = model.allocate_kv_cache(3000, BLOCK)
+    cfg = GraphConfig(max_batch=16, max_k=5, max_model_len=1024, progress=False, piecewise=True)
+    pw = build_scorers(["mqa"], model, kv, BLOCK, cfg)["mqa"]
+    for n in (12, 3):
+        reqs, props = decoding_batch(model, kv, rng, n, max_k=5, max_len=700)
+        want = MQAScorer(model, clone_kv(kv), BLOCK).score(reqs, props)
+        got = pw.score(reqs, props)
+        err = rel_err(got, want)
+        print(f"GPU {dtype} piecewise mqa vs eager mqa, {n} rows: rel. error {err:.2e}")
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        assert err < (1e-4 if dtype == torch.float32 else 1e-2), err
+    print("GPU piecewise:", pw.piecewise.stats())
+    assert pw.piecewise.num_replays == 2 and pw.piecewise.num_eager_fallbacks == 0
+
+
+@gpu
+@no_cuda
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_cuda_piecewise_mqa_greedy_equals_non_speculative(proposer):
+    engine = check_greedy_equality("cuda", "mqa", proposer, piecewise=True)
+    runner = engine.scorers["mqa"].piecewise
+    print(f"GPU engine piecewise mqa/{proposer}:", runner.stats())
     assert runner.num_replays > 0 and runner.num_eager_fallbacks == 0
