@@ -81,7 +81,12 @@ def run_bench(cfg: DictConfig, command: str) -> dict:
     if cfg.regret.enabled:
         from specsched.bench.regret import run_regret
 
-        part("regret", lambda: run_regret(cfg.regret, cfg.graphs, device, dtype, cfg.block_size, cfg.seed))
+        def checkpoint(partial: dict) -> None:  # after each cell: a run cut short keeps its cells
+            results["regret"] = partial
+            write_outputs(results, cfg, final=False)
+
+        args = (cfg.graphs, device, dtype, cfg.block_size, cfg.seed)
+        part("regret", lambda: run_regret(cfg.regret, *args, on_cell=checkpoint))
     write_outputs(results, cfg, final=True)
     return results
 

@@ -39,6 +39,7 @@ import re
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 
@@ -290,31 +291,48 @@ def summarize(samples: list[Sample], labels: list[str]) -> dict:
     return out
 
 
-def run_regret(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_size: int, seed: int) -> dict:
-    """``bench.regret``: every cell of the enabled suites; the tables in ``markdown``."""
+def run_regret(
+    cfg,
+    graphs_cfg,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    seed: int,
+    on_cell: Callable[[dict], None] | None = None,
+) -> dict:
+    """``bench.regret``: every cell of the enabled suites; the tables in ``markdown``. ``on_cell`` gets
+    the results so far after each cell (the CLI writes them out: a device call cut at its time limit
+    still returns the cells it finished)."""
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg, resolve=True)
     common = {k: v for k, v in plain.items() if k not in ("synthetic", "real")}
     cells, errors = [], {}
+    by_batch = {int(b): int(n) for b, n in (plain.get("min_steps_by_batch") or {}).items()}
+
+    def results() -> dict:
+        out = {
+            "cells": list(cells),
+            "repeats": cfg.repeats,
+            "min_steps": cfg.min_steps,
+            "errors": dict(errors),
+            "min_steps_by_batch": by_batch,
+        }
+        out["markdown"] = regret_markdown(out)
+        return out
+
     for suite, make in (("synthetic", synthetic_cells), ("real", real_cells)):
         sub = OmegaConf.merge(OmegaConf.create(common), OmegaConf.create(plain[suite]))  # shared keys too
         try:  # a failing suite (a model missing) keeps the other's cells
             for cell in make(sub, graphs_cfg, device, dtype, block_size, seed) if sub.enabled else []:
                 cell.spec.scheduler = dict(plain.get("scheduler") or {})  # every window's engine
                 cells.append(run_cell(cell, sub, seed))
+                if on_cell is not None:
+                    on_cell(results())
         except Exception as e:
             logger.exception("regret suite %s failed", suite)
             errors[suite] = f"{type(e).__name__}: {e}"[:300]
-    out = {
-        "cells": cells,
-        "repeats": cfg.repeats,
-        "min_steps": cfg.min_steps,
-        "errors": errors,
-        "min_steps_by_batch": {int(b): int(n) for b, n in (plain.get("min_steps_by_batch") or {}).items()},
-    }
-    out["markdown"] = regret_markdown(out)
-    return out
+    return results()
 
 
 def _ratio(r: dict | None) -> str:

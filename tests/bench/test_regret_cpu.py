@@ -29,12 +29,23 @@ def result(tmp_path_factory):
             "bench.regret.min_steps_by_batch={2: 14}",  # the batch-2 cell's windows run longer
         ]
         cfg = compose("bench", overrides=overrides).bench
-    res = cli.run_bench(cfg, "specsched-bench bench=regret_cpu")
-    return res, cfg.regret, (out / "tables.md").read_text()
+    written: list[int] = []  # cells in results.json at each write
+    with pytest.MonkeyPatch.context() as mp:
+        inner = cli.write_outputs
+
+        def spy(results, cfg, final):
+            text = inner(results, cfg, final)
+            on_disk = json.loads((out / "results.json").read_text())
+            written.append(len((on_disk.get("regret") or {}).get("cells", [])))
+            return text
+
+        mp.setattr(cli, "write_outputs", spy)
+        res = cli.run_bench(cfg, "specsched-bench bench=regret_cpu")
+    return res, cfg.regret, (out / "tables.md").read_text(), written
 
 
 def test_every_config_of_every_cell_runs_interleaved_repeats(result):
-    res, cfg, _ = result
+    res, cfg, _, _ = result
     assert res["errors"] == {}
     cells = res["regret"]["cells"]
     assert [(c["suite"], c["proposer"], c["batch"]) for c in cells] == [
@@ -57,7 +68,7 @@ def test_every_config_of_every_cell_runs_interleaved_repeats(result):
 
 
 def test_ratios_follow_from_the_rows(result):
-    res, cfg, text = result
+    res, cfg, text, _ = result
     for c in res["regret"]["cells"]:
         tps = {label: [s["tokens_per_s"] for s in c["samples"] if s["config"] == label] for label in CONFIGS}
         for label, v in c["configs"].items():
@@ -92,7 +103,7 @@ def test_each_timed_window_is_one_run_of_its_cell_s_decision_log(result):
     from specsched.bench.plan_gap import read_log
     from specsched.engine.log_schema import open_log
 
-    res, cfg, _ = result
+    res, cfg, _, _ = result
     logs = Path(cfg.log_dir)
     assert sorted(p.name for p in logs.glob("*.sqlite")) == [
         "real_ngram_b1.sqlite",
@@ -148,3 +159,11 @@ def test_a_window_counts_forwards_so_runs_of_plain_steps_do_not_lengthen_it():
     assert fields["num_steps"] == forwards >= 40
     assert len(records) < forwards  # runs ran: counted as records the window would take ~4x as long
     assert forwards < 40 + 2 * 15  # whole passes (15 decode forwards each): it stops at the first over 40
+
+
+def test_results_are_written_after_each_cell(result):
+    """A device call cut at its time limit keeps the cells it finished: results.json holds the first
+    cell before the second one runs."""
+    res, _, _, written = result
+    assert len(res["regret"]["cells"]) == 2
+    assert written[:2] == [1, 2] and written[-1] == 2, written
