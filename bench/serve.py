@@ -214,9 +214,15 @@ def _run_in_rounds(cfg: ServeConfig, prompts, out: Path, log_dir, reference, con
 
     from specsched.bench.serve_rounds import run_rounds
 
+    def checkpoint(infos: list[dict], got: list[dict]) -> None:  # every N done so far, for a run cut short
+        settings = {k: v for k, v in vars(cfg).items() if k != "configs"}
+        add_spread(got)
+        partial = {"configs": infos, "rows": got, "settings": settings, "is_partial": True}
+        (out / "partial.json").write_text(json.dumps(partial, default=str))
+
     desc = f"serve: N x {cfg.rounds_per_n or cfg.rounds} rounds of every config"
     with tqdm(total=len(cfg.concurrency), desc=desc, unit="N") as bar:
-        infos, got = run_rounds(cfg, prompts, out, log_dir, reference, bar, daemon_cpus)
+        infos, got = run_rounds(cfg, prompts, out, log_dir, reference, bar, daemon_cpus, checkpoint)
     configs += infos
     rows += got
     for info in infos:

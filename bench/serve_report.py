@@ -276,3 +276,27 @@ def serve_section(res: dict) -> str:
         *(["Where each daemon's time went (decision logs, every pass and N; step wall ms + the loop's "
            "time before it):", "", step_mix_table(mix), ""] if (mix := _step_mix(res)) else []),
     ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m specsched.bench.serve_report RESULTS.json``: the serving section of a results file:
+    the bench's ``results.json`` (its ``serve`` part) or the ``serve_logs/partial.json`` a run cut at
+    its time limit leaves (the N done so far; same output is not checked there)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    ap.add_argument("results", type=Path)
+    args = ap.parse_args(argv)
+    res = json.loads(args.results.read_text())
+    res = res.get("serve", res)
+    if not isinstance(res, dict) or "rows" not in res or "configs" not in res:
+        raise SystemExit(f"{args.results}: no serving results (rows and configs) in it")
+    if res.get("is_partial"):
+        print("Partial results (the run stopped before its last N; same output not checked):\n")
+    print(serve_section(res))
+
+
+if __name__ == "__main__":
+    main()

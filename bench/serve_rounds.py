@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from specsched.bench.serve_config import DaemonRun, ServeConfig
@@ -52,12 +53,15 @@ def round_order(names: list[str], n: int, r: int, seed: int) -> list[str]:
 def run_rounds(
     cfg: ServeConfig, prompts: list[dict], out: Path, log_dir: Path | None,
     reference: dict[int, dict[int, list[int]]] | None, progress, daemon_cpus: set[int] | None = None,
+    on_n: Callable[[list[dict], list[dict]], None] | None = None,
 ) -> tuple[list[dict], list[dict]]:  # fmt: skip
     """Every config of ``cfg`` in rounds (module docstring). Returns (config rows, table rows) as
     :func:`specsched.bench.serve.run_config` does for one daemon; fills ``reference`` (N -> prompt ->
     ids) from the baseline's first round when it is an empty dict. A config with its own
     ``reference`` is checked against that config's first round instead (which then covers every
-    prompt, as the baseline's does)."""
+    prompt, as the baseline's does). ``on_n(config rows, table rows)`` gets the rows of every N done
+    so far after each N (without the same-output check, which needs every round): a device call cut
+    at its time limit still returns them."""
     runs = cfg.ordered
     infos: dict[str, dict] = {}
     daemons: dict[str, Daemon] = {}
@@ -79,6 +83,8 @@ def run_rounds(
                     _one_loop(cfg, name, daemons, infos, results, prompts, n,
                               cover=r == 0 and name in covering)  # fmt: skip
             progress.update(1)
+            if on_n is not None:
+                on_n([infos[run.name] for run in runs], _rows_so_far(cfg, runs, results, n, len(prompts)))
         for name, daemon in daemons.items():
             if daemon.is_alive():
                 with Client(daemon.endpoint, timeout_s=cfg.request_timeout_s) as c:
@@ -110,6 +116,15 @@ def run_rounds(
                 ref = None if reference is None or not reference else reference.get(n)
             rows += _rows(cfg, run, n, loops, ref, len(prompts))
     return [infos[run.name] for run in runs], rows
+
+
+def _rows_so_far(
+    cfg: ServeConfig, runs: list[DaemonRun], results: dict, n: int, num_prompts: int
+) -> list[dict]:
+    """The table rows of every config at the concurrencies up to ``n``, without references."""
+    done = cfg.concurrency[: cfg.concurrency.index(n) + 1]
+    return [row for run in runs for m in done
+            for row in _rows(cfg, run, m, results.get((run.name, m), []), None, num_prompts)]  # fmt: skip
 
 
 def _rows(

@@ -3,6 +3,7 @@ a seeded order; real daemons (tiny preset, CPU) on loopback, real decision logs.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import specsched.bench.cli as cli
+import specsched.bench.serve_report as serve_report
+import specsched.bench.serve_rounds as serve_rounds
 from specsched.bench.serve_config import ServeConfig
 from specsched.bench.serve_rounds import round_order
 
@@ -80,7 +83,7 @@ def test_rounds_at_each_concurrency():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("interleave_s", [0, 0.1], ids=["pass_per_round", "dealt_passes"])
-def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interleave_s):
+def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interleave_s, capsys):
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("bench", overrides=[
             "bench=serve_tiny", f"bench.out_dir={tmp_path}", f"bench.serve.log_dir={tmp_path / 'dblogs'}",
@@ -90,7 +93,28 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
         ]).bench  # fmt: skip
     rounds = {1: 2, 2: 3 if interleave_s else 2}
     cfg.serve.configs = OmegaConf.create(CONFIGS)
-    res = cli.run_bench(cfg, "test")
+    partials: list[dict] = []  # serve_logs/partial.json after each N (what a run cut short leaves)
+    inner = serve_rounds.run_rounds
+
+    def spy(*args):
+        def on_n(infos, rows, write=args[-1]):
+            write(infos, rows)
+            partials.append(json.loads((tmp_path / "serve_logs" / "partial.json").read_text()))
+
+        return inner(*args[:-1], on_n)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(serve_rounds, "run_rounds", spy)
+        res = cli.run_bench(cfg, "test")
+    assert [sorted({r["concurrency"] for r in p["rows"]}) for p in partials] == [[1], [1, 2]]
+    live_names = {"non-speculative", "ngram k=2 MQA", "ngram goodput"}
+    assert all(p["is_partial"] and {r["config"] for r in p["rows"]} == live_names for p in partials)
+    (tmp_path / "first_n.json").write_text(json.dumps(partials[0]))
+    capsys.readouterr()
+    serve_report.main([str(tmp_path / "first_n.json")])  # renders what a run cut after N = 1 leaves
+    shown = capsys.readouterr().out
+    assert shown.startswith("Partial results") and "Targets (issue 12)" in shown
+    assert "| ngram goodput |" in shown
     assert res["errors"] == {}
     serve = res["serve"]
     info = {c["name"]: c for c in serve["configs"]}
