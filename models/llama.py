@@ -167,17 +167,6 @@ class LlamaAttention(nn.Module):
             )
         )
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, D/2]
-        sin: torch.Tensor,  # [T, D/2]
-        kv: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        attn: AttentionFn,
-    ) -> torch.Tensor:  # [T, hidden]
-        return self.forward_from_qkv(self.qkv_proj(x), cos, sin, kv, meta, attn)
-
     def forward_from_qkv(
         self,
         qkv: torch.Tensor,  # [T, q_size + 2 * kv_size]: qkv_proj's output (fused with the norm)
@@ -187,7 +176,8 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         attn: AttentionFn,
     ) -> torch.Tensor:  # [T, hidden]
-        """:meth:`forward` after the QKV projection."""
+        """Attention after the QKV projection (the fused path, :meth:`LlamaDecoderLayer.forward_fused`;
+        the default path is :meth:`LlamaDecoderLayer.pre_attention` / ``post_attention``)."""
         q = rotary_store_kv(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, self.num_heads, self.num_kv_heads)
         o = attn(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(qkv.shape[0], self.q_size))

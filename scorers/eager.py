@@ -1,6 +1,6 @@
 """Eager scorers: one model forward over the flat scoring inputs, rows cut per scorer (inputs built
 by the vectorised :mod:`specsched.scorers.metadata_gpu`, as for the graph scorers). With a
-:class:`~specsched.models.piecewise_graphs.PiecewiseRunner` (``graphs.piecewise``) everything but
+:class:`~specsched.models.piecewise_graphs.PiecewiseRunner` (``model.piecewise_graphs``) everything but
 the attention replays per-token-count CUDA graphs; the attention stays eager, any rows, any k."""
 
 from __future__ import annotations
