@@ -17,6 +17,7 @@ from specsched.bench.loopback import free_port
 from specsched.bench.serve_config import DaemonRun, ServeConfig
 from specsched.bench.serve_load import run_pass
 from specsched.client.sync_client import Client
+from specsched.daemon.affinity import SYSFS_CPU, core_siblings
 
 logger = logging.getLogger(__name__)
 
@@ -112,31 +113,14 @@ def prepare_weights(cfg: ServeConfig) -> dict:
     return {"conversion": conversion, "seconds": seconds, "error": None}
 
 
-SYSFS_CPU = "/sys/devices/system/cpu"
-
-
 def physical_cores(cpus: list[int], sysfs: str = SYSFS_CPU) -> list[list[int]]:
     """``cpus`` grouped by the physical core they run on (hyperthreads of one core together, from
     sysfs ``topology/thread_siblings_list``), in the order of each group's lowest CPU; one group per
     CPU where the topology cannot be read."""
     groups: dict[frozenset, list[int]] = {}
     for c in cpus:
-        try:
-            with open(f"{sysfs}/cpu{c}/topology/thread_siblings_list") as f:
-                key = frozenset(_cpu_list(f.read()))
-        except (OSError, ValueError):
-            key = frozenset([c])
-        groups.setdefault(key, []).append(c)
+        groups.setdefault(frozenset(core_siblings(c, sysfs)), []).append(c)
     return sorted(groups.values(), key=min)
-
-
-def _cpu_list(text: str) -> list[int]:
-    """A sysfs CPU list (``0,8`` or ``0-1``) as ints."""
-    out: list[int] = []
-    for part in text.strip().split(","):
-        lo, _, hi = part.partition("-")
-        out += range(int(lo), int(hi or lo) + 1)
-    return out
 
 
 def engine_cpu(cpus: set[int] | None) -> int | None:

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from specsched.client.sync_client import Client
-from specsched.daemon.affinity import check_cpu, pin_engine_thread
+from specsched.daemon.affinity import check_cpu, core_siblings, other_cpus, pin_engine_thread
 from specsched.daemon.limits import DaemonConfig
 
 needs_two_cpus = pytest.mark.skipif(
@@ -35,6 +35,7 @@ def test_daemon_pins_its_engine_thread_and_keeps_the_others_off_its_cpu(start_da
     others = [s for t, s in by_thread.items() if t not in pinned]
     assert others, "the daemon should have threads besides the engine's (IO, ZeroMQ)"
     assert all(cpu not in s for s in others), by_thread
+    assert all(s == other_cpus(cpu, set(cpus)) for s in others), by_thread  # off its core's siblings too
     assert "engine thread pinned to CPU" in d.output()
     d.stop()
 
@@ -59,7 +60,9 @@ def test_pin_engine_thread_moves_every_other_thread(tmp_path):
         ready.wait(10)
         pin_engine_thread(tid[0], cpus[0])
         assert os.sched_getaffinity(tid[0]) == {cpus[0]}
-        assert os.sched_getaffinity(0) == set(cpus[1:])  # this (the calling) thread moved off it
+        # this (the calling) thread moved off it, and off its hyperthread siblings where others are left
+        mine = os.sched_getaffinity(0)
+        assert mine == other_cpus(cpus[0], set(cpus)) and cpus[0] not in mine
     finally:
         release.set()
         t.join()
@@ -78,3 +81,27 @@ def test_a_cpu_the_process_may_not_use_is_refused_by_name():
         DaemonConfig(engine_cpu=-1)
     with pytest.raises(ValueError, match=rf"daemon.engine_cpu={bad} is not a CPU"):
         DaemonConfig(engine_cpu=bad)  # when the config is resolved, before the model loads
+
+
+def fake_topology(root, siblings: dict[int, str]) -> str:
+    for cpu, text in siblings.items():
+        d = root / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(text + "\n")
+    return str(root)
+
+
+def test_the_other_threads_stay_off_the_engine_cpu_s_whole_core(tmp_path):
+    # 8 cores x 2 hyperthreads, siblings numbered apart (CPU i and i + 8 share a core)
+    sysfs = fake_topology(tmp_path / "smt", {i: f"{i % 8},{i % 8 + 8}" for i in range(16)})
+    assert core_siblings(11, sysfs) == {3, 11}
+    assert other_cpus(11, set(range(16)), sysfs) == set(range(16)) - {3, 11}
+    # a benchmark daemon's half of the machine: cores 0-3 with their siblings
+    daemon = {0, 1, 2, 3, 8, 9, 10, 11}
+    assert other_cpus(11, daemon, sysfs) == {0, 1, 2, 8, 9, 10}
+    # the core is all there is: the other threads share its sibling rather than nothing
+    assert other_cpus(11, {3, 11}, sysfs) == {3}
+    # siblings numbered together (0-1, 2-3, ...), and no topology at all (one CPU per core)
+    pairs = fake_topology(tmp_path / "pairs", {i: f"{i - i % 2}-{i - i % 2 + 1}" for i in range(4)})
+    assert other_cpus(3, {0, 1, 2, 3}, pairs) == {0, 1}
+    assert other_cpus(3, {0, 1, 2, 3}, str(tmp_path / "none")) == {0, 1, 2}
