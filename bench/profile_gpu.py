@@ -155,34 +155,39 @@ def profile_engine(top: int, tokens: int) -> None:
 
 def profile_eager_host(top: int) -> None:
     """Where the eager MQA scorer's host time goes (issue 17: 3.6x the floor at llama2-7b shapes,
-    batch 1, k 3, ctx 550, against ~1.4x in a graph): host ms per ``score`` call without a sync (the
-    launches queue ahead of the GPU only while the host is slower), then a cProfile of 20 calls,
-    top functions by own time: our wrappers' Python, Triton's launcher, torch's dispatch."""
+    batch 1, k 3, ctx 550, against ~1.4x in a graph), eager and on piecewise graphs
+    (``model.piecewise_graphs``): host ms per ``score`` call without a sync (the launches queue ahead
+    of the GPU only while the host is slower) and wall ms, then a cProfile of 20 calls, top functions
+    by own time: our wrappers' Python, Triton's launcher, torch's dispatch."""
     model = random_model("llama2-7b", torch.device("cuda"), torch.bfloat16)
     bs, ctx, k = 16, 550, 3
     kv = model.allocate_kv_cache(4 + -(-(ctx + k + 1) // bs), bs)
-    scorer = build_scorers(["mqa"], model, kv, bs, GraphConfig(enabled=False))["mqa"]
     reqs, props, _ = shared_prefix_batch(1, k, ctx, bs, 1, model.cfg.vocab_size, 0, "cuda")
-    step = lambda: scorer.score(reqs, props)  # noqa: E731
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        step()
-    host = (time.perf_counter() - t0) * 1e3 / 20
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e3 / 20
-    print(f"\n## eager mqa llama2-7b batch 1 k {k} ctx {ctx}: host {host:.3f} ms a call, wall {wall:.3f}")
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(20):
-        step()
-    pr.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
-    print("\n".join(out.getvalue().splitlines()[: top + 12]))
+    pw_cfg = GraphConfig(max_batch=1, max_k=k, max_model_len=ctx + k + 1, progress=False, piecewise=True)
+    for label, scorer in [
+        ("eager mqa", build_scorers(["mqa"], model, kv, bs, GraphConfig(enabled=False))["mqa"]),
+        ("mqa on piecewise graphs", build_scorers(["mqa"], model, kv, bs, pw_cfg)["mqa"]),
+    ]:
+        step = lambda s=scorer: s.score(reqs, props)  # noqa: E731
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            step()
+        host = (time.perf_counter() - t0) * 1e3 / 20
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / 20
+        print(f"\n## {label}, llama2-7b batch 1 k {k} ctx {ctx}: host {host:.3f} ms a call, wall {wall:.3f}")
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(20):
+            step()
+        pr.disable()
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
+        print("\n".join(out.getvalue().splitlines()[: top + 12]))
 
 
 ALL_SCORERS = ["batch_expansion", "mqa", "mqa_graph"]
