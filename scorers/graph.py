@@ -94,7 +94,8 @@ class GraphConfig:
         prefill = min(cfg.model.prefill_graph_tokens, sched.max_num_batched_tokens)
         rows = min(cfg.model.prefill_graph_rows, sched.max_num_seqs)
         kw = dict(max_batch=sched.max_num_seqs, max_k=cfg.spec.max_k, max_model_len=max_model_len,
-                  prefill_rows=rows, prefill_tokens=prefill, piecewise=cfg.model.piecewise_graphs)  # fmt: skip
+                  prefill_rows=rows, prefill_tokens=prefill,
+                  piecewise=cfg.model.piecewise_graphs)  # fmt: skip
         return cls(**{**kw, **overrides})
 
     def uses_graphs(self, device: torch.device) -> bool:
