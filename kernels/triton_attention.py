@@ -246,12 +246,14 @@ def paged_attention_triton(
         )  # fmt: skip
     cfg, splits = config, config.num_splits
     fixed = cfg.is_deterministic
-    # Split partials: (m, l) pairs [T, H, S, 2] and acc [T, H, S, BLOCK_D], fp32, written per launch.
-    ws = (num_tokens, num_heads, splits) if splits > 1 else (1,)
-    ws_ml = q.new_empty((*ws, 2), dtype=torch.float32)
-    ws_acc = q.new_empty((*ws, cfg.block_d), dtype=torch.float32)
-    # deterministic split path: each token's number of splits with keys (written by split 0)
-    ws_nv = q.new_empty((num_tokens if fixed and splits > 1 else 1,), dtype=torch.int32)
+    if splits > 1:  # split partials: (m, l) pairs [T, H, S, 2] and acc [T, H, S, BLOCK_D], fp32
+        ws = (num_tokens, num_heads, splits)
+        ws_ml = q.new_empty((*ws, 2), dtype=torch.float32)
+        ws_acc = q.new_empty((*ws, cfg.block_d), dtype=torch.float32)
+        # deterministic split path: each token's number of splits with keys (written by split 0)
+        ws_nv = q.new_empty((num_tokens if fixed else 1,), dtype=torch.int32)
+    else:  # an unsplit launch never touches them (NUM_SPLITS == 1 compiles their stores out)
+        ws_ml, ws_acc, ws_nv = _unused_workspaces(q.device)
     # The interpreter (triton 3.9) gets tl.dot wrong on bf16 operands: compute those dots in fp32.
     upcast = q.dtype == torch.bfloat16 and is_interpreted()
     grid = (meta.num_rows, cdiv(meta.max_q, cfg.block_q), kv_heads * splits)
@@ -280,6 +282,29 @@ def paged_attention_triton(
             HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, **FP_FUSION,
         )  # fmt: skip
     return out
+
+
+_UNUSED_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _unused_workspaces(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Placeholders for the split workspaces of an unsplit launch, one set per device (three fewer
+    allocations a launch; an eager forward makes one per layer). Fresh ones while a CUDA graph is
+    being captured, so that no cached tensor lives in a graph's private memory pool."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _new_workspaces(device)
+    if device not in _UNUSED_WORKSPACES:
+        _UNUSED_WORKSPACES[device] = _new_workspaces(device)
+    return _UNUSED_WORKSPACES[device]
+
+
+def _new_workspaces(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    f32 = torch.float32
+    return (
+        torch.empty((1, 2), dtype=f32, device=device),
+        torch.empty((1, 16), dtype=f32, device=device),
+        torch.empty((1,), dtype=torch.int32, device=device),
+    )
 
 
 @functools.cache

@@ -400,3 +400,13 @@ def test_gpu_store_kv_triton_matches_store_kv() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreted"]:
     interpreted_main()
+
+
+def test_unsplit_launches_share_one_set_of_placeholder_workspaces() -> None:
+    """An unsplit launch never touches the split workspaces: one cached set per device, not three
+    allocations a launch (the interpreted tests above run unsplit launches with them)."""
+    from specsched.kernels.triton_attention import _unused_workspaces
+
+    a, b = _unused_workspaces(torch.device("cpu")), _unused_workspaces(torch.device("cpu"))
+    assert all(x is y for x, y in zip(a, b, strict=True))
+    assert [t.dtype for t in a] == [torch.float32, torch.float32, torch.int32]
