@@ -31,122 +31,23 @@ a token's logits would depend on its batch's size again. Parameters and their na
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specsched.kernels.activation import silu_and_mul
 from specsched.kernels.attention import AttentionFn, get_attention_backend
 from specsched.kernels.batch_invariant_attention import deterministic_attention_backend
-from specsched.kernels.batch_invariant_matmul import batch_invariant_linear
 from specsched.kernels.fused_linear import FUSED_MAX_ROWS, norm_linear, norm_swiglu
 from specsched.kernels.metadata import AttentionMetadata
-from specsched.kernels.norm import add_rms_norm, rms_norm
 from specsched.kernels.rotary import rotary_store_kv
-from specsched.kernels.small_linear import small_linear
 from specsched.kernels.triton_utils import is_interpreted
 from specsched.models.config import LlamaConfig
+from specsched.models.hf_names import fuse_on_load
+from specsched.models.layers import Linear, RMSNorm, rope_inv_freq
+
+__all__ = ["KVCache", "Linear", "LlamaForCausalLM", "RMSNorm", "rope_inv_freq"]
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([NB, BS, Hkv, D], [NB, BS, Hkv, D])
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, names and default forward); with ``deterministic`` set it runs
-    the batch-invariant matmul (row i of the output independent of the other rows); with
-    ``is_small_m`` set, forwards of at most ``FUSED_MAX_ROWS`` rows on CUDA run the small-M Triton
-    kernel (``model.fused_linear_gemms``)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, deterministic: bool = False) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.deterministic = deterministic
-        self.is_small_m = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.deterministic:
-            return batch_invariant_linear(x, self.weight, self.bias)
-        if self.is_small_m and x.shape[0] <= FUSED_MAX_ROWS and (x.is_cuda or is_interpreted()):
-            return small_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich, 2019): ``w * x / sqrt(mean(x^2) + eps)``, in float32, rounded to
-    the model dtype before the weight multiply (as HF Llama)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim]
-        return rms_norm(x, self.weight, self.eps)
-
-    def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, residual_out: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), fused; the sum written to ``residual_out`` when given."""
-        return add_rms_norm(x, residual, self.weight, self.eps, residual_out=residual_out)
-
-
-def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:  # [head_dim // 2]
-    """Rotary inverse frequencies, with Llama-3 frequency scaling when configured."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    rs = cfg.rope_scaling or {}
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind == "llama3":
-        factor = rs["factor"]
-        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-        old_len = rs.get("original_max_position_embeddings", 8192)
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        inv = torch.where(is_mid, mid, scaled)
-    elif kind not in ("default", None):
-        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, llama3")
-    return inv.float()
-
-
-def _fuse_on_load(
-    state: dict, prefix: str, fused: str, parts: tuple[str, ...], suffixes: tuple[str, ...]
-) -> None:
-    """Load-time hook: concatenate HF's separate projections (``q_proj``/``k_proj``/``v_proj``,
-    ``gate_proj``/``up_proj``) into one fused weight, so a layer runs one GEMM instead of several."""
-    for suffix in suffixes:
-        names = [f"{prefix}{part}.{suffix}" for part in parts]
-        if all(n in state for n in names):
-            state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(n) for n in names], dim=0)
-
-
-def hf_parameter_names(name: str) -> list[str]:
-    """The HF checkpoint names a parameter of ours is loaded from (the fused ones come from several)."""
-    for fused, parts in (
-        ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-        ("gate_up_proj", ("gate_proj", "up_proj")),
-    ):
-        if f".{fused}." in name:
-            return [name.replace(f".{fused}.", f".{part}.") for part in parts]
-    return [name]
-
-
-def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` under HF checkpoint names: the fused projections split back into
-    ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` (views, no copies)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
-        names = hf_parameter_names(name)
-        if len(names) == 1:
-            out[name] = t
-            continue
-        mod = model.get_submodule(name.rsplit(".", 2)[0])
-        sizes = [mod.q_size, mod.kv_size, mod.kv_size] if len(names) == 3 else [t.shape[0] // 2] * 2
-        out.update(zip(names, t.split(sizes, dim=0)))
-    return out
 
 
 class LlamaAttention(nn.Module):
@@ -162,7 +63,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, h, bias=False)
         self.scale = self.head_dim**-0.5
         self._register_load_state_dict_pre_hook(
-            lambda state, prefix, *_: _fuse_on_load(
+            lambda state, prefix, *_: fuse_on_load(
                 state, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"), ("weight", "bias")
             )
         )
@@ -191,7 +92,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self._register_load_state_dict_pre_hook(
-            lambda state, prefix, *_: _fuse_on_load(
+            lambda state, prefix, *_: fuse_on_load(
                 state, prefix, "gate_up_proj", ("gate_proj", "up_proj"), ("weight",)
             )
         )

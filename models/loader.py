@@ -30,7 +30,8 @@ from specsched.models.convert import (
     no_bar,
 )
 from specsched.models.hf_config import llama_config_from_hf
-from specsched.models.llama import LlamaForCausalLM, hf_parameter_names, rope_inv_freq
+from specsched.models.hf_names import hf_parameter_names
+from specsched.models.llama import LlamaForCausalLM, rope_inv_freq
 from specsched.models.random_init import init_random
 from specsched.models.smollm2 import SMOLLM2_NAME, smollm2_gguf_path
 from specsched.models.tokenizer import Tokenizer, load_tokenizer

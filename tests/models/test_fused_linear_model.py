@@ -20,7 +20,7 @@ from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, Sche
 from specsched.kernels.fused_linear import FUSED_MAX_ROWS
 from specsched.kernels.metadata import build_metadata
 from specsched.kernels.testing import interpreted_results, run_jobs
-from specsched.models import llama
+from specsched.models import layers, llama
 from specsched.models.config import get_preset
 from specsched.models.llama import LlamaForCausalLM
 from specsched.models.random_init import init_random
@@ -115,7 +115,7 @@ def test_default_path_never_calls_the_fused_kernels(monkeypatch) -> None:
 
     monkeypatch.setattr(llama, "norm_linear", refuse)
     monkeypatch.setattr(llama, "norm_swiglu", refuse)
-    monkeypatch.setattr(llama, "small_linear", refuse)
+    monkeypatch.setattr(layers, "small_linear", refuse)
     model = tiny_model()
     want = forwards(model, model.allocate_kv_cache(20, BLOCK))
     model.set_fused_linear(True, gemms=True)
@@ -154,7 +154,8 @@ MODEL_TOL = {"float32": 1e-5, "bfloat16": 3e-2}
 def fused_forward_job(dtype: str, gemms: bool = False) -> dict:
     model = tiny_model(getattr(torch, dtype))
     calls = {"norm_linear": 0, "norm_swiglu": 0, "small_linear": 0}
-    originals = {name: getattr(llama, name) for name in calls}
+    home = {"norm_linear": llama, "norm_swiglu": llama, "small_linear": layers}  # where each is called from
+    originals = {name: getattr(home[name], name) for name in calls}
 
     def counting(name: str):
         def counted(*args, **kwargs):
@@ -165,7 +166,7 @@ def fused_forward_job(dtype: str, gemms: bool = False) -> dict:
 
     try:
         for name in calls:
-            setattr(llama, name, counting(name))
+            setattr(home[name], name, counting(name))
         kv_off, kv_on = model.allocate_kv_cache(20, BLOCK), model.allocate_kv_cache(20, BLOCK)
         want = forwards(model, kv_off)
         assert calls == {"norm_linear": 0, "norm_swiglu": 0, "small_linear": 0}
@@ -173,7 +174,7 @@ def fused_forward_job(dtype: str, gemms: bool = False) -> dict:
         got = forwards(model, kv_on)
     finally:
         for name, fn in originals.items():
-            setattr(llama, name, fn)
+            setattr(home[name], name, fn)
     out: dict = {"calls": dict(calls)}
     for (name, a), (_, b) in zip(want, got):
         out[name] = {

@@ -13,7 +13,8 @@ from specsched.kernels.metadata import build_metadata
 from specsched.models.config import PRESETS, get_preset
 from specsched.models.convert import META_FILE
 from specsched.models.hf_config import llama_config_from_hf
-from specsched.models.llama import LlamaForCausalLM, hf_state_dict, rope_inv_freq
+from specsched.models.hf_names import hf_state_dict
+from specsched.models.llama import LlamaForCausalLM, rope_inv_freq
 from specsched.models.loader import (
     PRESET_INIT_STD,
     load_model,
