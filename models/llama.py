@@ -45,8 +45,6 @@ from specsched.models.config import LlamaConfig
 from specsched.models.hf_names import fuse_on_load
 from specsched.models.layers import Linear, RMSNorm, rope_inv_freq
 
-__all__ = ["KVCache", "Linear", "LlamaForCausalLM", "RMSNorm", "rope_inv_freq"]
-
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([NB, BS, Hkv, D], [NB, BS, Hkv, D])
 
 
