@@ -143,11 +143,15 @@ def add_rms_norm_triton(
     residual: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H]
     eps: float,
+    *,
+    residual_out: torch.Tensor | None = None,  # [T, H], rows contiguous: the new residual written here
 ) -> tuple[torch.Tensor, torch.Tensor]:  # normed [T, H], new residual [T, H]
     """One launch: writes ``x + residual`` and its RMSNorm; inputs are not modified."""
     _check("add_rms_norm", x, weight, residual)
     check_launchable("add_rms_norm", x=x, residual=residual, weight=weight)
-    out, res_out = _launch(x, residual, weight, eps)
+    if residual_out is not None:
+        _check_out("add_rms_norm", "residual_out", residual_out, x)
+    out, res_out = _launch(x, residual, weight, eps, residual_out)
     assert res_out is not None
     return out, res_out
 

@@ -210,6 +210,17 @@ def _launch(
     return q
 
 
+def _check_q_out(q_out: torch.Tensor | None, qkv: torch.Tensor, num_heads: int, d: int) -> None:
+    if q_out is None:
+        return
+    want = (qkv.shape[0], num_heads, d)
+    if tuple(q_out.shape) != want or q_out.dtype != qkv.dtype or not q_out.is_contiguous():
+        raise ValueError(
+            f"rotary_store_kv: q_out must be a contiguous {want} {qkv.dtype} tensor, got "
+            f"{tuple(q_out.shape)} {q_out.dtype} (contiguous: {q_out.is_contiguous()})"
+        )
+
+
 def rotary_store_kv_triton(
     qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * D]
     cos: torch.Tensor,  # [T, D/2] float32
@@ -219,11 +230,14 @@ def rotary_store_kv_triton(
     slot_mapping: torch.Tensor,  # [T] int64
     num_heads: int,
     num_kv_heads: int,
+    *,
+    q_out: torch.Tensor | None = None,  # [T, num_heads, D] contiguous: the rotated q written here
 ) -> torch.Tensor:  # rotated q [T, num_heads, D]
     """One launch; CUDA tensors (or CPU under ``TRITON_INTERPRET=1``)."""
     _check(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
     check_launchable("rotary_store_kv", qkv=qkv)
-    return _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+    _check_q_out(q_out, qkv, num_heads, k_cache.shape[3])
+    return _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, q_out)
 
 
 def rotary_store_kv(
@@ -242,13 +256,7 @@ def rotary_store_kv(
     ``q_out`` receives the rotated q (e.g. a static buffer read by the attention launched between two
     CUDA graphs, models/piecewise_graphs.py)."""
     _check(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
-    if q_out is not None:
-        want = (qkv.shape[0], num_heads, k_cache.shape[3])
-        if tuple(q_out.shape) != want or q_out.dtype != qkv.dtype or not q_out.is_contiguous():
-            raise ValueError(
-                f"rotary_store_kv: q_out must be a contiguous {want} {qkv.dtype} tensor, got "
-                f"{tuple(q_out.shape)} {q_out.dtype} (contiguous: {q_out.is_contiguous()})"
-            )
+    _check_q_out(q_out, qkv, num_heads, k_cache.shape[3])
     if qkv.is_cuda:
         return _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, q_out)
     q = rotary_store_kv_ref(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)

@@ -84,10 +84,18 @@ def run_case(num_tokens: int, hidden: int, dtype: str, eps: float, row_stride: i
     out = rms_norm_triton(x, weight, eps)
     normed, new_res = add_rms_norm_triton(x, residual, weight, eps)
     ref_normed, ref_res = add_rms_norm_ref(x, residual, weight, eps)
+    buf = torch.full((num_tokens, hidden + 8), 7.0, dtype=x.dtype)  # rows strided: a static buffer's view
+    normed_buf, res_buf = add_rms_norm_triton(x, residual, weight, eps, residual_out=buf[:, :hidden])
     return {
         "norm": diff_stats(out, rms_norm_ref(x, weight, eps)),
         "add_norm": diff_stats(normed, ref_normed),
         "residual": diff_stats(new_res, ref_res),
+        "residual_out_ok": bool(
+            res_buf.data_ptr() == buf.data_ptr()
+            and torch.equal(res_buf, new_res)
+            and torch.equal(normed_buf, normed)
+            and (buf[:, hidden:] == 7).all()
+        ),
         "inputs_unchanged": bool(torch.equal(x, x_before) and torch.equal(residual, r_before)),
         "zero_row_ok": bool(num_tokens <= 2 or (out[0] == 0).all()),
     }
@@ -121,6 +129,7 @@ def test_interpreted_matches_reference(interpreted: dict, name: str) -> None:
         assert rounding_matches(r[key], dtype), r[key]
     assert r["residual"]["max_ulp"] == 0, "x + residual must round exactly as torch's add"
     assert r["inputs_unchanged"], "the kernel wrote into its inputs"
+    assert r["residual_out_ok"], "residual_out: the same residual, written into the given rows only"
     assert r["zero_row_ok"], "an all-zero row must normalise to zeros"
 
 

@@ -93,7 +93,12 @@ def run_case(num_tokens: int, heads: tuple, dtype: str, row_stride: int) -> dict
     qkv_before = inp["qkv"].clone()
     q = rotary_store_kv_triton(**inp)
     ref_q = rotary_store_kv_ref(**ref_inp)
-    return {**compare(inp, ref_inp, q, ref_q), "qkv_unchanged": bool(torch.equal(inp["qkv"], qkv_before))}
+    buf = torch.full((num_tokens + 2, *q.shape[1:]), 7.0, dtype=q.dtype)  # a static buffer, longer
+    q_buf = rotary_store_kv_triton(**clone_caches(inp), q_out=buf[:num_tokens])
+    q_out_ok = q_buf.data_ptr() == buf.data_ptr() and torch.equal(q_buf, q)
+    q_out_ok = q_out_ok and bool((buf[num_tokens:] == 7).all())
+    return {**compare(inp, ref_inp, q, ref_q), "qkv_unchanged": bool(torch.equal(inp["qkv"], qkv_before)),
+            "q_out_ok": q_out_ok}  # fmt: skip
 
 
 def run_graph_padding_case() -> dict:
@@ -155,6 +160,7 @@ def test_interpreted_matches_reference_bit_exact(interpreted: dict, name: str) -
     print(name, {k: r[k] for k in ("q", "k_cache", "v_cache")} if "q" in r else r)
     assert_bit_equal(r, CASES[name][0])
     assert r["qkv_unchanged"], "the kernel wrote into qkv"
+    assert r["q_out_ok"], "q_out: the same rotated q, written into the given rows only"
 
 
 def test_interpreted_graph_padding_writes_only_pad_slot(interpreted: dict) -> None:
