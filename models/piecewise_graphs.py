@@ -8,8 +8,10 @@ RoPE, the K/V store, SiLU-mul), so it depends on the token count alone: a :class
 captures, for each token bucket ``T``, ``L + 1`` graphs split at the ``L`` attentions (the scheme
 of vLLM V1's piecewise CUDA graphs):
 
-- piece 0: RoPE's cos/sin, the embeddings, layer 0 up to its attention (:meth:`pre_attention`);
-- piece l (1 <= l < L): layer l-1 after its attention (:meth:`post_attention`), layer l up to its own;
+- piece 0: RoPE's cos/sin, the embeddings, layer 0 up to its attention
+  (:meth:`~specsched.models.llama.LlamaDecoderLayer.pre_attention`);
+- piece l (1 <= l < L): layer l-1 after its attention
+  (:meth:`~specsched.models.llama.LlamaDecoderLayer.post_attention`), layer l up to its own;
 - piece L: layer L-1 after its attention, the final norm and the LM head (logits copied into a static
   buffer).
 
