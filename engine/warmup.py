@@ -189,7 +189,7 @@ def _attention_configs(model: LlamaForCausalLM, domain: AttentionDomain) -> list
     if model.attn_backend != "triton":
         return []
     if model.deterministic:  # fixed tiles and split points: the same two configs at every shape
-        from specsched.kernels.triton_attention import deterministic_launch_configs
+        from specsched.kernels.attention_config import deterministic_launch_configs
 
         return deterministic_launch_configs(domain.group, domain.head_dim)
     from specsched.kernels.attention_variants import launch_configs

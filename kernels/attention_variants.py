@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specsched.kernels.attention_config import LaunchConfig, launch_config
 from specsched.kernels.metadata import AttentionMetadata
-from specsched.kernels.triton_attention import LaunchConfig, launch_config, paged_attention_triton
+from specsched.kernels.triton_attention import paged_attention_triton
 from specsched.kernels.triton_utils import cdiv
 
 MAX_SPLITS = 16  # launch_config's cap

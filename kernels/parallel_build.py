@@ -173,8 +173,8 @@ def _worker(spec: dict) -> None:
     """Worker side: launch every config of ``spec`` once; one ``ok <i>`` line each."""
     import torch
 
+    from specsched.kernels.attention_config import LaunchConfig
     from specsched.kernels.attention_variants import warm_up_attention
-    from specsched.kernels.triton_attention import LaunchConfig
 
     shape = CacheShape(**spec["shape"])
     configs = [LaunchConfig(**c) for c in spec["configs"]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import triton
 
-from specsched.kernels.triton_attention import launch_config
+from specsched.kernels.attention_config import launch_config
 from specsched.kernels.triton_utils import cdiv, next_pow2
 
 
