@@ -105,9 +105,14 @@ def run_scorer_bench(
     kv = model.allocate_kv_cache(num_blocks, block_size)
     gcfg = graph_config(graphs_cfg, max_b, max_k, max_ctx + max_k + 1)
     scorers = build_scorers(list(cfg.scorers), model, kv, block_size, gcfg)
+    pw_error = ""
     if cfg.get("piecewise") and "mqa" in scorers and gcfg.uses_graphs(device) and not fused:  # + eager row
-        pw = build_piecewise_runner(model, kv, replace(gcfg, piecewise=True))
-        scorers["mqa piecewise"] = MQAScorer(model, kv, block_size, pw)
+        try:  # a capture that fails must not cost the other scorers' rows
+            pw = build_piecewise_runner(model, kv, replace(gcfg, piecewise=True))
+            scorers["mqa piecewise"] = MQAScorer(model, kv, block_size, pw)
+        except Exception as e:
+            logger.exception("piecewise graphs for the mqa scorer failed")
+            pw_error = f"{type(e).__name__}: {e}"[:300]
     runners = graph_runners_of(scorers)
     rows: list[ScorerRow] = []
     for b, k, c in shapes:
@@ -131,6 +136,9 @@ def run_scorer_bench(
                     path = "eager fallback: " + ", ".join(r.fallback_reasons)
             rows.append(ScorerRow(b, k, c, name, median(times), min(times), floor_ms, path))
             logger.info("scorer %-16s batch %3d k %d ctx %5d: %.3f ms (%s)", name, b, k, c, rows[-1].ms, path)
+        if pw_error:  # the row says why it has no numbers
+            nan = float("nan")
+            rows.append(ScorerRow(b, k, c, "mqa piecewise", nan, nan, floor_ms, "error", pw_error))
     graph_stats = [r.stats() for r in runners]
     graph_stats += [s.piecewise.stats() for s in scorers.values() if getattr(s, "piecewise", None)]
     del scorers, runners, kv

@@ -239,3 +239,26 @@ def test_the_scorer_bench_can_run_the_fused_linear_layers_and_says_so():
     plain = smoke_cfg("bench.scorers.draft_model=null")
     res = run_scorer_bench(plain.scorers, plain.graphs, torch.device("cpu"), torch.float32, 16, 0)
     assert res["fused_linear"] is False and "fused small-M" not in scorer_table(res)
+
+
+def test_a_failing_piecewise_capture_leaves_the_other_scorer_rows():
+    """The piecewise row is built apart: when its capture fails, its rows say why and every other
+    scorer's rows are still measured."""
+    import torch
+
+    import specsched.bench.scorers as scorer_bench
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture failed")
+
+    cfg = smoke_cfg("bench.scorers.draft_model=null")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scorer_bench, "build_piecewise_runner", broken)
+        cpu = torch.device("cpu")
+        res = scorer_bench.run_scorer_bench(cfg.scorers, cfg.graphs, cpu, torch.float32, 16, 0)
+    by_scorer = {}
+    for r in res["rows"]:
+        by_scorer.setdefault(r["scorer"], []).append(r)
+    assert all(r["path"] == "error" and "capture failed" in r["error"] for r in by_scorer["mqa piecewise"])
+    for name in ("batch_expansion", "mqa", "mqa_graph"):
+        assert by_scorer[name] and all(r["ms"] > 0 and not r["error"] for r in by_scorer[name]), name
