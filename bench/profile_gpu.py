@@ -164,10 +164,8 @@ def profile_eager_host(top: int) -> None:
     kv = model.allocate_kv_cache(4 + -(-(ctx + k + 1) // bs), bs)
     reqs, props, _ = shared_prefix_batch(1, k, ctx, bs, 1, model.cfg.vocab_size, 0, "cuda")
     pw_cfg = GraphConfig(max_batch=1, max_k=k, max_model_len=ctx + k + 1, progress=False, piecewise=True)
-    for label, scorer in [
-        ("eager mqa", build_scorers(["mqa"], model, kv, bs, GraphConfig(enabled=False))["mqa"]),
-        ("mqa on piecewise graphs", build_scorers(["mqa"], model, kv, bs, pw_cfg)["mqa"]),
-    ]:
+    for label, gcfg in [("eager mqa", GraphConfig(enabled=False)), ("mqa on piecewise graphs", pw_cfg)]:
+        scorer = build_scorers(["mqa"], model, kv, bs, gcfg)["mqa"]  # built in turn: eager first
         step = lambda s=scorer: s.score(reqs, props)  # noqa: E731
         for _ in range(3):
             step()
