@@ -38,7 +38,19 @@ from specsched.models.llama import KVCache, LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 
-class _EagerReplay:
+def graph_stats(runner) -> dict:
+    """What every graph runner (this module's, models/piecewise_graphs.py's) reports in its stats."""
+    return {
+        "name": runner.name,
+        "num_graphs": runner.num_graphs,
+        "graph_memory_mib": round(runner.graph_memory_bytes / 2**20, 1),
+        "capture_s": round(runner.capture_s, 2),
+        "num_replays": runner.num_replays,
+        "num_eager_fallbacks": runner.num_eager_fallbacks,
+    }
+
+
+class EagerReplay:
     """CPU stand-in for a CUDAGraph (``emulate=True``, tests only): replay re-runs the captured
     function on the static buffers, which exercises the bucketing and padding but saves nothing."""
 
@@ -137,7 +149,7 @@ class GraphRunner:
         self._staging = _Staging(nbytes, self.device)
         self._pool = None if emulate else torch.cuda.graph_pool_handle()
         self._warmup_stream: torch.cuda.Stream | None = None
-        self._graphs: dict[GraphBucket, torch.cuda.CUDAGraph | _EagerReplay] = {}
+        self._graphs: dict[GraphBucket, torch.cuda.CUDAGraph | EagerReplay] = {}
         self._ids_views: dict[GraphBucket, torch.Tensor] = {}  # [tokens] int64: each graph's input ids
         self._capture_all(graph_backend, progress)
 
@@ -180,16 +192,8 @@ class GraphRunner:
         return None, "no bucket fits", shape
 
     def stats(self) -> dict:
-        return {
-            "name": self.name,
-            "num_graphs": self.num_graphs,
-            "graph_memory_mib": round(self.graph_memory_bytes / 2**20, 1),
-            "capture_s": round(self.capture_s, 2),
-            "num_replays": self.num_replays,
-            "num_eager_fallbacks": self.num_eager_fallbacks,
-            "fallback_reasons": dict(self.fallback_reasons),
-            "num_staging_waits": self._staging.num_waits,
-        }
+        return {**graph_stats(self), "fallback_reasons": dict(self.fallback_reasons),
+                "num_staging_waits": self._staging.num_waits}  # fmt: skip
 
     # ---- capture --------------------------------------------------------------------------------
     def _views(
@@ -217,9 +221,9 @@ class GraphRunner:
 
         return forward
 
-    def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph | _EagerReplay:
+    def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph | EagerReplay:
         if self.is_emulated:  # nothing to capture: replays run fn
-            return _EagerReplay(fn)
+            return EagerReplay(fn)
         if self._warmup_stream is None:
             self._warmup_stream = torch.cuda.Stream(device=self.device)
         stream = self._warmup_stream

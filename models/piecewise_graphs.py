@@ -20,7 +20,7 @@ metadata (any rows, any q_len), reading the rotated q from a static buffer and w
 into another: a forward is ``L + 1`` graph replays and ``L`` attention launches (two with split-KV).
 The tensors that cross a piece boundary live in static buffers shared by every bucket (graphs and
 attention never run concurrently): token inputs, cos/sin, q, the attention output, and the
-residual stream (two buffers, alternating by layer, so no kernel reads and writes one). Tokens
+residual stream (a piece reads it in its first norm and writes it in its last, from new tensors). Tokens
 ``t..T-1`` of a bucket are padding: their K/V go to the pad slot (block 0, never a request's) and
 their rows are not read by any real row's attention; their outputs are discarded.
 
@@ -38,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specsched.kernels.metadata import AttentionMetadata
-from specsched.models.cuda_graphs import _EagerReplay
+from specsched.models.cuda_graphs import EagerReplay, graph_stats
 from specsched.models.graph_buckets import PAD_SLOT
 from specsched.models.llama import KVCache, LlamaForCausalLM
 
@@ -88,10 +88,10 @@ class PiecewiseRunner:
             self.sin = torch.zeros(t, d // 2, dtype=torch.float32, device=dev)  # [T, D/2]
             self.q = torch.zeros(t, heads, d, dtype=dt, device=dev)  # [T, heads, D]: attention input
             self.o = torch.zeros(t, heads, d, dtype=dt, device=dev)  # [T, heads, D]: attention output
-            self.residual = [torch.zeros(t, cfg.hidden_size, dtype=dt, device=dev) for _ in range(2)]
+            self.residual = torch.zeros(t, cfg.hidden_size, dtype=dt, device=dev)  # [T, hidden]
             self.logits = torch.zeros(t, cfg.vocab_size, dtype=torch.float32, device=dev)  # [T, V]
         self._pool = None if emulate else torch.cuda.graph_pool_handle()
-        self._graphs: dict[int, list[torch.cuda.CUDAGraph | _EagerReplay]] = {}
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph | EagerReplay]] = {}
         self._capture_all(progress)
 
     @property
@@ -107,44 +107,33 @@ class PiecewiseRunner:
         return next((b for b in self.buckets if b >= num_tokens), None)
 
     def stats(self) -> dict:
-        return {
-            "name": self.name,
-            "num_graphs": self.num_graphs,
-            "graph_memory_mib": round(self.graph_memory_bytes / 2**20, 1),
-            "capture_s": round(self.capture_s, 2),
-            "num_replays": self.num_replays,
-            "num_eager_fallbacks": self.num_eager_fallbacks,
-        }
+        return graph_stats(self)
 
     # ---- the pieces ---------------------------------------------------------------------------
-    def _residual(self, layer: int, t: int) -> torch.Tensor:  # [t, hidden]: after layer's input norm
-        return self.residual[layer % 2][:t]
-
     def _pieces(self, t: int) -> list[Callable[[], None]]:
         """The ``L + 1`` pieces of a ``t``-token forward, each reading and writing the static buffers."""
         model, layers, kv = self.model, self.model.model.layers, self.kv_cache
         ids, slots, cos, sin, q = self.ids[:t], self.slots[:t], self.cos[:t], self.sin[:t], self.q[:t]
-        o = self.o[:t]
+        o, res = self.o[:t], self.residual[:t]  # res: the residual stream after a layer's input norm
 
         def first() -> None:
             freqs = self.positions[:t].float()[:, None] * model.inv_freq[None, :]  # [t, D/2]
             torch.cos(freqs, out=cos)
             torch.sin(freqs, out=sin)
-            x = torch.index_select(model.model.embed_tokens.weight, 0, ids, out=self._residual(0, t))
+            x = torch.index_select(model.model.embed_tokens.weight, 0, ids, out=res)
             layers[0].pre_attention(x, None, cos, sin, kv[0], slots, q_out=q)
 
         def middle(layer: int) -> Callable[[], None]:
             def piece() -> None:
-                x, residual = layers[layer - 1].post_attention(o, self._residual(layer - 1, t))
-                layers[layer].pre_attention(
-                    x, residual, cos, sin, kv[layer], slots, q_out=q, residual_out=self._residual(layer, t)
-                )
+                x, residual = layers[layer - 1].post_attention(o, res)  # reads res, makes a new residual
+                kv_l = kv[layer]
+                layers[layer].pre_attention(x, residual, cos, sin, kv_l, slots, q_out=q, residual_out=res)
 
             return piece
 
         def last() -> None:
             n = self.num_layers
-            x, residual = layers[n - 1].post_attention(o, self._residual(n - 1, t))
+            x, residual = layers[n - 1].post_attention(o, res)
             self.logits[:t].copy_(model.lm_head(model.model.norm.add_and_norm(x, residual)[0]).float())
 
         return [first, *(middle(i) for i in range(1, self.num_layers)), last]
@@ -152,9 +141,9 @@ class PiecewiseRunner:
     # ---- capture ------------------------------------------------------------------------------
     def _capture(
         self, fn: Callable[[], None], stream: torch.cuda.Stream | None
-    ) -> torch.cuda.CUDAGraph | _EagerReplay:
+    ) -> torch.cuda.CUDAGraph | EagerReplay:
         if self.is_emulated:
-            return _EagerReplay(fn)
+            return EagerReplay(fn)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             fn()

@@ -17,6 +17,7 @@ from specsched.bench.serve_config import ServeConfig
 from specsched.bench.serve_host import PHASES
 from specsched.bench.serve_outputs import same_output_share
 from specsched.bench.serve_results import PassResult, RequestResult, summarize
+from tests.daemon.test_affinity import fake_topology
 
 CONF_DIR = str(Path(cli.__file__).parent / "conf")
 CONFIGS = [
@@ -388,25 +389,17 @@ def test_a_config_brings_its_own_environment_and_may_turn_its_log_off(tmp_path):
     assert "log=none" in over and not any(o.startswith("log.path=") for o in over)
 
 
-def fake_sysfs(root, siblings: dict[int, str]) -> str:
-    for cpu, text in siblings.items():
-        d = root / f"cpu{cpu}" / "topology"
-        d.mkdir(parents=True)
-        (d / "thread_siblings_list").write_text(text + "\n")
-    return str(root)
-
-
 def test_split_cpus_keeps_each_physical_core_on_one_side(monkeypatch, tmp_path):
     from specsched.bench.serve_daemon import physical_cores, split_cpus
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     # hyperthreads numbered apart (CPU i and i + 8 share a core), as Linux numbers them on most x86
-    sysfs = fake_sysfs(tmp_path / "smt", {i: f"{i % 8},{i % 8 + 8}" for i in range(16)})
+    sysfs = fake_topology(tmp_path / "smt", {i: f"{i % 8},{i % 8 + 8}" for i in range(16)})
     assert physical_cores(list(range(16)), sysfs)[:2] == [[0, 8], [1, 9]]
     daemon, clients = split_cpus(True, sysfs)
     assert daemon == {0, 1, 2, 3, 8, 9, 10, 11} and clients == {4, 5, 6, 7, 12, 13, 14, 15}
     # ranges, and siblings numbered together
-    sysfs = fake_sysfs(tmp_path / "pairs", {i: f"{i - i % 2}-{i - i % 2 + 1}" for i in range(16)})
+    sysfs = fake_topology(tmp_path / "pairs", {i: f"{i - i % 2}-{i - i % 2 + 1}" for i in range(16)})
     daemon, clients = split_cpus(True, sysfs)
     assert daemon == set(range(8)) and clients == set(range(8, 16))
     # no topology: one group per CPU, the old halves
