@@ -9,6 +9,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from specsched.policies.cost_model import CostModels
 from specsched.proposers.base import Proposer
 from specsched.scorers.base import Scorer
 from specsched.scorers.graph import GraphConfig, graph_buckets_of
+
+if TYPE_CHECKING:
+    from specsched.engine.warmup import WarmupReport
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +142,12 @@ def make_engine(
     spec: EngineSpec, proposers: dict[str, Proposer], default_proposer: str, policy: Policy
 ) -> Engine:
     """A fresh engine (scheduler, cost models, acceptance) over shared model/caches/graphs."""
+    return Engine(*_config_and_parts(spec, proposers, default_proposer, policy))
+
+
+def _config_and_parts(
+    spec: EngineSpec, proposers: dict[str, Proposer], default_proposer: str, policy: Policy
+) -> tuple[EngineConfig, EngineParts]:
     device = spec.model.lm_head.weight.device
     cfg = EngineConfig(
         model=ModelConfig(source=spec.name, device=str(device)),
@@ -155,7 +165,24 @@ def make_engine(
         acceptance=AcceptanceEstimator(), model_name=spec.name, device=device,
         max_model_len=spec.max_model_len, eos_token_ids=spec.eos_token_ids,
     )  # fmt: skip
-    return Engine(cfg, parts)
+    return cfg, parts
+
+
+def warm_up_spec(spec: EngineSpec, proposers: dict[str, Proposer]) -> WarmupReport | None:
+    """The daemon's start-up kernel warm-up for a bench's engines (:func:`warm_up_engine`: every
+    attention launch config and forward token bucket of the target and of each separate draft model
+    among ``proposers``, attention compiled first in worker processes on a cold cache), so that a
+    timed window meets no kernel variant the daemon would have built before serving (H100,
+    2026-12-05: one regret window of goodput spent 624 ms in one draft catch-up). None off CUDA."""
+    from specsched.engine.settings import load_settings
+    from specsched.engine.warmup import draft_models, prebuild_attention, warm_up_engine
+    from specsched.policies.fixed import FixedConfig, FixedPolicy
+
+    name = next(iter(proposers))
+    cfg, parts = _config_and_parts(spec, proposers, name, FixedPolicy(FixedConfig(k=0)))
+    models = [spec.model] + [m for m, _ in draft_models(spec.model, proposers.values())]
+    prebuilt = prebuild_attention(cfg, models, spec.max_model_len, load_settings().num_compile_workers)
+    return warm_up_engine(cfg, parts, prebuilt)
 
 
 def graph_config(cfg, max_batch: int, max_k: int, max_model_len: int) -> GraphConfig:

@@ -53,6 +53,7 @@ from specsched.bench.regret_cells import NON_SPEC, Cell, real_cells, synthetic_c
 from specsched.engine.heap import freeze_heap
 from specsched.engine.records import StepRecord
 from specsched.engine.request import SamplingParams
+from specsched.kernels.compile_watch import compile_watch
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.cost_error import held_out_error, prequential_error
 from specsched.policies.fixed import capped_k
@@ -88,6 +89,8 @@ class Sample:
     decide_ms_p99: float | None
     scorer_steps: dict = field(default_factory=dict)
     decides_per_step: float | None = None  # steps that decided / decode steps (carried plans: none)
+    num_compiles: int = 0  # Triton variants built inside the timed window (a stall each; want 0)
+    num_full_gc: int = 0  # the collector's full (generation 2) passes inside the window
 
 
 def run_window(run: RunConfig, state, cell: Cell, min_steps: int, tokens: int | None = None):
@@ -115,13 +118,20 @@ def engine_settings(cell: Cell, run: RunConfig) -> dict:
 
 
 def write_window_log(
-    log_dir: str, cell: Cell, run: RunConfig, repeat: int, steps: list[StepRecord], costs
+    log_dir: str,
+    cell: Cell,
+    run: RunConfig,
+    repeat: int,
+    steps: list[StepRecord],
+    costs,
+    num_compiles: int = 0,
 ) -> str:
     """One timed window as one run of the cell's decision log (``<log_dir>/<cell>_b<batch>.sqlite``,
     e.g. ``real_ngram_b1``; written after the window, outside its timing): every step, prefills too,
     and the cost models the window started from (``cost_models``), for specsched-replay and
     bench/plan_gap.py. ``runs.config`` names the cell, the config and the repeat, and holds the
-    engine's settings (:func:`engine_settings`). Returns the path."""
+    engine's settings (:func:`engine_settings`), ``num_compiles`` the Triton variants built inside the
+    window (the run row's ``num_compiles_after_start``). Returns the path."""
     from specsched.bench.e2e import open_run_log, run_identity
 
     what = cell.proposer if cell.proposer.startswith(cell.suite) else f"{cell.suite} {cell.proposer}"
@@ -137,7 +147,7 @@ def write_window_log(
         log.save_costs(costs)
         for rec in steps:
             log.write_step(rec)
-        log.end_run(0)
+        log.end_run(num_compiles)
     finally:
         log.close()
     return path
@@ -159,6 +169,9 @@ def _passes(engine, cell: Cell, min_steps: int, tokens: int | None = None):
     params = SamplingParams(max_tokens=tokens or cell.max_new_tokens, ignore_eos=True)
     device = cell.spec.model.lm_head.weight.device
     num_tokens = passes = 0
+    watch = compile_watch()
+    watch.install()
+    built0, full_gc0 = watch.num_built, gc.get_stats()[2]["collections"]
     sync(device)
     t0 = time.perf_counter()
     while not passes or (forwards[0] < min_steps and tokens is None):
@@ -178,6 +191,7 @@ def _passes(engine, cell: Cell, min_steps: int, tokens: int | None = None):
         decide_ms_p99=float(np.percentile(decide, 99)) if decide else None,
         scorer_steps=dict(Counter(r.scorer for r in records)),
         decides_per_step=len(decide) / len(records) if records else None,
+        num_compiles=watch.num_built - built0, num_full_gc=gc.get_stats()[2]["collections"] - full_gc0,
     )  # fmt: skip
     engine.on_step = None
     return fields, records, steps
@@ -220,12 +234,12 @@ def run_cell(cell: Cell, cfg, seed: int) -> dict:
                 freeze_heap()
                 fields, recs, steps = run_window(run, state, cell, min_steps_of(cfg, cell.batch))
                 if log_dir:
-                    write_window_log(log_dir, cell, run, r, steps, state[0])
+                    write_window_log(log_dir, cell, run, r, steps, state[0], fields["num_compiles"])
                 samples.append(Sample(run.label, r, **fields))
                 records += recs
-                logger.info("regret %s batch %d repeat %d %s: %.1f tok/s (%d steps)", cell.proposer,
-                            cell.batch, r, run.label, fields["tokens_per_s"],
-                            fields["num_steps"])  # fmt: skip
+                logger.info("regret %s batch %d repeat %d %s: %.1f tok/s (%d steps, %d compiles, %d full "
+                            "collections)", cell.proposer, cell.batch, r, run.label, fields["tokens_per_s"],
+                            fields["num_steps"], fields["num_compiles"], fields["num_full_gc"])  # fmt: skip
     finally:
         gc.unfreeze()  # the cell's garbage may go once its windows are done (or one failed)
     device = "cuda" if cell.spec.model.lm_head.weight.device.type == "cuda" else "cpu"
@@ -268,6 +282,8 @@ def summarize(samples: list[Sample], labels: list[str]) -> dict:
             max=max(s.tokens_per_s for s in ss),
             min_steps=min(s.num_steps for s in ss),
             mean_k=statistics.median(s.mean_k for s in ss),
+            num_compiles=sum(s.num_compiles for s in ss),
+            num_full_gc=sum(s.num_full_gc for s in ss),
         )  # fmt: skip
         for label, ss in by.items()
     }
@@ -362,7 +378,8 @@ def regret_markdown(res: dict) -> str:
         for label, v in cf.items():
             spread = f"{fmt(v['min'], 1)}–{fmt(v['max'], 1)}"
             detail.append([c["proposer"], c["batch"], label, fmt(v["tokens_per_s"], 1), spread,
-                           fmt(v["mean_k"]), v["min_steps"]])  # fmt: skip
+                           fmt(v["mean_k"]), v["min_steps"], v.get("num_compiles", "–"),
+                           v.get("num_full_gc", "–")])  # fmt: skip
         for e in c["cost_error"]:
             live = e.get("live_median")
             errors.append([c["proposer"], e["scorer"], e["batch_size"], e["num_fit"], e["num_held_out"],
@@ -386,7 +403,8 @@ def regret_markdown(res: dict) -> str:
         f"steps per config{_by_batch(res)}; ratios per repeat: median [min–max]", "", table(head, rows), "",
         f"goodput decide p99 at batch 64: {fmt(max(big), 3) + ' ms' if big else '– (no batch-64 cell)'}", "",
         "### Regret: every config (tok/s median over repeats, min–max)", "",
-        table(["proposer", "batch", "config", "tok/s", "min–max", "mean k", "min steps"], detail), "",
+        table(["proposer", "batch", "config", "tok/s", "min–max", "mean k", "min steps",
+               "compiles in windows", "full GCs in windows"], detail), "",
         "### Cost-model held-out error (score ms; fitted on the first half of each scorer × batch's "
         "timed steps, scored on the rest)", "", table(error_head, errors),
     ]  # fmt: skip

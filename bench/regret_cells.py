@@ -16,6 +16,7 @@ from specsched.bench.common import (
     make_engine,
     random_model,
     random_prompts,
+    warm_up_spec,
 )
 from specsched.bench.e2e import RunConfig, policy_configs
 from specsched.engine.request import SamplingParams
@@ -64,6 +65,7 @@ def synthetic_cells(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, b
     spec = EngineSpec(target, kv, num_blocks, block_size, scorers, max_b, cfg.max_k, max_len,
                       list(target.cfg.eos_token_ids), None, f"{cfg.target}+{cfg.draft}")  # fmt: skip
     none = NoProposer(device)
+    warm_up_spec(spec, {"none": none, "draft": draft_prop})  # as the daemon does before it serves
     for b in cfg.batch:
         prompts = random_prompts(target.cfg.vocab_size, b * cfg.groups, cfg.prompt_len, seed + b)
         ref = make_engine(
@@ -101,6 +103,7 @@ def real_cells(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_
     spec = EngineSpec(model, kv, num_blocks, block_size, scorers, max_b, cfg.max_k, max_len,
                       list(loaded.llama_config.eos_token_ids), loaded.tokenizer, loaded.name)  # fmt: skip
     none = NoProposer(device)
+    warm_up_spec(spec, {"none": none})
     for name in cfg.proposers:
         if name == "draft":
             layers = min(cfg.draft_layers, model.cfg.num_layers)

@@ -279,6 +279,20 @@ def warm_up_model(
     return report
 
 
+def draft_models(target: LlamaForCausalLM, proposers) -> list[tuple[LlamaForCausalLM, KVCache]]:
+    """The separate draft models among ``proposers`` (a draft-model proposer's, or one wrapped as a
+    proposer's ``draft``, e.g. the synthetic proposer paying a real draft's cost), each once, with
+    its KV cache; a self-draft (the target's own layers) is the target's and not listed."""
+    out, seen = [], {id(target)}
+    for p in proposers:
+        for cand in (p, getattr(p, "draft", None)):
+            model, kv = getattr(cand, "model", None), getattr(cand, "kv_cache", None)
+            if isinstance(model, LlamaForCausalLM) and kv is not None and id(model) not in seen:
+                seen.add(id(model))
+                out.append((model, kv))
+    return out
+
+
 def warm_up_engine(
     cfg: EngineConfig, parts, prebuilt: ParallelBuildReport | None = None
 ) -> WarmupReport | None:
@@ -290,10 +304,8 @@ def warm_up_engine(
     bs = cfg.cache.block_size
     domain = serving_domain(cfg, parts.model, parts.max_model_len)
     total = warm_up_model(parts.model, parts.kv_cache, bs, domain, "target")
-    draft = parts.proposers.get("draft")
-    if draft is not None and getattr(draft, "model", None) is not parts.model:
-        d = warm_up_model(draft.model, draft.kv_cache, bs,
-                          serving_domain(cfg, draft.model, parts.max_model_len), "draft")  # fmt: skip
+    for model, kv_cache in draft_models(parts.model, parts.proposers.values()):
+        d = warm_up_model(model, kv_cache, bs, serving_domain(cfg, model, parts.max_model_len), "draft")
         total = WarmupReport(total.num_variants + d.num_variants, total.num_attention_configs +
                              d.num_attention_configs, total.num_forwards + d.num_forwards,
                              total.seconds + d.seconds)  # fmt: skip

@@ -58,6 +58,8 @@ def test_every_config_of_every_cell_runs_interleaved_repeats(result):
         for r in range(cfg.repeats):  # each repeat runs every config once
             assert sorted(s["config"] for s in samples if s["repeat"] == r) == sorted(CONFIGS)
         assert all(s["num_steps"] >= cfg.min_steps and s["tokens_per_s"] > 0 for s in samples)
+        assert all(s["num_compiles"] == 0 for s in samples)  # CPU: torch kernels, nothing compiled
+        assert all(v["num_compiles"] == 0 and v["num_full_gc"] >= 0 for v in c["configs"].values())
         if c["batch"] == 2:  # min_steps_by_batch: ~5 steps a pass, so 6 would stop after 2 passes
             assert min(s["num_steps"] for s in samples) >= 14
         good = [s for s in samples if s["config"] == "policy goodput"]
@@ -84,6 +86,7 @@ def test_ratios_follow_from_the_rows(result):
             assert f"{c[key]['median']:.3f} [{c[key]['min']:.3f}–{c[key]['max']:.3f}]" in text
     assert "repeats of >= 6 decode steps per config (at batch 2: >= 14);" in text
     assert "| predicted before learnt (live) median % |" in text
+    assert "| min steps | compiles in windows | full GCs in windows |" in text
     for title in ("### Regret (issue 13)", "### Regret: every config", "### Cost-model held-out error"):
         assert title in text
 
@@ -167,3 +170,43 @@ def test_results_are_written_after_each_cell(result):
     res, _, _, written = result
     assert len(res["regret"]["cells"]) == 2
     assert written[:2] == [1, 2] and written[-1] == 2, written
+
+
+def test_a_window_counts_the_compiles_and_full_collections_inside_it(monkeypatch):
+    """A Triton variant built (the compile watch's hook fires) or a full collection inside a timed
+    window is counted in its sample; nothing outside the window is (the warm-up's builds are not)."""
+    import gc
+    from types import SimpleNamespace
+
+    from specsched.bench.regret import _passes
+    from specsched.kernels.compile_watch import compile_watch
+    from tests.engine.test_multi_step import engine
+
+    watch = compile_watch()
+    monkeypatch.setattr(watch, "install", lambda: True)  # the hook is called by hand below
+    e = engine("mqa", 1, graphs=False, proposer="ngram", ks=(2, 0))
+    cell = SimpleNamespace(prompts=[[5, 6, 7, 5, 6], [8, 9, 10, 11]], batch=2, max_new_tokens=6,
+                           spec=SimpleNamespace(model=e.model))  # fmt: skip
+    fields, _, _ = _passes(e, cell, 1)
+    assert (fields["num_compiles"], fields["num_full_gc"]) == (0, 0)
+
+    watch._hook(repr="_warm_up_kernel[...]")  # before the window: not its compile
+    calls = [0]
+
+    def stalls(rec) -> None:
+        calls[0] += 1
+        if calls[0] == 2:  # one decode step in: a variant built, a full collection
+            watch._hook(repr="_paged_attn_kernel[BLOCK_Q=8]")
+            gc.collect()
+
+    e2 = engine("mqa", 1, graphs=False, proposer="ngram", ks=(2, 0))
+    inner = e2.step
+
+    def step():
+        out = inner()
+        stalls(None)
+        return out
+
+    monkeypatch.setattr(e2, "step", step)
+    fields, _, _ = _passes(e2, cell, 1)
+    assert fields["num_compiles"] == 1 and fields["num_full_gc"] >= 1

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+import torch
+
 from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specsched.engine.engine import Engine
 from specsched.engine.records import StepRecord
@@ -244,3 +247,21 @@ def test_deferred_prediction_logs_what_the_decide_would_have_predicted():
         assert all(
             r.predicted_score_ms == r.plan_info["predicted_score_ms"] for r in records if r.kind == "decode"
         )
+
+
+def test_a_plan_that_drafts_nothing_calls_no_proposer():
+    """A run of plain steps (every k = 0) asks no proposer for drafts: zero drafts for every request."""
+    from specsched.engine.proposing import propose
+    from specsched.proposers.base import Proposer
+
+    class Refuses(Proposer):
+        name = "refuses"
+
+        def propose(self, batch, k):
+            raise AssertionError(f"propose called with k={k}")
+
+    reqs = [Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=4)) for i in range(3)]
+    props = propose({"refuses": Refuses()}, reqs, [0, 0, 0], ["refuses"] * 3, 256, torch.device("cpu"))
+    assert props.num_draft == [0, 0, 0] and props.cu_num_draft.tolist() == [0, 0, 0, 0]
+    with pytest.raises(AssertionError, match=r"k=\[0, 1, 0\]"):
+        propose({"refuses": Refuses()}, reqs, [0, 1, 0], ["refuses"] * 3, 256, torch.device("cpu"))

@@ -69,6 +69,39 @@ def test_warm_up_on_cpu_runs_the_forwards_and_changes_no_output():
     assert warm.num_free_blocks == warm.num_total_blocks  # the warm-up reserved nothing
 
 
+def test_draft_models_lists_each_separate_draft_once_wrapped_or_not():
+    """The synthetic proposer paying a real draft's cost wraps it (``.draft``): the warm-up must find
+    that model too (the regret bench's 7B pair met its draft's variants inside timed windows); a
+    self-draft is the target's own layers and is not warmed twice."""
+    from specsched.engine.config import NgramConfig
+    from specsched.engine.warmup import draft_models, warm_up_engine
+    from specsched.models.loader import load_model
+    from specsched.proposers.draft import DraftModelProposer
+    from specsched.proposers.ngram import NgramProposer
+    from specsched.proposers.synthetic import SyntheticProposer
+
+    target = load_model(ModelConfig(source="tiny", dtype="float32", seed=0), progress=False).model
+    draft = load_model(ModelConfig(source="tiny", dtype="float32", seed=1), progress=False).model
+    dkv = draft.allocate_kv_cache(32, 4)
+    drafter = DraftModelProposer(draft, dkv, 4)
+    self_draft = DraftModelProposer(target, target.allocate_kv_cache(32, 4, 1), 4, num_layers=1)
+    synth = SyntheticProposer(target, 0.5, 4, draft=drafter)
+    ngram = NgramProposer(NgramConfig(), torch.device("cpu"))
+    found = draft_models(target, [ngram, self_draft, synth, drafter])
+    assert [(m, kv) for m, kv in found] == [(draft, dkv)]
+    assert draft_models(target, [ngram, self_draft]) == []
+
+    from types import SimpleNamespace
+
+    cfg = config("on")
+    kv = target.allocate_kv_cache(32, 4)
+    parts = SimpleNamespace(model=target, kv_cache=kv, device=torch.device("cpu"),
+                            proposers={"synthetic": synth}, max_model_len=128)  # fmt: skip
+    report = warm_up_engine(cfg, parts)
+    per_model = len(forward_shapes(serving_domain(cfg, target, 128)))
+    assert report is not None and report.num_forwards == 2 * per_model  # the target's, the draft's
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
