@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specsched.engine.engine import Engine
@@ -104,3 +105,37 @@ def test_engine_with_an_oracle_file_speculates_losslessly(tmp_path):
 def test_engine_with_a_bad_oracle_file_fails_at_build(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         make_engine(proposer="synthetic", synthetic_oracle=str(tmp_path / "missing.json"))
+
+
+def test_the_path_check_is_incremental_and_an_off_path_request_stays_off():
+    """Each request's prompt is looked up once and only its new output tokens are compared; a request
+    whose output leaves the oracle's continuation gets no drafts from then on, and a finished
+    request's entry goes."""
+    from types import SimpleNamespace
+
+    target = SimpleNamespace(
+        cfg=SimpleNamespace(vocab_size=50), lm_head=SimpleNamespace(weight=torch.zeros(1))
+    )
+    prop = SyntheticProposer(target, 1.0, 4, oracle=[([3, 4, 5], [10, 11, 12, 13, 14, 15])])
+    lookups = []
+    real_get = prop._oracle.get
+    prop._oracle = type(
+        "Counting", (dict,), {"get": lambda self, k, d=None: lookups.append(k) or real_get(k, d)}
+    )(prop._oracle)
+    on = Request("on", [3, 4, 5], SamplingParams(max_tokens=6))
+    off = Request("off", [3, 4, 5], SamplingParams(max_tokens=6))
+    other = Request("other", [7, 8], SamplingParams(max_tokens=6))
+    batch = [on, off, other]
+    assert prop.peek(batch).max_k == [6, 6, 0]
+    on.output_ids += [10, 11]
+    off.output_ids += [10, 99]  # leaves the path at its second token
+    assert prop.peek(batch).max_k == [4, 0, 0]
+    assert prop.propose(batch, [2, 2, 2]).num_draft == [2, 0, 0]
+    on.output_ids += [12]
+    off.output_ids[1] = 11  # back on the oracle's tokens: still off (it left the path once)
+    assert prop.peek(batch).max_k == [3, 0, 0]
+    assert prop.propose(batch, [3, 3, 3]).draft_tokens.tolist() == [13, 14, 15]
+    assert len(lookups) == 3  # one prompt lookup per request over 5 calls
+    for r in batch:
+        prop.on_finish(r)
+    assert prop._paths == {}
