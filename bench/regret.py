@@ -17,7 +17,11 @@ config sees the same mix of prompts) until it took at least ``min_steps`` decode
 run of S plain steps, ``scheduler.decode_steps``, counts S; counted as records, a config that runs
 them took S times the tokens, and the grid with runs of 4 no longer fit a 540 s call), or the
 batch's own ``min_steps_by_batch`` (a step at batch 64 carries 64 requests' tokens: fewer steps
-time it as well, and the full grid at 500 steps a window is ~40 min of an H200).
+time it as well, and the full grid at 500 steps a window is ~40 min of an H200). With ``refill``
+a window instead keeps the batch full, each finished request replaced by the next prompt (cycled),
+and times the tokens emitted until ``min_steps`` (:func:`_refilled`): closed groups of
+equal-length requests finish together without speculation and spread out with it, so their drain
+charges speculation for the benchmark's shape, not for its steps.
 
 Per cell: the *oracle* is the config other than goodput with the best median tok/s; goodput's ratio
 to it and to non-speculative per repeat (median and min-max over repeats); goodput's ``decide`` ms
@@ -52,7 +56,7 @@ from specsched.bench.markdown import fmt, table
 from specsched.bench.regret_cells import NON_SPEC, Cell, real_cells, synthetic_cells
 from specsched.engine.heap import freeze_heap
 from specsched.engine.records import StepRecord
-from specsched.engine.request import SamplingParams
+from specsched.engine.request import Request, SamplingParams
 from specsched.kernels.compile_watch import compile_watch
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.cost_error import held_out_error, prequential_error
@@ -83,7 +87,7 @@ class Sample:
     repeat: int
     tokens_per_s: float
     num_steps: int  # decode steps in the window (forwards: a run of S plain steps counts S)
-    num_passes: int
+    num_passes: float  # passes over the cell's prompts (a refilled window: prompts admitted / prompts)
     mean_k: float
     decide_ms_p50: float | None
     decide_ms_p99: float | None
@@ -93,13 +97,17 @@ class Sample:
     num_full_gc: int = 0  # the collector's full (generation 2) passes inside the window
 
 
-def run_window(run: RunConfig, state, cell: Cell, min_steps: int, tokens: int | None = None):
+def run_window(
+    run: RunConfig, state, cell: Cell, min_steps: int, tokens: int | None = None, refill: bool = False
+):
     """A fresh engine and policy from a copy of the profiled ``state`` (cost models, acceptance),
     whole passes over the cell's prompts until ``min_steps`` decode steps (one pass when
-    ``tokens`` cuts each request short): (the :class:`Sample` fields, the decode records, every
-    step's record)."""
+    ``tokens`` cuts each request short; ``refill``: :func:`_refilled` instead): (the
+    :class:`Sample` fields, the decode records, every step's record)."""
     engine = make_engine(cell.spec, run.proposers, run.proposer, run.make_policy())
     engine.costs, engine.acceptance = copy.deepcopy(state[0]), copy.deepcopy(state[1])
+    if refill and tokens is None:
+        return _refilled(engine, cell, min_steps)
     return _passes(engine, cell, min_steps, tokens)
 
 
@@ -181,20 +189,81 @@ def _passes(engine, cell: Cell, min_steps: int, tokens: int | None = None):
     sync(device)
     wall = time.perf_counter() - t0
     engine.flush_observations()
+    fields = _fields(records, num_tokens, wall, forwards[0], passes)
+    fields.update(
+        num_compiles=watch.num_built - built0, num_full_gc=gc.get_stats()[2]["collections"] - full_gc0
+    )
+    engine.on_step = None
+    return fields, records, steps
+
+
+def _refilled(engine, cell: Cell, min_steps: int):
+    """A window at a steady batch: ``cell.batch`` requests in flight from the start, each finished one
+    replaced at once by the next prompt of the cell's list (cycled), until ``min_steps`` decode
+    forwards; tok/s = tokens emitted in the window / its wall time. The requests still running at
+    its end finish outside it, untimed and unrecorded. As the daemon serves (a finished request's
+    slot goes to a waiting one), unlike :func:`_passes`' closed groups, where every request of a
+    group has the same length: without speculation they all finish at one step, with it they spread
+    out and the group's last steps run a draining batch (batch 64, a = 0.3, H100 2026-12-05: 155 and
+    306 ms of goodput's 2.7 s windows, the whole of its deficit to non-speculative)."""
+    records: list[StepRecord] = []
+    steps: list[StepRecord] = []
+    forwards = [0]
+
+    def on_step(rec: StepRecord) -> None:
+        steps.append(rec)
+        if rec.kind == "decode":
+            records.append(rec)
+            forwards[0] += rec.num_decode_steps
+
+    params = SamplingParams(max_tokens=cell.max_new_tokens, ignore_eos=True)
+    prompts, num_admitted = cell.prompts, [0]
+
+    def admit() -> None:
+        i = num_admitted[0]
+        engine.add_request(Request(f"w-{i}", list(prompts[i % len(prompts)]), SamplingParams(**vars(params))))
+        num_admitted[0] += 1
+
+    watch = compile_watch()
+    watch.install()
+    built0, full_gc0 = watch.num_built, gc.get_stats()[2]["collections"]
+    device = cell.spec.model.lm_head.weight.device
+    engine.on_step = on_step
+    for _ in range(cell.batch):
+        admit()
+    num_tokens = 0
+    sync(device)
+    t0 = time.perf_counter()
+    while forwards[0] < min_steps:
+        for out in engine.step():
+            num_tokens += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                admit()
+    sync(device)
+    wall = time.perf_counter() - t0
+    engine.on_step = None
+    while engine.has_unfinished:  # outside the window
+        engine.step()
+    engine.flush_observations()
+    fields = _fields(records, num_tokens, wall, forwards[0], num_admitted[0] / len(prompts))
+    fields.update(
+        num_compiles=watch.num_built - built0, num_full_gc=gc.get_stats()[2]["collections"] - full_gc0
+    )
+    return fields, records, steps
+
+
+def _fields(records: list[StepRecord], num_tokens: int, wall: float, num_steps: int, passes: float) -> dict:
     decide = [r.plan_info["decide_ms"] for r in records  # the steps that decided (plan_age 0)
               if "decide_ms" in r.plan_info and not r.plan_info.get("plan_age")]  # fmt: skip
     request_steps = sum(r.batch_size for r in records)
-    fields = dict(
-        tokens_per_s=num_tokens / wall, num_steps=forwards[0], num_passes=passes,
+    return dict(
+        tokens_per_s=num_tokens / wall, num_steps=num_steps, num_passes=passes,
         mean_k=sum(r.num_proposed for r in records) / max(request_steps, 1),
         decide_ms_p50=float(np.percentile(decide, 50)) if decide else None,
         decide_ms_p99=float(np.percentile(decide, 99)) if decide else None,
         scorer_steps=dict(Counter(r.scorer for r in records)),
         decides_per_step=len(decide) / len(records) if records else None,
-        num_compiles=watch.num_built - built0, num_full_gc=gc.get_stats()[2]["collections"] - full_gc0,
     )  # fmt: skip
-    engine.on_step = None
-    return fields, records, steps
 
 
 def profile_state(cell: Cell, cfg):
@@ -232,7 +301,9 @@ def run_cell(cell: Cell, cfg, seed: int) -> dict:
                 # far) leaves the collector's full passes, which would otherwise grow with the records
                 # and stall a window's step (H100, 2026-12-05: 233 ms in one of goodput's steps)
                 freeze_heap()
-                fields, recs, steps = run_window(run, state, cell, min_steps_of(cfg, cell.batch))
+                fields, recs, steps = run_window(
+                    run, state, cell, min_steps_of(cfg, cell.batch), refill=bool(cfg.get("refill"))
+                )
                 if log_dir:
                     write_window_log(log_dir, cell, run, r, steps, state[0], fields["num_compiles"])
                 samples.append(Sample(run.label, r, **fields))

@@ -210,3 +210,40 @@ def test_a_window_counts_the_compiles_and_full_collections_inside_it(monkeypatch
     monkeypatch.setattr(e2, "step", step)
     fields, _, _ = _passes(e2, cell, 1)
     assert fields["num_compiles"] == 1 and fields["num_full_gc"] >= 1
+
+
+def test_a_refilled_window_keeps_its_batch_full_where_closed_groups_drain():
+    """``bench.regret.refill``: a finished request's slot goes to the next prompt at once, so every
+    decode step of the window runs the whole batch; closed groups of equal-length requests, with
+    speculation spreading their progress, end in steps of a draining batch. The requests still
+    running at the window's end finish outside it and leave no record."""
+    from types import SimpleNamespace
+
+    from specsched.bench.regret import _passes, _refilled
+    from tests.engine.test_multi_step import engine
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [8, 9, 10, 11], [12, 13, 12, 13, 12], [20, 21], [30, 31, 30, 31]]
+
+    def run(window):
+        e = engine("mqa", 1, graphs=False, proposer="ngram", ks=(3, 0, 1, 2))
+        cell = SimpleNamespace(
+            prompts=prompts, batch=3, max_new_tokens=9, spec=SimpleNamespace(model=e.model)
+        )
+        fields, records, steps = window(e, cell, 40)
+        assert not e.has_unfinished and e.on_step is None
+        return fields, records, steps
+
+    fields, records, steps = run(_refilled)
+    assert [r.batch_size for r in records] == [3] * len(records) and len(records) == fields["num_steps"] >= 40
+    assert fields["num_passes"] > 1 and fields["tokens_per_s"] > 0
+    assert sum(r.num_emitted for r in records) >= fields["num_steps"] * 3  # >= 1 token a request a step
+    assert any(r.kind == "prefill" and 0 < steps.index(r) for r in steps)  # refills mid-window
+
+    _, closed, _ = run(_passes)
+    assert min(r.batch_size for r in closed) < 3  # the groups drain
+
+
+def test_the_grid_past_batch_1_runs_refilled_windows():
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        assert compose("bench", overrides=["bench=regret_h200_grid"]).bench.regret.refill is True
+        assert compose("bench", overrides=["bench=regret"]).bench.regret.refill is False
