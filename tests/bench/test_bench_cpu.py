@@ -262,3 +262,30 @@ def test_a_failing_piecewise_capture_leaves_the_other_scorer_rows():
     assert all(r["path"] == "error" and "capture failed" in r["error"] for r in by_scorer["mqa piecewise"])
     for name in ("batch_expansion", "mqa", "mqa_graph"):
         assert by_scorer[name] and all(r["ms"] > 0 and not r["error"] for r in by_scorer[name]), name
+
+
+def test_the_bench_warm_up_covers_the_target_and_a_wrapped_draft(monkeypatch):
+    """``warm_up_spec`` runs the daemon's start-up warm-up for a bench's engines: the target's forwards
+    and those of the real draft the synthetic proposer wraps (forced on here: on CPU it is off, as in
+    the daemon)."""
+    import specsched.engine.warmup as warmup
+    from specsched.bench.common import EngineSpec, warm_up_spec
+    from specsched.proposers.draft import DraftModelProposer
+    from specsched.proposers.none import NoProposer
+    from specsched.proposers.synthetic import SyntheticProposer
+    from specsched.scorers.graph import GraphConfig
+    from specsched.scorers.registry import build_scorers
+
+    cpu = torch.device("cpu")
+    target, draft = random_model("tiny", cpu, torch.float32, 0), random_model("tiny", cpu, torch.float32, 1)
+    kv = target.allocate_kv_cache(64, 4)
+    scorers = build_scorers(["mqa"], target, kv, 4, GraphConfig(enabled=False))
+    spec = EngineSpec(target, kv, 64, 4, scorers, 2, 3, 64, [2], scheduler={"max_num_batched_tokens": 32})
+    drafter = DraftModelProposer(draft, draft.allocate_kv_cache(64, 4), 4)
+    synth = SyntheticProposer(target, 0.5, 4, draft=drafter)
+    assert warm_up_spec(spec, {"none": NoProposer(cpu), "synthetic": synth}) is None  # off on CPU
+    monkeypatch.setattr(warmup, "is_warmup_on", lambda cfg, device: True)
+    report = warm_up_spec(spec, {"none": NoProposer(cpu), "synthetic": synth})
+    assert report is not None and report.num_forwards > 0
+    only_target = warm_up_spec(spec, {"none": NoProposer(cpu)})
+    assert report.num_forwards == 2 * only_target.num_forwards  # the draft's forwards too
