@@ -19,9 +19,10 @@ them took S times the tokens, and the grid with runs of 4 no longer fit a 540 s 
 batch's own ``min_steps_by_batch`` (a step at batch 64 carries 64 requests' tokens: fewer steps
 time it as well, and the full grid at 500 steps a window is ~40 min of an H200). With ``refill``
 a window instead keeps the batch full, each finished request replaced by the next prompt (cycled),
-and times the tokens emitted until ``min_steps`` (:func:`_refilled`): closed groups of
-equal-length requests finish together without speculation and spread out with it, so their drain
-charges speculation for the benchmark's shape, not for its steps.
+and times the tokens emitted until ``min_steps``
+(:func:`~specsched.bench.regret_windows.refilled_window`): closed groups of equal-length requests
+finish together without speculation and spread out with it, so their drain charges speculation for
+the benchmark's shape, not for its steps. The windows: :mod:`specsched.bench.regret_windows`.
 
 Per cell: the *oracle* is the config other than goodput with the best median tok/s; goodput's ratio
 to it and to non-speculative per repeat (median and min-max over repeats); goodput's ``decide`` ms
@@ -35,29 +36,21 @@ policy met live; it follows a drift of the host that the fit-then-hold-out split
 
 from __future__ import annotations
 
-import copy
 import gc
 import logging
 import random
-import re
 import statistics
-import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, is_dataclass
-from pathlib import Path
+from dataclasses import asdict
 
-import numpy as np
 import torch
 
-from specsched.bench.common import make_engine, sync
-from specsched.bench.e2e import RunConfig
+from specsched.bench.common import make_engine
 from specsched.bench.markdown import fmt, table
 from specsched.bench.regret_cells import NON_SPEC, Cell, real_cells, synthetic_cells
+from specsched.bench.regret_windows import Sample, closed_window, run_window, write_window_log
 from specsched.engine.heap import freeze_heap
 from specsched.engine.records import StepRecord
-from specsched.engine.request import Request, SamplingParams
-from specsched.kernels.compile_watch import compile_watch
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.cost_error import held_out_error, prequential_error
 from specsched.policies.fixed import capped_k
@@ -81,191 +74,6 @@ class ProfilePolicy(Policy):
         return Plan(capped_k(view, k), s if s in view.scorers else view.scorers[0], self.name)
 
 
-@dataclass
-class Sample:
-    config: str
-    repeat: int
-    tokens_per_s: float
-    num_steps: int  # decode steps in the window (forwards: a run of S plain steps counts S)
-    num_passes: float  # passes over the cell's prompts (a refilled window: prompts admitted / prompts)
-    mean_k: float
-    decide_ms_p50: float | None
-    decide_ms_p99: float | None
-    scorer_steps: dict = field(default_factory=dict)
-    decides_per_step: float | None = None  # steps that decided / decode steps (carried plans: none)
-    num_compiles: int = 0  # Triton variants built inside the timed window (a stall each; want 0)
-    num_full_gc: int = 0  # the collector's full (generation 2) passes inside the window
-
-
-def run_window(
-    run: RunConfig, state, cell: Cell, min_steps: int, tokens: int | None = None, refill: bool = False
-):
-    """A fresh engine and policy from a copy of the profiled ``state`` (cost models, acceptance),
-    whole passes over the cell's prompts until ``min_steps`` decode steps (one pass when
-    ``tokens`` cuts each request short; ``refill``: :func:`_refilled` instead): (the
-    :class:`Sample` fields, the decode records, every step's record)."""
-    engine = make_engine(cell.spec, run.proposers, run.proposer, run.make_policy())
-    engine.costs, engine.acceptance = copy.deepcopy(state[0]), copy.deepcopy(state[1])
-    if refill and tokens is None:
-        return _refilled(engine, cell, min_steps)
-    return _passes(engine, cell, min_steps, tokens)
-
-
-def engine_settings(cell: Cell, run: RunConfig) -> dict:
-    """The window's engine as the replay reads a run's config (policies/replay_log.py RunSettings):
-    proposer, max k and scorers (``spec``), batch bound, cache blocks and the policy's options."""
-    policy = run.make_policy()
-    options = getattr(policy, "config", None)
-    spec = cell.spec
-    return {
-        "spec": {"proposer": run.proposer, "max_k": spec.max_k, "scorers": list(spec.scorers)},
-        "scheduler": {"max_num_seqs": spec.max_batch, **spec.scheduler},
-        "cache": {"block_size": spec.block_size, "num_blocks": spec.num_blocks},
-        "policy": {"name": policy.name, **(asdict(options) if is_dataclass(options) else {})},
-    }
-
-
-def write_window_log(
-    log_dir: str,
-    cell: Cell,
-    run: RunConfig,
-    repeat: int,
-    steps: list[StepRecord],
-    costs,
-    num_compiles: int = 0,
-) -> str:
-    """One timed window as one run of the cell's decision log (``<log_dir>/<cell>_b<batch>.sqlite``,
-    e.g. ``real_ngram_b1``; written after the window, outside its timing): every step, prefills too,
-    and the cost models the window started from (``cost_models``), for specsched-replay and
-    bench/plan_gap.py. ``runs.config`` names the cell, the config and the repeat, and holds the
-    engine's settings (:func:`engine_settings`), ``num_compiles`` the Triton variants built inside the
-    window (the run row's ``num_compiles_after_start``). Returns the path."""
-    from specsched.bench.e2e import open_run_log, run_identity
-
-    what = cell.proposer if cell.proposer.startswith(cell.suite) else f"{cell.suite} {cell.proposer}"
-    name = re.sub(r"[^A-Za-z0-9.]+", "_", f"{what} b{cell.batch}").strip("_")
-    path = str(Path(log_dir) / f"{name}.sqlite")
-    Path(log_dir).mkdir(parents=True, exist_ok=True)
-    identity = run_identity("regret", cell.spec, cell.batch, cell.proposer, cell.acceptance, run.label)
-    device = str(cell.spec.model.lm_head.weight.device)
-    log = open_run_log(
-        path, {**identity, "repeat": repeat, **engine_settings(cell, run)}, cell.spec.name, device
-    )
-    try:
-        log.save_costs(costs)
-        for rec in steps:
-            log.write_step(rec)
-        log.end_run(num_compiles)
-    finally:
-        log.close()
-    return path
-
-
-def _passes(engine, cell: Cell, min_steps: int, tokens: int | None = None):
-    records: list[StepRecord] = []  # decode steps
-    steps: list[StepRecord] = []  # every step (prefills too), for the decision log
-    forwards = [0]  # decode forwards: a run of S plain steps (scheduler.decode_steps) is S of them
-
-    def on_step(rec: StepRecord) -> None:
-        steps.append(rec)
-        if rec.kind == "decode":
-            records.append(rec)
-            forwards[0] += rec.num_decode_steps
-
-    engine.on_step = on_step
-    groups = [cell.prompts[i : i + cell.batch] for i in range(0, len(cell.prompts), cell.batch)]
-    params = SamplingParams(max_tokens=tokens or cell.max_new_tokens, ignore_eos=True)
-    device = cell.spec.model.lm_head.weight.device
-    num_tokens = passes = 0
-    watch = compile_watch()
-    watch.install()
-    built0, full_gc0 = watch.num_built, gc.get_stats()[2]["collections"]
-    sync(device)
-    t0 = time.perf_counter()
-    while not passes or (forwards[0] < min_steps and tokens is None):
-        for group in groups:
-            num_tokens += sum(map(len, engine.generate(group, params)))
-        passes += 1
-    sync(device)
-    wall = time.perf_counter() - t0
-    engine.flush_observations()
-    fields = _fields(records, num_tokens, wall, forwards[0], passes)
-    fields.update(
-        num_compiles=watch.num_built - built0, num_full_gc=gc.get_stats()[2]["collections"] - full_gc0
-    )
-    engine.on_step = None
-    return fields, records, steps
-
-
-def _refilled(engine, cell: Cell, min_steps: int):
-    """A window at a steady batch: ``cell.batch`` requests in flight from the start, each finished one
-    replaced at once by the next prompt of the cell's list (cycled), until ``min_steps`` decode
-    forwards; tok/s = tokens emitted in the window / its wall time. The requests still running at
-    its end finish outside it, untimed and unrecorded. As the daemon serves (a finished request's
-    slot goes to a waiting one), unlike :func:`_passes`' closed groups, where every request of a
-    group has the same length: without speculation they all finish at one step, with it they spread
-    out and the group's last steps run a draining batch (batch 64, a = 0.3, H100 2026-12-05: 155 and
-    306 ms of goodput's 2.7 s windows, the whole of its deficit to non-speculative)."""
-    records: list[StepRecord] = []
-    steps: list[StepRecord] = []
-    forwards = [0]
-
-    def on_step(rec: StepRecord) -> None:
-        steps.append(rec)
-        if rec.kind == "decode":
-            records.append(rec)
-            forwards[0] += rec.num_decode_steps
-
-    params = SamplingParams(max_tokens=cell.max_new_tokens, ignore_eos=True)
-    prompts, num_admitted = cell.prompts, [0]
-
-    def admit() -> None:
-        i = num_admitted[0]
-        engine.add_request(Request(f"w-{i}", list(prompts[i % len(prompts)]), SamplingParams(**vars(params))))
-        num_admitted[0] += 1
-
-    watch = compile_watch()
-    watch.install()
-    built0, full_gc0 = watch.num_built, gc.get_stats()[2]["collections"]
-    device = cell.spec.model.lm_head.weight.device
-    engine.on_step = on_step
-    for _ in range(cell.batch):
-        admit()
-    num_tokens = 0
-    sync(device)
-    t0 = time.perf_counter()
-    while forwards[0] < min_steps:
-        for out in engine.step():
-            num_tokens += len(out.new_token_ids)
-            if out.finish_reason is not None:
-                admit()
-    sync(device)
-    wall = time.perf_counter() - t0
-    engine.on_step = None
-    while engine.has_unfinished:  # outside the window
-        engine.step()
-    engine.flush_observations()
-    fields = _fields(records, num_tokens, wall, forwards[0], num_admitted[0] / len(prompts))
-    fields.update(
-        num_compiles=watch.num_built - built0, num_full_gc=gc.get_stats()[2]["collections"] - full_gc0
-    )
-    return fields, records, steps
-
-
-def _fields(records: list[StepRecord], num_tokens: int, wall: float, num_steps: int, passes: float) -> dict:
-    decide = [r.plan_info["decide_ms"] for r in records  # the steps that decided (plan_age 0)
-              if "decide_ms" in r.plan_info and not r.plan_info.get("plan_age")]  # fmt: skip
-    request_steps = sum(r.batch_size for r in records)
-    return dict(
-        tokens_per_s=num_tokens / wall, num_steps=num_steps, num_passes=passes,
-        mean_k=sum(r.num_proposed for r in records) / max(request_steps, 1),
-        decide_ms_p50=float(np.percentile(decide, 50)) if decide else None,
-        decide_ms_p99=float(np.percentile(decide, 99)) if decide else None,
-        scorer_steps=dict(Counter(r.scorer for r in records)),
-        decides_per_step=len(decide) / len(records) if records else None,
-    )  # fmt: skip
-
-
 def profile_state(cell: Cell, cfg):
     """The shared warm-up: (cost models, acceptance estimator) after >= ``cfg.warmup_steps`` decode
     steps over the cell's prompts that cycle k in {0, fixed k, max k} x every scorer, run twice: the
@@ -277,10 +85,10 @@ def profile_state(cell: Cell, cfg):
         cell.spec, run.proposers, run.proposer, ProfilePolicy(ks, list(cell.spec.scorers))
     )
     engine = make()
-    _passes(engine, cell, cfg.warmup_steps)
+    closed_window(engine, cell, cfg.warmup_steps)
     fresh = make()
     fresh.acceptance = engine.acceptance
-    _passes(fresh, cell, cfg.warmup_steps)
+    closed_window(fresh, cell, cfg.warmup_steps)
     return fresh.costs, fresh.acceptance
 
 

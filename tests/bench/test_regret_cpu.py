@@ -92,7 +92,7 @@ def test_ratios_follow_from_the_rows(result):
 
 
 def test_summary_without_goodput_names_the_oracle_only():
-    from specsched.bench.regret import Sample
+    from specsched.bench.regret_windows import Sample
 
     samples = [Sample(label, r, tps, 10, 1, 0.0, None, None) for r in range(2)
                for label, tps in ((NON_SPEC, 100.0 + r), ("fixed k=1 mqa", 120.0 - r))]  # fmt: skip
@@ -151,13 +151,13 @@ def test_each_timed_window_is_one_run_of_its_cell_s_decision_log(result):
 def test_a_window_counts_forwards_so_runs_of_plain_steps_do_not_lengthen_it():
     from types import SimpleNamespace
 
-    from specsched.bench.regret import _passes
+    from specsched.bench.regret_windows import closed_window
     from tests.engine.test_multi_step import engine
 
     e = engine("mqa", 4, graphs=False)  # non-speculative in runs of 4 plain steps
     cell = SimpleNamespace(prompts=[[5, 6, 7], [8, 9, 10, 11]], batch=2, max_new_tokens=16,
                            spec=SimpleNamespace(model=e.model))  # fmt: skip
-    fields, records, _ = _passes(e, cell, 40)
+    fields, records, _ = closed_window(e, cell, 40)
     forwards = sum(r.num_decode_steps for r in records)
     assert fields["num_steps"] == forwards >= 40
     assert len(records) < forwards  # runs ran: counted as records the window would take ~4x as long
@@ -178,7 +178,7 @@ def test_a_window_counts_the_compiles_and_full_collections_inside_it(monkeypatch
     import gc
     from types import SimpleNamespace
 
-    from specsched.bench.regret import _passes
+    from specsched.bench.regret_windows import closed_window
     from specsched.kernels.compile_watch import compile_watch
     from tests.engine.test_multi_step import engine
 
@@ -187,7 +187,7 @@ def test_a_window_counts_the_compiles_and_full_collections_inside_it(monkeypatch
     e = engine("mqa", 1, graphs=False, proposer="ngram", ks=(2, 0))
     cell = SimpleNamespace(prompts=[[5, 6, 7, 5, 6], [8, 9, 10, 11]], batch=2, max_new_tokens=6,
                            spec=SimpleNamespace(model=e.model))  # fmt: skip
-    fields, _, _ = _passes(e, cell, 1)
+    fields, _, _ = closed_window(e, cell, 1)
     assert (fields["num_compiles"], fields["num_full_gc"]) == (0, 0)
 
     watch._hook(repr="_warm_up_kernel[...]")  # before the window: not its compile
@@ -208,7 +208,7 @@ def test_a_window_counts_the_compiles_and_full_collections_inside_it(monkeypatch
         return out
 
     monkeypatch.setattr(e2, "step", step)
-    fields, _, _ = _passes(e2, cell, 1)
+    fields, _, _ = closed_window(e2, cell, 1)
     assert fields["num_compiles"] == 1 and fields["num_full_gc"] >= 1
 
 
@@ -219,7 +219,7 @@ def test_a_refilled_window_keeps_its_batch_full_where_closed_groups_drain():
     running at the window's end finish outside it and leave no record."""
     from types import SimpleNamespace
 
-    from specsched.bench.regret import _passes, _refilled
+    from specsched.bench.regret_windows import closed_window, refilled_window
     from tests.engine.test_multi_step import engine
 
     prompts = [[5, 6, 7, 5, 6, 7, 5], [8, 9, 10, 11], [12, 13, 12, 13, 12], [20, 21], [30, 31, 30, 31]]
@@ -233,13 +233,13 @@ def test_a_refilled_window_keeps_its_batch_full_where_closed_groups_drain():
         assert not e.has_unfinished and e.on_step is None
         return fields, records, steps
 
-    fields, records, steps = run(_refilled)
+    fields, records, steps = run(refilled_window)
     assert [r.batch_size for r in records] == [3] * len(records) and len(records) == fields["num_steps"] >= 40
     assert fields["num_passes"] > 1 and fields["tokens_per_s"] > 0
     assert sum(r.num_emitted for r in records) >= fields["num_steps"] * 3  # >= 1 token a request a step
     assert any(r.kind == "prefill" and 0 < steps.index(r) for r in steps)  # refills mid-window
 
-    _, closed, _ = run(_passes)
+    _, closed, _ = run(closed_window)
     assert min(r.batch_size for r in closed) < 3  # the groups drain
 
 
