@@ -212,6 +212,7 @@ def run_regret(
             "min_steps": cfg.min_steps,
             "errors": dict(errors),
             "min_steps_by_batch": by_batch,
+            "refill": bool(plain.get("refill")),
         }
         out["markdown"] = regret_markdown(out)
         return out
@@ -237,6 +238,12 @@ def _ratio(r: dict | None) -> str:
 def _by_batch(res: dict) -> str:
     by = res.get("min_steps_by_batch") or {}
     return f" (at batch {', '.join(f'{b}: >= {n}' for b, n in sorted(by.items()))})" if by else ""
+
+
+def _shape(res: dict) -> str:
+    if res.get("refill"):
+        return "refilled windows (the batch kept full, a finished request replaced at once)"
+    return "closed groups (each window whole passes of groups of the batch size)"
 
 
 def regret_markdown(res: dict) -> str:
@@ -279,7 +286,8 @@ def regret_markdown(res: dict) -> str:
     ]
     parts = [
         f"### Regret (issue 13): {res['repeats']} interleaved repeats of >= {res['min_steps']} decode "
-        f"steps per config{_by_batch(res)}; ratios per repeat: median [min–max]", "", table(head, rows), "",
+        f"steps per config{_by_batch(res)}, {_shape(res)}; ratios per repeat: median [min–max]", "",
+        table(head, rows), "",
         f"goodput decide p99 at batch 64: {fmt(max(big), 3) + ' ms' if big else '– (no batch-64 cell)'}", "",
         "### Regret: every config (tok/s median over repeats, min–max)", "",
         table(["proposer", "batch", "config", "tok/s", "min–max", "mean k", "min steps",

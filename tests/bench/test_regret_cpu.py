@@ -84,7 +84,7 @@ def test_ratios_follow_from_the_rows(result):
             assert c[key]["median"] == pytest.approx(statistics.median(per))
             assert (c[key]["min"], c[key]["max"]) == (pytest.approx(min(per)), pytest.approx(max(per)))
             assert f"{c[key]['median']:.3f} [{c[key]['min']:.3f}–{c[key]['max']:.3f}]" in text
-    assert "repeats of >= 6 decode steps per config (at batch 2: >= 14);" in text
+    assert "repeats of >= 6 decode steps per config (at batch 2: >= 14), closed groups (" in text
     assert "| predicted before learnt (live) median % |" in text
     assert "| min steps | compiles in windows | full GCs in windows |" in text
     for title in ("### Regret (issue 13)", "### Regret: every config", "### Cost-model held-out error"):
@@ -247,3 +247,11 @@ def test_the_grid_past_batch_1_runs_refilled_windows():
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         assert compose("bench", overrides=["bench=regret_h200_grid"]).bench.regret.refill is True
         assert compose("bench", overrides=["bench=regret"]).bench.regret.refill is False
+
+
+def test_the_tables_say_which_window_shape_ran():
+    from specsched.bench.regret import regret_markdown
+
+    res = {"cells": [], "repeats": 3, "min_steps": 500, "errors": {}, "min_steps_by_batch": {}}
+    assert "closed groups (" in regret_markdown(res)
+    assert "refilled windows (" in regret_markdown({**res, "refill": True})
