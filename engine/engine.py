@@ -264,8 +264,9 @@ class Engine(PrefillStep, DecodeSteps):
             caps = [v.max_k for v in views]
             run = num_decode_steps(reqs, [0] * len(reqs), caps, names, max_steps, self.max_model_len)
         return BatchView(
-            views, sched.num_free_blocks, self.cfg.cache.block_size, list(self.scorers), self.num_steps, run
-        )
+            views, sched.num_free_blocks, self.cfg.cache.block_size, list(self.scorers), self.num_steps, run,
+            self.acceptance,
+        )  # fmt: skip
 
     def _proposer_names(self, reqs: list[Request]) -> list[str]:
         default = self.cfg.spec.proposer

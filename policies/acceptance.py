@@ -11,6 +11,10 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specsched.policies.acceptance_stages import StagedAcceptance
 
 DEFAULT_PRIORS: dict[str, tuple[float, float]] = {
     "ngram": (1.0, 2.0),  # prompt lookup: often wrong, mean 1/3
@@ -170,6 +174,17 @@ class AcceptanceEstimator:
         self._pools: dict[str, PoolSums] = {}  # proposer -> sums over its finished and running counts
         # proposer -> (alpha0, beta0, aggregate successes, failures, strength cap), until it changes
         self._priors: dict[str, tuple[float, float, float, float, float]] = {}
+        self.stages: StagedAcceptance | None = None  # the two-rate model, once a policy asks for it
+
+    def enable_stages(self) -> StagedAcceptance:
+        """The first-draft and continuation rates of every request
+        (:mod:`specsched.policies.acceptance_stages`), counted from the observations after this
+        call on."""
+        if self.stages is None:
+            from specsched.policies.acceptance_stages import StagedAcceptance
+
+            self.stages = StagedAcceptance(self.config)
+        return self.stages
 
     def _base_prior(self, proposer: str) -> tuple[float, float]:
         return self.config.priors.get(proposer, self.config.default_prior)
@@ -223,6 +238,8 @@ class AcceptanceEstimator:
             raise ValueError(f"num_accepted must be in [0, k={k}], got {num_accepted}")
         if k == 0:
             return
+        if self.stages is not None:
+            self.stages.observe(request_id, proposer, k, num_accepted)
         failures = 1.0 if num_accepted < k else 0.0
         cfg = self.config
         own = self._requests.get(request_id)
@@ -299,6 +316,8 @@ class AcceptanceEstimator:
     def forget(self, request_id: str) -> None:
         """Drop a finished request's counts (its steps stay in the proposer aggregate, and its counts
         in the pool the prior strength is fitted on)."""
+        if self.stages is not None:
+            self.stages.forget(request_id)
         own = self._requests.pop(request_id, None)
         if own is None:
             return

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specsched.policies.acceptance import AcceptanceEstimator
 
 
 @dataclass
@@ -33,6 +37,9 @@ class BatchView:
     # engine/multi_step.py): 1 when runs are off or this batch cannot run one (a sampled request, a
     # proposer with nothing on offer, a request about to finish)
     decode_steps: int = 1
+    # the engine's acceptance estimator (policies/acceptance.py), for a policy that reads more of it
+    # than each request's rate (goodput's staged_acceptance); None in views built without one
+    acceptance: AcceptanceEstimator | None = None
 
     @property
     def batch_size(self) -> int:

@@ -45,6 +45,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from specsched.policies.acceptance_stages import staged_powers
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.cost_model import CostModels
 from specsched.policies.fixed import step_proposer
@@ -79,6 +80,9 @@ class GoodputConfig:
     # the best one's (0: every scorer on every decide); a full search every full_search_interval decides
     prune_below: float = 0.5
     full_search_interval: int = 16
+    # plan with two acceptance rates per request, the first draft's and a later one's given its
+    # predecessor (policies/acceptance_stages.py; n-gram drafts are copied spans), instead of one
+    staged_acceptance: bool = False
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
@@ -138,12 +142,14 @@ class GoodputPolicy(Policy):
         at batch 1, else ``[B]`` int) and the posterior sds of those that could draft."""
         reqs, cfg = view.requests, self.config
         proposer = step_proposer(view)
+        staged = self._staged_powers(view) if cfg.staged_acceptance else None
         if len(reqs) == 1:
             r = reqs[0]
             cap = max(min(r.max_k, cfg.max_k), 0)
             prob = SingleProblem(
-                costs, scorers, proposer, r.acceptance, r.acceptance_std, r.context_len, cap, cfg.optimism
-            )
+                costs, scorers, proposer, r.acceptance, r.acceptance_std, r.context_len, cap, cfg.optimism,
+                survival=None if staged is None else staged[0].tolist(),
+            )  # fmt: skip
             return prob, [r.last_k], [r.acceptance_std] if r.max_k > 0 else []
         accs, stds, ctxs, max_k, lasts = zip(*map(_REQUEST_FIELDS, reqs))  # one pass over the views
         mean = np.array(accs, dtype=np.float64)  # [B]
@@ -154,9 +160,27 @@ class GoodputPolicy(Policy):
         np.maximum(cap, 0, out=cap)
         last = np.array(lasts, dtype=np.int64)  # [B]
         prob = BatchProblem(
-            costs, scorers, proposer, mean, std, ctx, cap, cfg.max_iters, cfg.scorer_margin, cfg.optimism
-        )
+            costs, scorers, proposer, mean, std, ctx, cap, cfg.max_iters, cfg.scorer_margin, cfg.optimism,
+            powers=staged,
+        )  # fmt: skip
         return prob, last, [sd for sd, m in zip(stds, max_k) if m > 0]
+
+    def _staged_powers(self, view: BatchView) -> np.ndarray | None:
+        """``[B, max_k]`` survival of each request's drafts under its two acceptance rates
+        (``staged_acceptance``), or None when the view carries no estimator."""
+        if view.acceptance is None:
+            return None
+        stages = view.acceptance.enable_stages()
+        num = max(self.config.max_k, 1)
+        reqs = view.requests
+        out = np.empty((len(reqs), num))
+        by: dict[str, list[int]] = {}
+        for i, r in enumerate(reqs):
+            by.setdefault(r.proposer, []).append(i)
+        for proposer, idx in by.items():
+            m1, _, m2, s2 = stages.mean_std_many([reqs[i].request_id for i in idx], proposer)
+            out[idx] = staged_powers(m1, m2, s2, num)
+        return out
 
     def _contending_problem(self, view: BatchView, costs: CostModels, scorers: list[str]):
         """:meth:`problem` over the contending scorers (module docstring, *Pruning*), or over every

@@ -169,12 +169,20 @@ class BatchProblem:
     :meth:`goodput`, :meth:`hold`, :meth:`probe`, :meth:`dither`, :meth:`fit_kv`, :meth:`components`."""
 
     def __init__(
-        self, costs, scorers, proposer, mean, std, ctx, cap, max_iters, scorer_margin, optimism=0.0
-    ) -> None:
+        self, costs, scorers, proposer, mean, std, ctx, cap, max_iters, scorer_margin, optimism=0.0,
+        powers=None,
+    ) -> None:  # fmt: skip
+        """``powers`` ``[B, >= J]``: the drafts' survival from another acceptance model (e.g.
+        :func:`~specsched.policies.acceptance_stages.staged_powers`) instead of the single rate
+        ``mean`` / ``std``'s (which probes and dither still use)."""
         self.mean, self.std, self.ctx, self.cap = mean, std, ctx, cap
         self.top = int(cap.max())
-        plan_mean = np.minimum(mean + optimism * std, 1.0 - 1e-6) if optimism else mean
-        self.powers = acceptance_powers(plan_mean, std, max(self.top, 1))  # [B, J]
+        num = max(self.top, 1)
+        if powers is not None:
+            self.powers = np.ascontiguousarray(powers[:, :num])  # [B, J]
+        else:
+            plan_mean = np.minimum(mean + optimism * std, 1.0 - 1e-6) if optimism else mean
+            self.powers = acceptance_powers(plan_mean, std, num)  # [B, J]
         self.ecum = expected_table(self.powers)  # [B, J+1]
         # no candidate exceeds the caps: B + Σ cap_i tokens (a table of that size, not B·(max cap + 1),
         # is what the plans can index; it is also the range the table's check for clipping covers)

@@ -50,11 +50,22 @@ class SingleProblem:
     """One step's search for one request; plans are ints (its k). The interface is
     :class:`~specsched.policies.goodput_search.BatchProblem`'s."""
 
-    def __init__(self, costs: CostModels, scorers, proposer, mean, std, ctx, cap, optimism=0.0) -> None:
+    def __init__(
+        self, costs: CostModels, scorers, proposer, mean, std, ctx, cap, optimism=0.0,
+        survival: list[float] | None = None,
+    ) -> None:  # fmt: skip
+        """``survival``: the drafts' survival (draft 1, 2, ..., at least ``cap`` of them) from another
+        acceptance model, as :class:`~specsched.policies.goodput_search.BatchProblem`'s ``powers``."""
         self.mean, self.std, self.ctx, self.cap = mean, std, ctx, cap
         self.top = cap
-        plan_mean = min(mean + optimism * std, 1.0 - 1e-6) if optimism else mean
-        self.expected = expected = _expected(plan_mean, std, cap)  # [cap + 1] posterior E(k)
+        if survival is not None:
+            expected = [1.0]
+            for p in survival[:cap]:
+                expected.append(expected[-1] + p)
+        else:
+            plan_mean = min(mean + optimism * std, 1.0 - 1e-6) if optimism else mean
+            expected = _expected(plan_mean, std, cap)
+        self.expected = expected  # [cap + 1] posterior E(k)
         c = ctx / 1e3
         models = costs.models
         p = _model(costs, models, ("propose", proposer)).coef_list

@@ -319,7 +319,8 @@ def simulate(
             )
             for live, c in zip(running, ctx, strict=True)
         ]
-        plan = policy.decide(BatchView(views, free, st.block_size, scorers, res.num_steps), costs)
+        batch = BatchView(views, free, st.block_size, scorers, res.num_steps, acceptance=acceptance)
+        plan = policy.decide(batch, costs)
         if len(plan.k) != len(views) or plan.scorer not in scorers:
             raise ValueError(
                 f"policy {label!r} returned {len(plan.k)} k for {len(views)} requests and scorer "
