@@ -11,10 +11,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from specsched.policies.acceptance_stages import StagedAcceptance
+from typing import Protocol
 
 DEFAULT_PRIORS: dict[str, tuple[float, float]] = {
     "ngram": (1.0, 2.0),  # prompt lookup: often wrong, mean 1/3
@@ -143,6 +140,14 @@ class PoolSums:
 _RESUM_UPDATES = 1 << 13
 
 
+class ObservationSink(Protocol):
+    """What else hears an estimator's observations (:attr:`AcceptanceEstimator.stages`)."""
+
+    def observe(self, request_id: str, proposer: str, k: int, num_accepted: int) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
 class AcceptanceEstimator:
     """Beta(alpha, beta) posterior over each request's acceptance rate.
 
@@ -174,17 +179,9 @@ class AcceptanceEstimator:
         self._pools: dict[str, PoolSums] = {}  # proposer -> sums over its finished and running counts
         # proposer -> (alpha0, beta0, aggregate successes, failures, strength cap), until it changes
         self._priors: dict[str, tuple[float, float, float, float, float]] = {}
-        self.stages: StagedAcceptance | None = None  # the two-rate model, once a policy asks for it
-
-    def enable_stages(self) -> StagedAcceptance:
-        """The first-draft and continuation rates of every request
-        (:mod:`specsched.policies.acceptance_stages`), counted from the observations after this
-        call on."""
-        if self.stages is None:
-            from specsched.policies.acceptance_stages import StagedAcceptance
-
-            self.stages = StagedAcceptance(self.config)
-        return self.stages
+        # also told every observation and forget: the two-rate model of a policy that asks for it
+        # (policies/acceptance_stages.py stages_of); None: nobody
+        self.stages: ObservationSink | None = None
 
     def _base_prior(self, proposer: str) -> tuple[float, float]:
         return self.config.priors.get(proposer, self.config.default_prior)

@@ -30,9 +30,18 @@ import numpy as np
 from specsched.policies.acceptance import AcceptanceConfig, AcceptanceEstimator
 
 
+def stages_of(estimator: AcceptanceEstimator) -> StagedAcceptance:
+    """The two-rate model fed by ``estimator`` (its ``stages``), made on first use: it counts the
+    observations from then on."""
+    found = estimator.stages
+    if not isinstance(found, StagedAcceptance):
+        found = estimator.stages = StagedAcceptance(estimator.config)
+    return found
+
+
 class StagedAcceptance:
-    """The two posteriors of every request (module docstring), fed by the single-rate estimator
-    (:meth:`AcceptanceEstimator.enable_stages`)."""
+    """The two posteriors of every request (module docstring), fed by a single-rate estimator
+    (:func:`stages_of`)."""
 
     def __init__(self, config: AcceptanceConfig | None = None) -> None:
         self.first = AcceptanceEstimator(config)

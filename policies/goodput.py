@@ -45,7 +45,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from specsched.policies.acceptance_stages import staged_powers
+from specsched.policies.acceptance_stages import staged_powers, stages_of
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.cost_model import CostModels
 from specsched.policies.fixed import step_proposer
@@ -170,7 +170,7 @@ class GoodputPolicy(Policy):
         (``staged_acceptance``), or None when the view carries no estimator."""
         if view.acceptance is None:
             return None
-        stages = view.acceptance.enable_stages()
+        stages = stages_of(view.acceptance)
         num = max(self.config.max_k, 1)
         reqs = view.requests
         out = np.empty((len(reqs), num))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specsched.policies.acceptance import AcceptanceEstimator
-from specsched.policies.acceptance_stages import staged_powers
+from specsched.policies.acceptance_stages import staged_powers, stages_of
 from specsched.policies.base import BatchView, RequestView
 from specsched.policies.cost_model import CostModels
 from specsched.policies.goodput import GoodputConfig, GoodputPolicy
@@ -19,7 +19,7 @@ STEPS = {"r0": [(8, 0), (8, 3), (8, 8), (0, 0)], "r1": [(2, 1)]}  # (k, accepted
 
 def fed(steps=STEPS) -> AcceptanceEstimator:
     est = AcceptanceEstimator()
-    est.enable_stages()
+    stages_of(est)
     for rid, obs in steps.items():
         for k, n in obs:
             est.observe(rid, "ngram", k, n)
