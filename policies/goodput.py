@@ -131,6 +131,7 @@ class GoodputPolicy(Policy):
         self._last_full = 0  # decide count of the last full search
         self._k0_scorer: str | None = None  # a plain decode's scorer at the last search of every scorer
         self._is_run = False  # the last plan was a run of plain steps taken over speculation
+        self._staged_memo: tuple | None = None  # (decide count, view, survival) of staged_acceptance
         cfg = self.config
         self.exploration = ExplorationSwitch(
             cfg.explore_stop_std, cfg.explore_stop_error, cfg.explore_restart, cfg.explore_min_steps
@@ -170,6 +171,9 @@ class GoodputPolicy(Policy):
         (``staged_acceptance``), or None when the view carries no estimator."""
         if view.acceptance is None:
             return None
+        memo = self._staged_memo  # a pruned search and then a full one in one decide read them once
+        if memo is not None and memo[0] == self._num_decides and memo[1] is view:
+            return memo[2]
         stages = stages_of(view.acceptance)
         num = max(self.config.max_k, 1)
         reqs = view.requests
@@ -180,6 +184,7 @@ class GoodputPolicy(Policy):
         for proposer, idx in by.items():
             m1, _, m2, s2 = stages.mean_std_many([reqs[i].request_id for i in idx], proposer)
             out[idx] = staged_powers(m1, m2, s2, num)
+        self._staged_memo = (self._num_decides, view, out)
         return out
 
     def _contending_problem(self, view: BatchView, costs: CostModels, scorers: list[str]):
