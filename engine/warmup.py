@@ -280,16 +280,15 @@ def warm_up_model(
 
 
 def draft_models(target: LlamaForCausalLM, proposers) -> list[tuple[LlamaForCausalLM, KVCache]]:
-    """The separate draft models among ``proposers`` (a draft-model proposer's, or one wrapped as a
-    proposer's ``draft``, e.g. the synthetic proposer paying a real draft's cost), each once, with
-    its KV cache; a self-draft (the target's own layers) is the target's and not listed."""
+    """The separate draft models of ``proposers`` (each one's ``draft_model()``: a draft-model
+    proposer's, or the real draft a synthetic proposer pays for), each once, with its KV cache; a
+    self-draft (the target's own layers) is the target's and not listed."""
     out, seen = [], {id(target)}
     for p in proposers:
-        for cand in (p, getattr(p, "draft", None)):
-            model, kv = getattr(cand, "model", None), getattr(cand, "kv_cache", None)
-            if isinstance(model, LlamaForCausalLM) and kv is not None and id(model) not in seen:
-                seen.add(id(model))
-                out.append((model, kv))
+        found = p.draft_model()
+        if found is not None and id(found[0]) not in seen:
+            seen.add(id(found[0]))
+            out.append(found)
     return out
 
 

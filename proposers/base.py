@@ -5,11 +5,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from specsched.engine.request import Request
+
+if TYPE_CHECKING:
+    from specsched.models.llama import KVCache, LlamaForCausalLM
 
 
 @dataclass
@@ -71,6 +75,11 @@ class Proposer(ABC):
     def peek(self, batch: list[Request]) -> ProposerPeek:
         """Cheap per-request facts for the policy. Default: no limit beyond the engine's."""
         return ProposerPeek(max_k=[1 << 30] * len(batch))
+
+    def draft_model(self) -> tuple[LlamaForCausalLM, KVCache] | None:
+        """The model this proposer runs and its KV cache, for the start-up kernel warm-up
+        (engine/warmup.py); None: it runs none."""
+        return None
 
     @abstractmethod
     def propose(self, batch: list[Request], k: list[int]) -> Proposals:

@@ -53,6 +53,9 @@ class DraftModelProposer(Proposer):
         self.device = model.lm_head.weight.device
         self.graph_forward = None  # set by scorers.graph.attach_draft_graphs (CUDA graphs)
 
+    def draft_model(self) -> tuple[LlamaForCausalLM, KVCache]:
+        return self.model, self.kv_cache
+
     def _forward(self, reqs: list[Request], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Feed ``tokens[i]`` at positions ``starts[i]..``; logits at each row's last token. The
         inputs travel in one host-to-device copy (into the graph runner's buffer when it has one)."""

@@ -27,7 +27,7 @@ import random
 from pathlib import Path
 
 from specsched.engine.request import Request
-from specsched.models.llama import LlamaForCausalLM
+from specsched.models.llama import KVCache, LlamaForCausalLM
 from specsched.proposers.base import Proposals, Proposer, ProposerPeek
 
 
@@ -109,6 +109,9 @@ class SyntheticProposer(Proposer):
     def on_commit(self, batch: list[Request]) -> None:
         if self.draft is not None:
             self.draft.on_commit(batch)
+
+    def draft_model(self) -> tuple[LlamaForCausalLM, KVCache] | None:
+        return None if self.draft is None else self.draft.draft_model()  # the real draft it pays for
 
     def on_finish(self, request: Request) -> None:
         self._paths.pop(request.request_id, None)
