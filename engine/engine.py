@@ -190,7 +190,7 @@ class Engine(PrefillStep, DecodeSteps):
         outputs = self._commit(reqs, emitted, props.num_draft, names)
         timer.mark("commit")
         self._record(rec, reqs, names, plan, props, views, emitted, match_bits, outputs, num_steps)
-        self._is_after_run = num_steps > 1
+        self._is_after_run = not any(ks)  # drafted nothing: a draft model skipped these tokens
         self.policy.observe(plan, [r.num_accepted for r in rec.requests])
         timer.mark("record")
         return outputs, rec
@@ -231,8 +231,10 @@ class Engine(PrefillStep, DecodeSteps):
             for r, v, e, k, b, o in zip(reqs, views, emitted, props.num_draft, match_bits, outputs)
         ]
         rec.batch_size, rec.num_tokens = len(reqs), props.num_tokens + len(reqs) * num_steps
-        rec.num_decode_steps, rec.is_after_run = num_steps, self._is_after_run
-        rec.num_emitted = sum(map(len, emitted))
+        # flagged where it matters (a step that drafts, or a run), not on every plain step of a plain run
+        rec.num_decode_steps = num_steps
+        rec.is_after_run = self._is_after_run and (num_steps > 1 or any(props.num_draft))
+        rec.num_emitted = sum(len(o.new_token_ids) for o in outputs)  # kept: a stop drops what follows it
         rec.scorer, rec.policy, rec.is_synthetic = plan.scorer, plan.policy, props.is_synthetic
         kinds = set(names)
         rec.proposer = names[0] if len(kinds) == 1 else "+".join(sorted(kinds))

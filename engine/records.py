@@ -42,9 +42,11 @@ class StepRecord:
     # plain decode steps this record ran back to back (scheduler.decode_steps; in the log as
     # plan_info's "decode_steps" when > 1): its times cover that many forwards
     num_decode_steps: int = 1
-    # the engine's decode step before this one was such a run: a proposer with its own KV cache (a
-    # draft model) caught up over the run's tokens in this step's propose, a one-off cost of leaving
-    # the run (in the log as plan_info's "is_after_run"; the cost models' propose fit skips it)
+    # this step drafts (or runs plain steps) and the engine's decode step before it drafted nothing
+    # (a run of plain steps, or one plain step): a proposer with its own KV cache (a draft model)
+    # caught up over those steps' tokens in this step's propose, a one-off cost of leaving them (in
+    # the log as plan_info's "is_after_run"; the cost models' propose fit skips it and keeps it as
+    # the proposer's catch-up cost)
     is_after_run: bool = False
     # host (perf_counter) ms per phase: schedule, view, decide, reserve, propose, score, overlap,
     # verify (with its wait for the GPU), commit, record, stats, other (engine.step_timer)

@@ -22,7 +22,7 @@ from specsched.policies.bucket_bias import BucketBias, bucket_key
 from specsched.policies.cost_priors import FLOOR, PRIORS, seed_coefficients
 from specsched.policies.cost_store import load_models, save_models
 from specsched.policies.rls import OnlineLinearModel
-from specsched.policies.run_cost import RunRatio, run_ms
+from specsched.policies.run_cost import CatchUpCost, RunRatio, run_ms
 from specsched.policies.running_error import RunningError
 from specsched.policies.shapes import (
     EXPANSION_SCORERS,
@@ -111,6 +111,8 @@ class CostModels:
         # policies.replay.refit_costs (policies/replay_churn.py); None: nothing
         self.churn = None
         self.runs: dict[str, RunRatio] = {}  # scorer -> measured / predicted ms of its runs (run_cost.py)
+        # proposer -> what its catch-up after plain steps adds to a step's propose ms (run_cost.py)
+        self.catchups: dict[str, CatchUpCost] = {}
         self.num_stalls = 0  # steps skipped as stalls (STALL_RATIO)
         self.seed_defaults(device)
 
@@ -125,6 +127,7 @@ class CostModels:
         self.errors.clear()
         self.biases.clear()
         self.runs.clear()
+        self.catchups.clear()
 
     def _prior(self, key: tuple[str, ...]) -> list[float]:
         return seed_coefficients(self.device, key)
@@ -249,10 +252,11 @@ class CostModels:
         x_score, x_verify = self.score_features(scorer, s), verify_features(s)
         m_score, m_verify = self.model("score", scorer), self.model("verify")
         m_propose = self.model("propose", proposer) if is_spec else None
-        # after a run of plain steps a draft model's propose caught up over the run's tokens: a
-        # one-off cost of leaving the run, not what a speculative step costs (fitted, it made every
+        # after plain steps (a run, or one) a draft model's propose caught up over their tokens: a
+        # one-off cost of leaving them, not what a speculative step costs (fitted, it made every
         # speculative plan look dearer than the run and kept goodput in runs: the H200's 7B pair at
-        # a = 0.3, 2026-12-05, 0.81x fixed k = 3); its score, verify and overhead still teach
+        # a = 0.3, 2026-12-05, 0.81x fixed k = 3), kept apart as the proposer's catch-up cost
+        # (catchup_ms); its score, verify and overhead still teach
         is_caught_up = record.is_after_run and is_spec
         m_overhead = self.model("overhead") if total_ms > 0 else None
         x_propose = propose_features(s) if is_spec else None
@@ -283,6 +287,8 @@ class CostModels:
             self.num_decodes[scorer] = self.num_decodes.get(scorer, 0) + 1
         elif not is_caught_up:
             m_propose.update(x_propose, propose_ms)
+        else:  # what leaving plain steps cost, over a steady step's propose (weigh_run charges it)
+            self.catchups.setdefault(proposer, CatchUpCost()).update(m_propose.predict(x_propose), propose_ms)
         m_score.update(x_score, score_ms)
         if self.is_bucket_bias and scorer in self.graph_buckets:
             self._bias(scorer).update(bucket_key(x_score), x_score, score_ms)
@@ -290,6 +296,12 @@ class CostModels:
         if m_overhead is not None:
             m_overhead.update(x_overhead, max(0.0, total_ms - propose_ms - score_ms - verify_ms))
         return True
+
+    def catchup_ms(self, proposer: str) -> float:
+        """What ``proposer``'s catch-up after plain steps adds to a speculative step's propose ms, as
+        measured so far (0 before any, and for proposers without a KV cache of their own)."""
+        found = self.catchups.get(proposer)
+        return found.value if found else 0.0
 
     def predict_run(self, scorer: str, s: ShapeStats, num_steps: int) -> float:
         """Predicted ms of a run of ``num_steps`` plain steps of shape ``s`` (every k = 0) on

@@ -80,6 +80,9 @@ class GoodputConfig:
     # the best one's (0: every scorer on every decide); a full search every full_search_interval decides
     prune_below: float = 0.5
     full_search_interval: int = 16
+    # a run of plain steps entered from speculation is charged the draft's measured catch-up (the
+    # return's cost, policies/run_cost.py) spread over this many runs
+    run_switch_horizon: int = 4
     # plan with two acceptance rates per request, the first draft's and a later one's given its
     # predecessor (policies/acceptance_stages.py; n-gram drafts are copied spans), instead of one
     staged_acceptance: bool = False
@@ -98,7 +101,7 @@ class GoodputConfig:
                 raise ValueError(f"policy goodput: {name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.prune_below < 1:
             raise ValueError(f"policy goodput: prune_below must be in [0, 1), got {self.prune_below}")
-        for name in ("max_iters", "probe_interval", "full_search_interval"):
+        for name in ("max_iters", "probe_interval", "full_search_interval", "run_switch_horizon"):
             if getattr(self, name) < 1:
                 raise ValueError(f"policy goodput: {name} must be >= 1, got {getattr(self, name)}")
         if self.max_probe_interval < self.probe_interval:
@@ -293,7 +296,11 @@ class GoodputPolicy(Policy):
         if view.decode_steps > 1:  # a plan with every k = 0 runs several plain steps: weigh that
             ctx = [r.context_len for r in reqs]
             g_spec = g_plan if is_spec and not (is_probe or is_dither) else None  # exploring: it drafts
-            run = weigh_run(costs, k0_scorer, ctx, view.decode_steps, g_spec, self._is_run, cfg.scorer_margin)
+            switch_ms = costs.catchup_ms(step_proposer(view))  # what the return to drafting costs
+            run = weigh_run(
+                costs, k0_scorer, ctx, view.decode_steps, g_spec, self._is_run, cfg.scorer_margin,
+                switch_ms, cfg.run_switch_horizon,
+            )  # fmt: skip
             if g_spec is not None:  # a plan that drafts nothing leaves the hysteresis as it was
                 self._is_run = run.is_taken
             if run.is_taken:

@@ -11,10 +11,21 @@ far (1 before any): the single-step models' own errors and what the model above 
 inputs for the next forward built on the device, one argmax per forward) are learned from the runs
 themselves. The cost models skip a run's record for their own fit (it is not one step's cost), and
 pass it here instead.
+
+*Leaving a run costs more than its own ms.* A draft model with its own KV cache skips the plain
+steps, so the first speculative step after them catches it up over every token it missed, as one
+varlen forward with q > 2 per row: outside the draft's graphs, eager (on the 2026-12-06 H100 log, 7B
+pair at batch 64: 7.4-10.9 ms against ~1 ms a step). The cost models leave that step out of the
+propose fit (it is no steady-state cost) and keep its excess over the prediction per proposer
+(:class:`CatchUpCost`); :func:`weigh_run` charges it to a run entered from speculation, spread over
+``horizon`` runs (the switch is paid once per stay in runs). Without it a 2-3 % predicted lead of
+the run, as large as the models' errors, flipped goodput between runs and speculation, each return
+paying the catch-up: 0.94x the best fixed config at batch 64, a = 0.3 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from specsched.policies.shapes import ShapeStats
@@ -45,6 +56,22 @@ class RunRatio:
         self.value += (ratio - self.value) / min(self.num_runs, self.window)
 
 
+@dataclass
+class CatchUpCost:
+    """Running mean of what a draft's catch-up after plain steps added to a speculative step's
+    propose ms over the propose model's prediction (clipped at 0; the last ~``window`` weigh most)."""
+
+    window: int = 16
+    value: float = 0.0
+    num_steps: int = 0
+
+    def update(self, predicted: float, measured: float) -> None:
+        if not (math.isfinite(predicted) and math.isfinite(measured)):
+            return
+        self.num_steps += 1
+        self.value += (max(measured - predicted, 0.0) - self.value) / min(self.num_steps, self.window)
+
+
 def run_ms(costs, scorer: str, stats: ShapeStats, num_steps: int, ratio: float = 1.0) -> float:
     """Predicted ms of a run of ``num_steps`` plain steps of shape ``stats`` on ``scorer`` (module
     docstring), from the single-step models of ``costs`` (a
@@ -65,16 +92,22 @@ class RunChoice:
 
 def weigh_run(
     costs, scorer: str, context_lens: list[int], num_steps: int, g_spec: float | None, is_run: bool,
-    margin: float,
+    margin: float, switch_ms: float = 0.0, horizon: int = 1,
 ) -> RunChoice:  # fmt: skip
     """Whether a step of requests with ``context_lens`` runs ``num_steps`` plain steps on ``scorer``
     (B · S tokens in :meth:`CostModels.predict_run` ms) instead of a speculative plan of goodput
     ``g_spec`` tokens/ms (None: there is none to replace: the plan drafts nothing, or it is a probe
     that is there to observe its drafts). With hysteresis: after a speculative step (``is_run``
-    False) the run must be ``margin`` better, after a run speculation must be ``margin`` better."""
+    False) the run must be ``margin`` better with ``switch_ms / horizon`` added to its ms (the
+    catch-up its return to speculation will cost, spread over the runs of one stay: module
+    docstring), after a run speculation must be ``margin`` better."""
     ms = costs.predict_run(scorer, plain_stats(context_lens), num_steps)
-    g_run = len(context_lens) * num_steps / max(ms, 1e-9)
+    tokens = len(context_lens) * num_steps
+    g_run = tokens / max(ms, 1e-9)
     if g_spec is None:
         return RunChoice(g_run, ms, 0.0, False)
-    taken = g_run * (1.0 + margin) >= g_spec if is_run else g_run > g_spec * (1.0 + margin)
+    if is_run:
+        taken = g_run * (1.0 + margin) >= g_spec
+    else:
+        taken = tokens / max(ms + switch_ms / max(horizon, 1), 1e-9) > g_spec * (1.0 + margin)
     return RunChoice(g_run, ms, g_spec, taken)

@@ -105,8 +105,9 @@ def test_num_decode_steps_only_for_plain_greedy_steps_within_the_limits():
     assert steps(two, [0, 0], max_steps=1) == 1  # off
     assert steps(two, [0, 1]) == 1  # a request drafts: one speculative step
     assert steps([req(10), req(5, temperature=0.7)], [0, 0]) == 1  # sampled
-    assert steps([req(10, 5, max_tokens=7), req(3)], [0, 0]) == 2  # 2 tokens left
-    assert steps([req(10, 6, max_tokens=7)], [0]) == 1
+    # a request near its max_tokens does not cut the run: the commit drops its tokens past the stop
+    assert steps([req(10, 5, max_tokens=7), req(3)], [0, 0]) == 4  # 2 tokens left
+    assert steps([req(10, 6, max_tokens=7)], [0]) == 4
     # the token of the last step sits at position num_tokens - 1 + (S - 1) < max_model_len
     assert steps([req(250)], [0], max_steps=8) == 7
     assert steps([req(256)], [0], max_steps=8) == 1
@@ -146,10 +147,26 @@ def test_runs_of_plain_steps_give_the_single_step_tokens(scorer, steps):
         # each request keeps the run's tokens up to its stop
         assert all(1 <= q.num_emitted <= r.num_decode_steps for q in r.requests)
         assert r.num_emitted == sum(q.num_emitted for q in r.requests)
-    assert any(all(q.num_emitted == r.num_decode_steps for q in r.requests) for r in runs)
+    # the context is far: every run takes its full length, even where a request stops inside it
+    assert all(r.num_decode_steps == steps for r in runs)
+    assert any(any(q.num_emitted < r.num_decode_steps for q in r.requests) for r in runs)
     if scorer != "mqa":
         runner = e.scorers[scorer].runner
         assert runner.num_replays > 0 and runner.num_eager_fallbacks == 0
+
+
+def test_max_tokens_inside_a_run_stops_the_request_there_and_the_others_run_on():
+    ps = [[7, 8, 9, 10], [11, 12, 13], [14, 15]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (3, 13, 9)]
+    want, _ = run(engine("mqa", 1), ps, params)
+    got, recs = run(engine("mqa", 4), ps, params)
+    assert got == want and [len(o) for o in got] == [3, 13, 9]
+    # the first decode step: 2 tokens left for the first request, yet the batch runs 4 steps
+    first = recs[0]
+    assert first.num_decode_steps == 4
+    assert [q.num_emitted for q in first.requests] == [2, 4, 4]
+    # every run but the last request's tail ran the full length
+    assert all(r.num_decode_steps == 4 for r in recs[:-1])
 
 
 def test_eos_inside_a_run_stops_the_request_there():
@@ -213,8 +230,9 @@ def test_a_run_is_not_a_cost_model_observation():
     _, recs = run(e, prompts(random.Random(2), 3), [SamplingParams(max_tokens=10, ignore_eos=True)] * 3)
     runs = [r for r in recs if r.num_decode_steps > 1]
     assert runs and not any(e.costs.observe(r) for r in runs)
-    single = next(r for r in recs if r.num_decode_steps == 1)
-    assert e.costs.observe(single)
+    one = engine("mqa", 1)
+    _, singles = run(one, prompts(random.Random(2), 3), [SamplingParams(max_tokens=10, ignore_eos=True)] * 3)
+    assert one.costs.observe(singles[0])  # a single plain step is one
 
 
 @pytest.mark.gpu

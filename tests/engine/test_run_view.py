@@ -40,8 +40,9 @@ def test_the_view_says_how_many_steps_a_plain_plan_runs(decode_steps):
     for view, rec in zip(spy.views, recs):
         assert view.decode_steps == rec.num_decode_steps  # what the engine then ran
     assert max(v.decode_steps for v in spy.views) == decode_steps
-    if decode_steps > 1:  # capped by the tokens left: 10 after the prefill's first, 4 + 4 + 2
-        assert [v.decode_steps for v in spy.views] == [4, 4, 2]
+    if decode_steps > 1:  # 10 tokens after the prefill's first: 4 + 4 + 4, the last 2 dropped at the stop
+        assert [v.decode_steps for v in spy.views] == [4, 4, 4]
+        assert [q.num_emitted for q in recs[-1].requests] == [2, 2]
 
 
 def test_an_ngram_request_without_a_match_gets_no_run_in_the_view():
@@ -85,13 +86,15 @@ def test_goodput_with_runs_is_lossless(proposer):
 
 
 def test_the_step_after_a_run_says_so():
-    """A draft model catches up over a run's tokens in the next propose: that step's record says it
-    came after a run (the cost models' propose fit skips it), and no other does."""
+    """A draft model catches up over the tokens of plain steps (a run, or one) in the next propose:
+    that step's record says it came after them (the cost models' propose fit skips it), and no
+    other does."""
     e = engine("mqa", 4, proposer="draft", ks=(0, 2, 2, 0, 0, 3), graphs=False)
     out, recs = run(e, [[5, 6, 7, 8]], [SamplingParams(max_tokens=40, ignore_eos=True)])
     assert len(out[0]) == 40
     flags = [r.is_after_run for r in recs]
-    want = [i > 0 and recs[i - 1].num_decode_steps > 1 for i in range(len(recs))]
+    drafts = [any(q.k for q in r.requests) for r in recs]
+    want = [i > 0 and not drafts[i - 1] and (drafts[i] or r.num_decode_steps > 1) for i, r in enumerate(recs)]
     assert flags == want
     assert any(flags) and not all(flags)
     for r in recs:

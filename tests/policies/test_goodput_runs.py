@@ -9,7 +9,7 @@ from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.policies.base import BatchView, RequestView
 from specsched.policies.cost_model import CostModels
 from specsched.policies.goodput import GoodputConfig, GoodputPolicy
-from specsched.policies.run_cost import plain_stats, weigh_run
+from specsched.policies.run_cost import CatchUpCost, plain_stats, weigh_run
 
 SCORERS = ["batch_expansion", "mqa", "mqa_graph"]
 BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -128,3 +128,42 @@ def test_runs_off_leave_the_plan_as_it_was():
     costs = cuda_costs()
     plan = quiet().decide(view(8, 0.3, 1), costs)
     assert "run_goodput" not in plan.info and max(plan.k) > 0
+
+
+def test_a_catch_up_is_kept_as_the_proposers_switch_cost():
+    costs = cuda_costs()
+    for step in range(40):
+        costs.observe(spec_record(step, 4, 3, 0.4, False))
+    assert costs.catchup_ms("draft") == 0.0  # none seen yet
+    predicted = costs.model("propose", "draft").predict([1.0, 3, 12, 12])
+    costs.observe(spec_record(40, 4, 3, 9.0, True))
+    assert costs.catchup_ms("draft") == pytest.approx(9.0 - predicted, rel=1e-6)
+    costs.observe(spec_record(41, 4, 3, 5.0, True))  # a running mean of the excess
+    assert costs.catchup_ms("draft") == pytest.approx((9.0 + 5.0) / 2 - predicted, rel=1e-6)
+    assert costs.catchup_ms("ngram") == 0.0  # a proposer never seen after plain steps costs nothing
+    costs.seed_defaults("cuda")
+    assert costs.catchup_ms("draft") == 0.0
+
+
+def test_weigh_run_charges_the_switch_only_on_the_way_in():
+    costs = cuda_costs()
+    ctx = [300] * 8
+    free = weigh_run(costs, "mqa_graph", ctx, 4, None, False, 0.02)
+    g_spec = free.goodput / 1.05  # the run predicted 5 % better
+    assert weigh_run(costs, "mqa_graph", ctx, 4, g_spec, False, 0.02).is_taken
+    switch = 0.2 * free.ms  # its return costs a fifth of a run: over 4 runs 5 %, the lead gone
+    assert not weigh_run(costs, "mqa_graph", ctx, 4, g_spec, False, 0.02, switch, 4).is_taken
+    assert weigh_run(costs, "mqa_graph", ctx, 4, g_spec, False, 0.02, switch, 16).is_taken  # a long stay
+    assert weigh_run(costs, "mqa_graph", ctx, 4, g_spec, True, 0.02, switch, 4).is_taken  # in runs: stay
+
+
+@pytest.mark.parametrize("batch,a", [(8, 0.3), (64, 0.5)])
+def test_a_measured_catch_up_keeps_goodput_speculating_when_runs_lead_by_little(batch, a):
+    costs = cuda_costs()
+    assert quiet().decide(view(batch, a, 4), costs).info["is_run"]  # runs lead (the test above)
+    run_ms = costs.predict_run("mqa_graph", plain_stats([300] * batch), 4)
+    costs.catchups["draft"] = CatchUpCost(value=2.0 * run_ms, num_steps=1)  # as the H100 log's eager catch-up
+    plan = quiet().decide(view(batch, a, 4), costs)
+    assert plan.info["is_run"] is False and max(plan.k) > 0
+    costs.catchups["draft"].value = 0.0  # a proposer whose catch-up is free: runs again
+    assert quiet().decide(view(batch, a, 4), costs).info["is_run"]
