@@ -101,3 +101,40 @@ def test_the_step_after_a_run_says_so():
         assert r.plan_info.get("is_after_run", False) == r.is_after_run  # what the log reads back
     assert any(r.is_after_run and r.num_proposed for r in recs)  # a drafting step after a run
     assert any(r.is_after_run and r.num_decode_steps > 1 for r in recs)  # and a run after a run
+
+
+@pytest.mark.parametrize("draft_max_q,eager", [(2, True), (6, False)])
+def test_the_drafts_catch_up_after_plain_steps_replays_a_graph(draft_max_q, eager):
+    """After a run of plain steps a draft with its own KV cache lags by the run's tokens: with MQA
+    buckets up to ``graphs.draft_max_q`` its catch-up replays a graph (emulated here) instead of
+    running the model eagerly; the tokens stay the non-speculative ones either way."""
+    from specsched.scorers.graph import GraphConfig, attach_draft_graphs
+
+    ps, params = [[5, 6, 7], [9, 10]], [SamplingParams(max_tokens=30, ignore_eos=True)] * 2
+    want, _ = run(engine("mqa", 1), ps, params)
+    e = engine(
+        "mqa", 4, proposer="draft", ks=(2, 0, 3)
+    )  # drafting (a prompt of <= 4 to catch up), a run of 4, drafting
+    prop = e.proposers["draft"]
+    assert not prop.is_shared_kv  # a draft with its own cache: it skips the plain steps
+    gcfg = GraphConfig(max_batch=4, max_k=4, max_model_len=256, emulate=True, progress=False,
+                       draft_max_q=draft_max_q)  # fmt: skip
+    fwd = attach_draft_graphs(prop, gcfg, 4)
+    got, recs = run(e, ps, params)
+    assert got == want
+    assert any(r.is_after_run and any(q.k for q in r.requests) for r in recs)  # drafting after a run
+    assert fwd.runner.num_replays > 0
+    assert (fwd.num_eager_calls > 0) == eager  # q = 2 + 4 after a run of 4: eager only below 6
+
+
+@pytest.mark.parametrize("decode_steps,want", [(1, 6), (4, 6), (8, 10)])
+def test_the_engines_graph_config_covers_a_run_of_plain_steps(decode_steps, want):
+    from specsched.scorers.graph import GraphConfig
+
+    cfg = EngineConfig(
+        model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, decode_steps=decode_steps),
+    )
+    assert GraphConfig.for_engine(cfg, 256).draft_max_q == want
+    with pytest.raises(ValueError, match="draft_max_q"):
+        GraphConfig(draft_max_q=1)
