@@ -80,9 +80,6 @@ class GoodputConfig:
     # the best one's (0: every scorer on every decide); a full search every full_search_interval decides
     prune_below: float = 0.5
     full_search_interval: int = 16
-    # a run of plain steps entered from speculation is charged the draft's measured catch-up (the
-    # return's cost, policies/run_cost.py) spread over this many runs
-    run_switch_horizon: int = 4
     # plan with two acceptance rates per request, the first draft's and a later one's given its
     # predecessor (policies/acceptance_stages.py; n-gram drafts are copied spans), instead of one
     staged_acceptance: bool = False
@@ -101,7 +98,7 @@ class GoodputConfig:
                 raise ValueError(f"policy goodput: {name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.prune_below < 1:
             raise ValueError(f"policy goodput: prune_below must be in [0, 1), got {self.prune_below}")
-        for name in ("max_iters", "probe_interval", "full_search_interval", "run_switch_horizon"):
+        for name in ("max_iters", "probe_interval", "full_search_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"policy goodput: {name} must be >= 1, got {getattr(self, name)}")
         if self.max_probe_interval < self.probe_interval:
@@ -134,6 +131,7 @@ class GoodputPolicy(Policy):
         self._last_full = 0  # decide count of the last full search
         self._k0_scorer: str | None = None  # a plain decode's scorer at the last search of every scorer
         self._is_run = False  # the last plan was a run of plain steps taken over speculation
+        self._run_regret_ms = 0.0  # ms the runs passed up since speculation last led would have saved
         self._staged_memo: tuple | None = None  # (decide count, view, survival) of staged_acceptance
         cfg = self.config
         self.exploration = ExplorationSwitch(
@@ -299,10 +297,10 @@ class GoodputPolicy(Policy):
             switch_ms = costs.catchup_ms(step_proposer(view))  # what the return to drafting costs
             run = weigh_run(
                 costs, k0_scorer, ctx, view.decode_steps, g_spec, self._is_run, cfg.scorer_margin,
-                switch_ms, cfg.run_switch_horizon,
+                switch_ms, self._run_regret_ms,
             )  # fmt: skip
             if g_spec is not None:  # a plan that drafts nothing leaves the hysteresis as it was
-                self._is_run = run.is_taken
+                self._is_run, self._run_regret_ms = run.is_taken, run.regret_ms
             if run.is_taken:
                 chosen, is_spec, is_decode, is_decode_try = scorers.index(k0_scorer), False, True, False
                 k = prob.zeros()
@@ -342,6 +340,8 @@ class GoodputPolicy(Policy):
         expected, total_ms = prob.expected_at_mean(k), cost["total_ms"]
         if run is not None:
             info["run_goodput"], info["is_run"] = run.goodput, run.is_taken
+            if switch_ms > 0:  # the rent-or-buy account of entering runs (policies/run_cost.py)
+                info["run_switch_ms"], info["run_regret_ms"] = switch_ms, run.regret_ms
             if not is_spec:  # the engine runs a plan that drafts nothing as a run: its ms and tokens
                 expected, total_ms = float(len(reqs) * view.decode_steps), run.ms
         return Plan(k_list, scorers[chosen], self.name, total_ms, expected, info)

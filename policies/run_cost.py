@@ -17,10 +17,14 @@ steps, so the first speculative step after them catches it up over every token i
 varlen forward with q > 2 per row: outside the draft's graphs, eager (on the 2026-12-06 H100 log, 7B
 pair at batch 64: 7.4-10.9 ms against ~1 ms a step). The cost models leave that step out of the
 propose fit (it is no steady-state cost) and keep its excess over the prediction per proposer
-(:class:`CatchUpCost`); :func:`weigh_run` charges it to a run entered from speculation, spread over
-``horizon`` runs (the switch is paid once per stay in runs). Without it a 2-3 % predicted lead of
-the run, as large as the models' errors, flipped goodput between runs and speculation, each return
-paying the catch-up: 0.94x the best fixed config at batch 64, a = 0.3 (docs/benchmarks.md).
+(:class:`CatchUpCost`). :func:`weigh_run` enters a run from speculation only once the runs passed
+up since speculation last led would have saved that much (the predicted ms of drafting a run's
+tokens less the run's, summed over consecutive decides where the run leads by ``margin``): the
+rent-or-buy rule of the ski-rental problem (Karlin et al. 1988, "Competitive snoopy caching"), which
+never pays more than twice what knowing the future would. A run ahead for good is taken after a few
+decides; a lead that comes and goes with the models' errors (2-3 %) never adds up to a catch-up.
+Without it such a lead flipped goodput between runs and speculation, each return paying the
+catch-up: 0.94x the best fixed config at batch 64, a = 0.3, 2026-12-06 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -88,26 +92,30 @@ class RunChoice:
     ms: float  # its predicted ms
     spec_goodput: float  # the speculative plan's (0: there was none to weigh it against)
     is_taken: bool  # the step runs it instead of the speculative plan
+    # ms the runs passed up so far would have saved (the next decide's ``regret_ms``; 0 once taken)
+    regret_ms: float = 0.0
 
 
 def weigh_run(
     costs, scorer: str, context_lens: list[int], num_steps: int, g_spec: float | None, is_run: bool,
-    margin: float, switch_ms: float = 0.0, horizon: int = 1,
+    margin: float, switch_ms: float = 0.0, regret_ms: float = 0.0,
 ) -> RunChoice:  # fmt: skip
     """Whether a step of requests with ``context_lens`` runs ``num_steps`` plain steps on ``scorer``
     (B · S tokens in :meth:`CostModels.predict_run` ms) instead of a speculative plan of goodput
     ``g_spec`` tokens/ms (None: there is none to replace: the plan drafts nothing, or it is a probe
-    that is there to observe its drafts). With hysteresis: after a speculative step (``is_run``
-    False) the run must be ``margin`` better with ``switch_ms / horizon`` added to its ms (the
-    catch-up its return to speculation will cost, spread over the runs of one stay: module
-    docstring), after a run speculation must be ``margin`` better."""
+    that is there to observe its drafts). With hysteresis: after a run (``is_run``) speculation must
+    be ``margin`` better to take over; after a speculative step the run must be ``margin`` better
+    and, with the passed-up runs' savings ``regret_ms`` (from the last decide's choice), have saved at
+    least ``switch_ms``, what the return to drafting will cost (module docstring)."""
     ms = costs.predict_run(scorer, plain_stats(context_lens), num_steps)
     tokens = len(context_lens) * num_steps
     g_run = tokens / max(ms, 1e-9)
     if g_spec is None:
-        return RunChoice(g_run, ms, 0.0, False)
+        return RunChoice(g_run, ms, 0.0, False, regret_ms)
     if is_run:
-        taken = g_run * (1.0 + margin) >= g_spec
-    else:
-        taken = tokens / max(ms + switch_ms / max(horizon, 1), 1e-9) > g_spec * (1.0 + margin)
-    return RunChoice(g_run, ms, g_spec, taken)
+        return RunChoice(g_run, ms, g_spec, g_run * (1.0 + margin) >= g_spec)
+    if g_run <= g_spec * (1.0 + margin):  # speculation holds: the passed-up savings start over
+        return RunChoice(g_run, ms, g_spec, False)
+    regret = regret_ms + tokens / max(g_spec, 1e-9) - ms  # drafting these tokens takes longer
+    taken = regret >= switch_ms
+    return RunChoice(g_run, ms, g_spec, taken, 0.0 if taken else regret)

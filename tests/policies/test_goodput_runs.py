@@ -145,25 +145,38 @@ def test_a_catch_up_is_kept_as_the_proposers_switch_cost():
     assert costs.catchup_ms("draft") == 0.0
 
 
-def test_weigh_run_charges_the_switch_only_on_the_way_in():
+def test_weigh_run_enters_a_run_once_the_passed_up_savings_pay_for_the_way_back():
     costs = cuda_costs()
     ctx = [300] * 8
     free = weigh_run(costs, "mqa_graph", ctx, 4, None, False, 0.02)
     g_spec = free.goodput / 1.05  # the run predicted 5 % better
-    assert weigh_run(costs, "mqa_graph", ctx, 4, g_spec, False, 0.02).is_taken
-    switch = 0.2 * free.ms  # its return costs a fifth of a run: over 4 runs 5 %, the lead gone
-    assert not weigh_run(costs, "mqa_graph", ctx, 4, g_spec, False, 0.02, switch, 4).is_taken
-    assert weigh_run(costs, "mqa_graph", ctx, 4, g_spec, False, 0.02, switch, 16).is_taken  # a long stay
-    assert weigh_run(costs, "mqa_graph", ctx, 4, g_spec, True, 0.02, switch, 4).is_taken  # in runs: stay
+    saved = 8 * 4 / g_spec - free.ms  # what one passed-up run would have saved
+    assert weigh_run(costs, "mqa_graph", ctx, 4, g_spec, False, 0.02).is_taken  # a free switch: at once
+    regret = 0.0
+    for i in range(3):  # the way back costs 2.5 runs' savings: the third decide in a row takes the run
+        choice = weigh_run(costs, "mqa_graph", ctx, 4, g_spec, False, 0.02, 2.5 * saved, regret)
+        assert choice.is_taken == (i == 2)
+        regret = choice.regret_ms
+        assert regret == (0.0 if i == 2 else pytest.approx((i + 1) * saved))
+    # a decide where speculation holds starts the account over
+    held = weigh_run(costs, "mqa_graph", ctx, 4, free.goodput, False, 0.02, 2.5 * saved, 2 * saved)
+    assert not held.is_taken and held.regret_ms == 0.0
+    # in runs, no charge: speculation takes over only when margin better
+    assert weigh_run(costs, "mqa_graph", ctx, 4, free.goodput * 1.01, True, 0.02, 1e9).is_taken
+    assert weigh_run(costs, "mqa_graph", ctx, 4, None, False, 0.02, 1.0, 3.0).regret_ms == 3.0  # no spec plan
 
 
 @pytest.mark.parametrize("batch,a", [(8, 0.3), (64, 0.5)])
-def test_a_measured_catch_up_keeps_goodput_speculating_when_runs_lead_by_little(batch, a):
+def test_a_measured_catch_up_delays_runs_until_they_have_paid_for_it(batch, a):
     costs = cuda_costs()
     assert quiet().decide(view(batch, a, 4), costs).info["is_run"]  # runs lead (the test above)
     run_ms = costs.predict_run("mqa_graph", plain_stats([300] * batch), 4)
-    costs.catchups["draft"] = CatchUpCost(value=2.0 * run_ms, num_steps=1)  # as the H100 log's eager catch-up
-    plan = quiet().decide(view(batch, a, 4), costs)
-    assert plan.info["is_run"] is False and max(plan.k) > 0
-    costs.catchups["draft"].value = 0.0  # a proposer whose catch-up is free: runs again
+    costs.catchups["draft"] = CatchUpCost(value=0.5 * run_ms, num_steps=1)  # a dear way back
+    policy = quiet()
+    plans = [policy.decide(view(batch, a, 4), costs) for _ in range(40)]
+    first = next(i for i, p in enumerate(plans) if p.info["is_run"])
+    assert first > 0 and max(plans[0].k) > 0  # speculating while the passed-up runs add up
+    assert 0 < plans[0].info["run_regret_ms"] < plans[0].info["run_switch_ms"]
+    assert all(p.info["is_run"] for p in plans[first:])  # then in runs, and it stays
+    costs.catchups["draft"].value = 0.0  # a proposer whose catch-up is free: runs at once
     assert quiet().decide(view(batch, a, 4), costs).info["is_run"]
