@@ -12,7 +12,10 @@ coefficients read off the 2026-12-02 H200 run in docs/benchmarks.md:
   batch-16 non-speculative rows against their scoring times). A draft forward 0.9 ms (0.6 graph +
   host); a step whose draft model must catch up more than one token (a request accepted all its
   drafts last step, skipped a step, or is new) runs that forward eagerly: +2.5 ms. Both are fitted
-  to the end-to-end rows at a = 0.6 and 0.9 (k = 1 and 3, MQA graph).
+  to the end-to-end rows at a = 0.6 and 0.9 (k = 1 and 3, MQA graph). (The engine's draft graphs
+  take catch-ups of 2 tokens since 2026-12-05 and of 6 since 2026-12-06: ``catchup_q``; an eager
+  catch-up's cost grows with its lagging rows, ``catchup_row_ms``: on the 2026-12-06 H100 log at
+  batch 64, +1.7 ms for 3 new prompts, +7-10 ms for 64 requests after a run.)
 - ``h200-smollm2-135m``: SmolLM2-135M with n-gram drafts: launch-bound, ~3 ms a step nearly flat in
   tokens; n-gram lookups cost ~0.
 """
@@ -100,7 +103,11 @@ class Machine:
     draft_forward_ms: float = 0.0  # per sequential draft forward (a draft model runs max k of them)
     draft_row_ms: float = 0.0  # per drafting request per forward
     draft_token_ms: float = 0.0  # per draft token (n-gram lookup, sampling)
-    catchup_ms: float = 0.0  # extra when a drafting request's draft model is > 1 token behind
+    catchup_ms: float = 0.0  # extra when a drafting request's draft model is > catchup_q tokens behind
+    catchup_row_ms: float = 0.0  # ... plus this per such request (an eager forward's rows)
+    # the longest catch-up the draft's graphs take (q_len): 1 as fitted on 2026-12-02 (every catch-up
+    # of 2 tokens or more eager); the engine's draft graphs take 2 since 2026-12-05, 6 since 2026-12-06
+    catchup_q: int = 1
     verify_bias_ms: float = 0.1
     verify_token_ms: float = 0.0
     overhead_ms: float = 0.5  # host: schedule, inputs, commit (not the policy's own decide)
@@ -110,14 +117,19 @@ class Machine:
     def __post_init__(self) -> None:
         if not self.scorers:
             raise ValueError(f"machine {self.name!r} needs at least one scorer")
+        if self.catchup_q < 1:
+            raise ValueError(f"machine {self.name!r}: catchup_q must be >= 1, got {self.catchup_q}")
 
     @property
     def graph_buckets(self) -> dict[str, list[int]]:
         """``CostModels(graph_buckets=...)`` of this machine's graph scorers."""
         return {n: list(s.buckets) for n, s in self.scorers.items() if s.buckets is not None}
 
-    def step_times(self, scorer: str, k: np.ndarray, ctx: np.ndarray, is_catchup: bool = False) -> StepTimes:
-        """Noise-free ms of a decode step: ``k`` ``[B]`` drafts, ``ctx`` ``[B]`` context lengths."""
+    def step_times(
+        self, scorer: str, k: np.ndarray, ctx: np.ndarray, is_catchup: bool = False, num_catchup_rows: int = 0
+    ) -> StepTimes:
+        """Noise-free ms of a decode step: ``k`` ``[B]`` drafts, ``ctx`` ``[B]`` context lengths;
+        ``is_catchup``: the draft catches up eagerly, over ``num_catchup_rows`` lagging requests."""
         if scorer not in self.scorers:
             raise ValueError(f"machine {self.name!r} has no scorer {scorer!r}; known: {sorted(self.scorers)}")
         k = np.asarray(k, dtype=np.int64)
@@ -129,7 +141,7 @@ class Machine:
                 self.draft_bias_ms
                 + max_k * (self.draft_forward_ms + self.draft_row_ms * num_spec)
                 + self.draft_token_ms * num_draft
-                + (self.catchup_ms if is_catchup else 0.0)
+                + (self.catchup_ms + self.catchup_row_ms * num_catchup_rows if is_catchup else 0.0)
             )
         tokens = num_draft + len(k)
         return StepTimes(
@@ -138,6 +150,12 @@ class Machine:
             verify_ms=self.verify_bias_ms + self.verify_token_ms * tokens,
             overhead_ms=self.overhead_ms + self.overhead_request_ms * len(k),
         )
+
+    def run_times(self, scorer: str, ctx: np.ndarray, num_steps: int) -> StepTimes:
+        """Noise-free ms of a run of ``num_steps`` plain steps (``scheduler.decode_steps``): each
+        forward's scoring, one verification read and one host overhead."""
+        one = self.step_times(scorer, np.zeros(len(ctx), dtype=np.int64), ctx)
+        return StepTimes(0.0, num_steps * one.score_ms, one.verify_ms, one.overhead_ms)
 
 
 def _h200_llama2_7b() -> Machine:

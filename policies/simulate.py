@@ -14,6 +14,13 @@ seed sees the same text (common random numbers), as a greedy draft model would. 
 position has no n-gram match (``match_prob``) has ``max_k = 0`` there. When one request finishes,
 a fresh one (context ``prompt_len``) takes its slot, so the batch stays full.
 
+Runs (``decode_steps`` S > 1): a plan that drafts nothing runs S plain forwards for one read and
+one host overhead (:meth:`~specsched.policies.sim_machine.Machine.run_times`), each request keeping
+its tokens up to its end, and the record says so as the engine's does (``num_decode_steps``; the
+next drafting step's ``is_after_run``). A draft model lags by the tokens of the steps it skipped;
+a drafting step whose requests lag by more than the machine's ``catchup_q`` pays its eager catch-up.
+``num_steps`` counts decides (a run is one).
+
 Score: ``goodput`` = Σ_steps Σ_i E(a_i, k_i) / Σ_steps T (expected tokens per ms, E from the true
 a_i, T the noise-free step time), after ``warmup_steps`` that the policy learns from but that are
 not scored. ``python -m specsched.policies.simulate --help`` compares policies with the fixed grid.
@@ -54,12 +61,13 @@ class Scenario:
     noise: float = 0.03  # relative std of each measured component
     scorers: list[str] | None = None  # scorers built (None: every scorer of the machine)
     shift: tuple[int, Machine] | None = None  # (step, machine): from that step on, steps cost its ms
+    decode_steps: int = 1  # scheduler.decode_steps: a plan that drafts nothing runs this many steps
 
     def __post_init__(self) -> None:
         rates = self.acceptance if isinstance(self.acceptance, list) else [self.acceptance]
         if not rates or any(not 0.0 <= a <= 1.0 for a in rates):
             raise ValueError(f"scenario acceptance must be in [0, 1], got {self.acceptance}")
-        for name in ("batch", "output_len", "num_steps"):
+        for name in ("batch", "output_len", "num_steps", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scenario {name} must be >= 1, got {getattr(self, name)}")
         if self.max_k < 0 or self.warmup_steps < 0 or self.prompt_len < 1:
@@ -150,6 +158,7 @@ def simulate(
         return _SimRequest(f"req-{num_started - 1}", sc.rate(slot), sc, bit_rng)
 
     slots = [start(i) for i in range(sc.batch)]
+    is_after_plain = False  # the last step drafted nothing (a draft model skipped its tokens)
     out = SimResult(label or getattr(policy, "name", type(policy).__name__))
     for step in range(sc.warmup_steps + sc.num_steps):
         views = []
@@ -158,35 +167,55 @@ def simulate(
             mean, std = estimator.mean_std(r.request_id, sc.proposer)
             views.append(RequestView(r.request_id, r.ctx, sc.proposer, max(cap, 0), mean, std,
                                      r.last_k, r.last_accepted))  # fmt: skip
-        view = BatchView(views, num_free_blocks=1 << 30, block_size=16, scorers=scorers, step=step)
+        # a run is on offer when every request could draft (engine/multi_step.py: a lack of drafts is
+        # no choice); requests near their end do not cut it (their tokens past it are dropped)
+        run = sc.decode_steps if sc.decode_steps > 1 and all(v.max_k > 0 for v in views) else 1
+        view = BatchView(views, num_free_blocks=1 << 30, block_size=16, scorers=scorers, step=step,
+                         decode_steps=run)  # fmt: skip
         t0 = time.perf_counter()
         plan = policy.decide(view, costs)
         decide_ms = (time.perf_counter() - t0) * 1e3
         if len(plan.k) != len(slots) or plan.scorer not in scorers:
             raise ValueError(f"policy {out.label!r} returned a plan that does not fit the batch: {plan}")
         k = np.minimum(np.asarray(plan.k, dtype=np.int64), [v.max_k for v in views])
+        steps = run if not k.any() else 1  # the engine runs a plan that drafts nothing as the run
         accepted = []
         for r, ki in zip(slots, k.tolist(), strict=True):
             walk = r.bits[r.num_generated : r.num_generated + ki]
             accepted.append(int(np.argmin(walk)) if not walk.all() else ki)
-        is_catchup = any(ki > 0 and r.pending > 1 for r, ki in zip(slots, k.tolist(), strict=True))
         on = sc.shift[1] if sc.shift is not None and step >= sc.shift[0] else m
-        true = on.step_times(plan.scorer, k, np.array([r.ctx for r in slots]), is_catchup)
+        ctx = np.array([r.ctx for r in slots])
+        if steps > 1:
+            true = on.run_times(plan.scorer, ctx, steps)
+        else:
+            lag = on.catchup_q
+            behind = sum(ki > 0 and r.pending > lag for r, ki in zip(slots, k.tolist(), strict=True))
+            true = on.step_times(plan.scorer, k, ctx, behind > 0, behind)
         meas = true.noisy(noise_rng, sc.noise)
         rec = StepRecord(
-            step, "decode", 0.0, len(slots), int(k.sum()) + len(slots), scorer=plan.scorer,
+            step, "decode", 0.0, len(slots), int(k.sum()) + len(slots) * steps, scorer=plan.scorer,
             policy=out.label, proposer=sc.proposer, propose_ms=meas.propose_ms, score_ms=meas.score_ms,
             verify_ms=meas.verify_ms, total_ms=meas.total_ms,
             requests=[StepRequestRecord(r.request_id, r.ctx - 1, ki, n)
                       for r, ki, n in zip(slots, k.tolist(), accepted, strict=True)],
         )  # fmt: skip
+        rec.num_decode_steps = steps
+        rec.is_after_run = is_after_plain and (steps > 1 or bool(k.any()))  # as the engine flags it
+        is_after_plain = not k.any()
         costs.observe(rec)
         if step >= sc.warmup_steps:
             out.num_steps += 1
-            out.expected_tokens += sum(
-                expected_tokens(r.a, ki) for r, ki in zip(slots, k.tolist(), strict=True)
-            )
-            out.emitted_tokens += sum(accepted) + len(slots)
+            if steps > 1:  # each request keeps the run's tokens up to its end
+                kept = sum(min(steps, sc.output_len - r.num_generated) for r in slots)
+                out.expected_tokens, out.emitted_tokens = (
+                    out.expected_tokens + kept,
+                    out.emitted_tokens + kept,
+                )
+            else:
+                out.expected_tokens += sum(
+                    expected_tokens(r.a, ki) for r, ki in zip(slots, k.tolist(), strict=True)
+                )
+                out.emitted_tokens += sum(accepted) + len(slots)
             out.time_ms += true.total_ms
             out.num_drafts += int(k.sum())
             out.num_request_steps += len(slots)
@@ -198,9 +227,10 @@ def simulate(
             on_step(step, view, plan, rec)
         for i, (r, ki, n) in enumerate(zip(slots, k.tolist(), accepted, strict=True)):
             estimator.observe(r.request_id, sc.proposer, ki, n)
-            r.pending = (2 if n == ki else 1) if ki > 0 else r.pending + 1
-            r.num_generated += n + 1
-            r.ctx += n + 1
+            emitted = n + 1 if steps == 1 else min(steps, sc.output_len - r.num_generated)
+            r.pending = (2 if n == ki else 1) if ki > 0 else r.pending + emitted
+            r.num_generated += emitted
+            r.ctx += emitted
             r.last_k, r.last_accepted = ki, n
             if r.num_generated >= sc.output_len:
                 estimator.forget(r.request_id)

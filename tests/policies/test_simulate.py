@@ -3,6 +3,8 @@ cost models, within 3% of the best fixed (k, scorer) and not slower than k = 0."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -84,6 +86,13 @@ def test_machine_costs_by_hand():
     assert t.propose_ms == pytest.approx(0.1 + 2 * (1.0 + 0.2 * 2) + 0.05 * 3 + 3.0)
     assert t.verify_ms == pytest.approx(0.1 + 0.01 * 5) and t.overhead_ms == pytest.approx(0.7)
     assert m.step_times("s", np.array([0, 0]), ctx).propose_ms == 0.0
+    rows = Machine("r", {"s": sc}, catchup_ms=3.0, catchup_row_ms=0.5)  # an eager catch-up over 2 rows
+    assert rows.step_times("s", k, ctx, True, 2).propose_ms - rows.step_times("s", k, ctx).propose_ms == 4.0
+    run = m.run_times("s", ctx, 4)  # 4 plain forwards of 2 rows (bucket 2), one read, one overhead
+    assert run.score_ms == pytest.approx(4 * sc.ms(np.array([0, 0]), ctx)) and run.propose_ms == 0.0
+    assert run.verify_ms == pytest.approx(0.1 + 0.01 * 2) and run.overhead_ms == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="catchup_q"):
+        Machine("q", {"s": sc}, catchup_q=0)
     with pytest.raises(ValueError, match="no scorer 'x'"):
         m.step_times("x", k, ctx)
     with pytest.raises(ValueError, match="unknown machine"):
@@ -121,3 +130,25 @@ def test_cli_prints_a_table(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("| machine |") and len(out) == 3
     assert out[2].startswith("| h200-smollm2-135m | 0.6 | 1 | goodput |")
+
+
+def test_runs_of_plain_steps_as_the_engine_runs_them():
+    """``decode_steps``: a plan that drafts nothing runs S forwards for one read and one overhead, the
+    record says so (the cost models learn the run's ratio from it), tokens up to each request's end."""
+    m = get_machine("h200-llama2-7b")
+    sc = Scenario(m, 0.3, 4, "synthetic", output_len=30, num_steps=60, noise=0.0, decode_steps=4)
+    recs = []
+    r = simulate(
+        FixedPolicy(FixedConfig(k=0, scorer="mqa_graph")), sc, on_step=lambda s, v, p, rec: recs.append(rec)
+    )
+    assert all(rec.num_decode_steps == 4 and rec.num_tokens == 16 for rec in recs)
+    one = m.run_times("mqa_graph", np.array([200] * 4), 4)
+    assert r.time_ms / r.num_steps == pytest.approx(one.total_ms, rel=0.02)  # contexts grow a little
+    # 30 tokens a request: runs of 4 give 4, 4, ..., then 2 (the rest dropped at the end)
+    assert r.emitted_tokens == r.expected_tokens < 16 * r.num_steps
+    single = simulate(FixedPolicy(FixedConfig(k=0, scorer="mqa_graph")), replace(sc, decode_steps=1))
+    assert r.goodput > 1.04 * single.goodput  # one overhead and read per 4 forwards: runs pay
+    flags = []
+    k2 = FixedPolicy(FixedConfig(k=2, scorer="mqa_graph"))
+    simulate(k2, sc, on_step=lambda s, v, p, rec: flags.append((rec.num_decode_steps, rec.is_after_run)))
+    assert flags and all(f == (1, False) for f in flags)  # drafting every step: no run, nothing to catch up
