@@ -263,8 +263,9 @@ class Engine(PrefillStep, DecodeSteps):
         run = 1
         if max_steps > 1 and reqs:  # what a plan with every k = 0 would run (the policy weighs it; the
             # step runs it when its plan drafts nothing)
-            caps = [v.max_k for v in views]
-            run = num_decode_steps(reqs, [0] * len(reqs), caps, names, max_steps, self.max_model_len)
+            # the proposers' own offer, not the views' caps: a request one token from its max_tokens
+            # has a cap of 0 for lack of room, which is no reason to run the batch one step at a time
+            run = num_decode_steps(reqs, [0] * len(reqs), peek, names, max_steps, self.max_model_len)
         return BatchView(
             views, sched.num_free_blocks, self.cfg.cache.block_size, list(self.scorers), self.num_steps, run,
             self.acceptance,

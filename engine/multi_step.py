@@ -34,11 +34,12 @@ def num_decode_steps(
 ) -> int:
     """Steps to run for ``reqs`` with planned drafts ``ks``: 1 unless every k is 0, every request is
     greedy, ``max_steps`` > 1 and every request's k = 0 is a choice, not a lack of drafts: its
-    proposer is ``none``, its own ``spec.max_k`` is 0, or its cap ``caps[i]`` (what the proposer had on
-    offer, :class:`~specsched.policies.base.RequestView`'s ``max_k``) was above 0 and the policy took
-    none. An n-gram proposer without a match this step may have one after the next token: a run would
-    skip it. Then ``max_steps`` capped by the context (a token at position p needs p <
-    ``max_model_len``), not by ``max_tokens``: the commit keeps each request's tokens up to its stop."""
+    proposer is ``none``, its own ``spec.max_k`` is 0, or ``caps[i]``, what its proposer had on offer
+    (its ``peek``; not :class:`~specsched.policies.base.RequestView`'s ``max_k``, which a request near
+    its ``max_tokens`` has at 0 for lack of room), was above 0 and the policy took none. An n-gram
+    proposer without a match this step may have one after the next token: a run would skip it. Then
+    ``max_steps`` capped by the context (a token at position p needs p < ``max_model_len``), not by
+    ``max_tokens``: the commit keeps each request's tokens up to its stop."""
     if max_steps <= 1 or not reqs or any(ks):
         return 1
     room = max_steps

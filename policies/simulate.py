@@ -167,9 +167,10 @@ def simulate(
             mean, std = estimator.mean_std(r.request_id, sc.proposer)
             views.append(RequestView(r.request_id, r.ctx, sc.proposer, max(cap, 0), mean, std,
                                      r.last_k, r.last_accepted))  # fmt: skip
-        # a run is on offer when every request could draft (engine/multi_step.py: a lack of drafts is
-        # no choice); requests near their end do not cut it (their tokens past it are dropped)
-        run = sc.decode_steps if sc.decode_steps > 1 and all(v.max_k > 0 for v in views) else 1
+        # a run is on offer when every request's proposer has drafts (engine/multi_step.py: a lack of
+        # drafts is no choice); requests near their end do not cut it (their tokens past it are dropped)
+        is_offer = all(r.match[r.num_generated] for r in slots)
+        run = sc.decode_steps if sc.decode_steps > 1 and is_offer else 1
         view = BatchView(views, num_free_blocks=1 << 30, block_size=16, scorers=scorers, step=step,
                          decode_steps=run)  # fmt: skip
         t0 = time.perf_counter()
@@ -272,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=0, help="steps learned from but not scored")
+    p.add_argument("--decode-steps", type=int, default=1, help="scheduler.decode_steps (runs of plain steps)")
     p.add_argument("--policy", nargs="+", default=["goodput"], choices=sorted(POLICIES))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -284,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         proposer = "ngram" if "smollm2" in name else "synthetic"
         for a in args.acceptance:
             for b in args.batch:
-                sc = Scenario(machine, a, b, proposer, num_steps=args.steps, warmup_steps=args.warmup)
+                sc = Scenario(machine, a, b, proposer, num_steps=args.steps, warmup_steps=args.warmup,
+                              decode_steps=args.decode_steps)  # fmt: skip
                 makers = {n: (lambda n=n: build_policy({"name": n})) for n in args.policy}
                 results, best, k0 = compare(sc, makers, args.seed)
                 for r in results.values():

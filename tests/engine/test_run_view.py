@@ -45,13 +45,27 @@ def test_the_view_says_how_many_steps_a_plain_plan_runs(decode_steps):
         assert [q.num_emitted for q in recs[-1].requests] == [2, 2]
 
 
+def test_a_request_one_token_from_its_end_does_not_cut_the_run():
+    """Its cap is 0 for lack of room, not for lack of drafts: the batch still runs (before, a draft
+    proposer's batch ran one plain step at a time whenever some request had one token left)."""
+    e = engine("mqa", 4, proposer="draft", graphs=False)
+    spy = e.policy = Spy()
+    out, recs = run(e, [[5, 6, 7], [8, 9, 10, 11]], [SamplingParams(max_tokens=10, ignore_eos=True)] * 2)
+    assert [len(o) for o in out] == [10, 10]
+    # 9 tokens after the prefill's first: 4 + 4, then 1 left (a cap of 0), run all the same
+    assert [max(r.max_k for r in v.requests) for v in spy.views] == [4, 4, 0]
+    assert [v.decode_steps for v in spy.views] == [4, 4, 4]
+    assert [q.num_emitted for q in recs[-1].requests] == [1, 1]
+
+
 def test_an_ngram_request_without_a_match_gets_no_run_in_the_view():
     e = engine("mqa", 4, proposer="ngram", graphs=False)
     spy = e.policy = Spy()
     # random tokens: the n-gram proposer rarely has a match, and then the view offers no run
     rng = random.Random(3)
     run(e, [[rng.randrange(3, 256) for _ in range(9)]], [SamplingParams(max_tokens=8, ignore_eos=True)])
-    no_match = [v for v in spy.views if not any(r.max_k > 0 for r in v.requests)]
+    # a cap of 0 with room left (9 prompt + 8 output tokens): the proposer had nothing on offer
+    no_match = [v for v in spy.views if not any(r.max_k > 0 or 17 - r.context_len <= 1 for r in v.requests)]
     assert no_match  # random tokens: most steps have no match
     assert all(v.decode_steps == 1 for v in no_match)
 
