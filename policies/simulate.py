@@ -17,9 +17,9 @@ a fresh one (context ``prompt_len``) takes its slot, so the batch stays full.
 Runs (``decode_steps`` S > 1): a plan that drafts nothing runs S plain forwards for one read and
 one host overhead (:meth:`~specsched.policies.sim_machine.Machine.run_times`), each request keeping
 its tokens up to its end, and the record says so as the engine's does (``num_decode_steps``; the
-next drafting step's ``is_after_run``). A draft model lags by the tokens of the steps it skipped;
-a drafting step whose requests lag by more than the machine's ``catchup_q`` pays its eager catch-up.
-``num_steps`` counts decides (a run is one).
+next drafting step's ``is_after_run``, here after runs only). A draft model lags by the tokens of
+the steps it skipped; a drafting step whose requests lag by more than the machine's ``catchup_q``
+pays its eager catch-up. ``num_steps`` counts decides (a run is one).
 
 Score: ``goodput`` = Σ_steps Σ_i E(a_i, k_i) / Σ_steps T (expected tokens per ms, E from the true
 a_i, T the noise-free step time), after ``warmup_steps`` that the policy learns from but that are
@@ -158,7 +158,7 @@ def simulate(
         return _SimRequest(f"req-{num_started - 1}", sc.rate(slot), sc, bit_rng)
 
     slots = [start(i) for i in range(sc.batch)]
-    is_after_plain = False  # the last step drafted nothing (a draft model skipped its tokens)
+    is_after_run = False  # the last step was a run of plain steps (a draft model skipped its tokens)
     out = SimResult(label or getattr(policy, "name", type(policy).__name__))
     for step in range(sc.warmup_steps + sc.num_steps):
         views = []
@@ -200,9 +200,12 @@ def simulate(
             requests=[StepRequestRecord(r.request_id, r.ctx - 1, ki, n)
                       for r, ki, n in zip(slots, k.tolist(), accepted, strict=True)],
         )  # fmt: skip
+        # flagged after runs only: the engine flags a step after a single plain step too, but the
+        # presets' catch-up (catchup_q 1) is folded into their fitted propose costs, and the traces of
+        # tests/policies/test_fast_paths.py were recorded without such flags
         rec.num_decode_steps = steps
-        rec.is_after_run = is_after_plain and (steps > 1 or bool(k.any()))  # as the engine flags it
-        is_after_plain = not k.any()
+        rec.is_after_run = is_after_run and (steps > 1 or bool(k.any()))
+        is_after_run = steps > 1
         costs.observe(rec)
         if step >= sc.warmup_steps:
             out.num_steps += 1
