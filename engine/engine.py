@@ -69,7 +69,7 @@ class Engine(PrefillStep, DecodeSteps):
         self._unobserved: list[StepRecord] = []
         self._last_end: float | None = None  # perf_counter at the end of the last step, while busy
         self.num_steps = 0
-        self._is_after_run = False  # the last decode step ran plain steps back to back
+        self._is_after_run = False  # the last decode step drafted nothing (a run, or one plain step)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> Engine:
@@ -231,7 +231,7 @@ class Engine(PrefillStep, DecodeSteps):
             for r, v, e, k, b, o in zip(reqs, views, emitted, props.num_draft, match_bits, outputs)
         ]
         rec.batch_size, rec.num_tokens = len(reqs), props.num_tokens + len(reqs) * num_steps
-        # flagged where it matters (a step that drafts, or a run), not on every plain step of a plain run
+        # flagged on a step that drafts or runs plain steps; a single plain step has no catch-up to time
         rec.num_decode_steps = num_steps
         rec.is_after_run = self._is_after_run and (num_steps > 1 or any(props.num_draft))
         rec.num_emitted = sum(len(o.new_token_ids) for o in outputs)  # kept: a stop drops what follows it

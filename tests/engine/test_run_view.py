@@ -11,6 +11,7 @@ from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, Sche
 from specsched.engine.engine import Engine
 from specsched.engine.request import SamplingParams
 from specsched.policies.base import BatchView, Plan, Policy
+from specsched.scorers.graph import GraphConfig, attach_draft_graphs
 from tests.engine.test_multi_step import engine, prompts, run
 
 
@@ -122,8 +123,6 @@ def test_the_drafts_catch_up_after_plain_steps_replays_a_graph(draft_max_q, eage
     """After a run of plain steps a draft with its own KV cache lags by the run's tokens: with MQA
     buckets up to ``graphs.draft_max_q`` its catch-up replays a graph (emulated here) instead of
     running the model eagerly; the tokens stay the non-speculative ones either way."""
-    from specsched.scorers.graph import GraphConfig, attach_draft_graphs
-
     ps, params = [[5, 6, 7], [9, 10]], [SamplingParams(max_tokens=30, ignore_eos=True)] * 2
     want, _ = run(engine("mqa", 1), ps, params)
     e = engine(
@@ -143,8 +142,6 @@ def test_the_drafts_catch_up_after_plain_steps_replays_a_graph(draft_max_q, eage
 
 @pytest.mark.parametrize("decode_steps,want", [(1, 6), (4, 6), (8, 10)])
 def test_the_engines_graph_config_covers_a_run_of_plain_steps(decode_steps, want):
-    from specsched.scorers.graph import GraphConfig
-
     cfg = EngineConfig(
         model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, decode_steps=decode_steps),
