@@ -64,8 +64,9 @@ class Engine(PrefillStep, DecodeSteps):
         mode, sc = cfg.scheduler.plan_ahead, cfg.scheduler
         is_plan_ahead = mode == "on" or (mode == "auto" and self.timer.is_events)  # see _while_scoring
         self.planner = Planner(
-            sc.decide_budget, sc.max_plan_age, is_plan_ahead, sc.max_joined_share, sc.decide_cost == "host"
-        )
+            sc.decide_budget, sc.max_plan_age, is_plan_ahead, sc.max_joined_share, sc.decide_cost == "host",
+            sc.plan_ahead_max_batch,
+        )  # fmt: skip
         self._unobserved: list[StepRecord] = []
         self._last_end: float | None = None  # perf_counter at the end of the last step, while busy
         self.num_steps = 0
@@ -217,7 +218,9 @@ class Engine(PrefillStep, DecodeSteps):
             by = by_proposer(names)
             for n, idx in by.items():  # e.g. the n-gram proposer indexes what it can before the commit
                 self.proposers[n].on_scoring(reqs if len(by) == 1 else [reqs[i] for i in idx])
-        self.planner.decide_ahead(self.policy, self.costs, lambda: self._view(reqs, names, is_ahead=True))
+        self.planner.decide_ahead(
+            self.policy, self.costs, lambda: self._view(reqs, names, is_ahead=True), len(reqs)
+        )
 
     def _record(self, rec, reqs, names, plan, props, views, emitted, match_bits, outputs, num_steps) -> None:
         """Fill the step's record (the decision log's ``steps`` and ``step_requests`` rows); ``views``:

@@ -67,11 +67,19 @@ def carry_plan(
     since), takes the planned k of the kept request of the same proposer, able to draft at the
     decide, whose acceptance estimate is nearest its own (``view``'s estimates: a fresh request's is
     its proposer's pooled prior), so a carried plan drafts for it about as the policy drafts for
-    requests like it. A carry that leaves every k at 0 runs on the plan's ``info["k0_scorer"]`` when
-    it names one of the run's scorers (the policy's scorer for a plain decode step: the decode graph,
-    not the MQA graph the speculative plan chose). The plan's ``info`` is copied with ``num_joined`` /
-    ``num_left`` / ``num_reopened`` added (the original is not changed)."""
+    requests like it. A plan whose ``info["k_intent"]`` gives each request's k had it been offered
+    every draft (goodput's, when the decide saw a request's offer cut short) carries that instead
+    of its k, capped as above: an offer that grew since is taken (replaying the 2026-12-06 H100
+    serve log of k = 8, a plan decided on the step's offers and carried by its k lost 3-4 % of the
+    tokens per request-step at N = 4-16); reopening does not apply. A carry that leaves every k at 0
+    runs on the plan's ``info["k0_scorer"]`` when it names one of the run's scorers (the policy's
+    scorer for a plain decode step: the decode graph, not the MQA graph the speculative plan chose).
+    The plan's ``info`` is copied with ``num_joined`` / ``num_left`` / ``num_reopened`` added (the
+    original is not changed)."""
     old_k, caps, views = plan.k, caps or {}, view.requests
+    intent = plan.info.get("k_intent")
+    if intent is not None and len(intent) == len(old_k):  # the k each would take if offered more
+        old_k, caps = intent, {}  # a request held at its cap carries its intent: no reopening
     if ids and len(ids) == len(views) and ids == [v.request_id for v in views]:  # the same batch
         k, num_reopened = _carry_same(old_k, views, caps)
         num_joined = num_left = 0
@@ -225,8 +233,10 @@ class Planner:
         is_plan_ahead: bool,
         max_joined: float = MAX_JOINED,
         is_host_cost: bool = False,
+        ahead_max_batch: int | None = None,
     ) -> None:
         self.reuse = PlanReuse(budget, max_age)
+        self.ahead_max_batch = ahead_max_batch  # plan ahead only at batches this small (None: any)
         self.is_host_cost = is_host_cost  # a decide ahead costs all its host ms (scheduler.decide_cost)
         self.is_plan_ahead = is_plan_ahead
         self.max_joined = max_joined  # a held plan is due once more than this share of the batch joined
@@ -282,10 +292,15 @@ class Planner:
             info["decide_ms"] = 0.0  # this step did not decide (info["plan_age"] > 0 says so)
         return carried
 
-    def decide_ahead(self, policy: Policy, costs, make_view: Callable[[], BatchView]) -> None:
-        """While the GPU scores: the next step's plan, for this step's requests (``make_view``), when
-        plan-ahead is on, the policy allows it and the held plan is due."""
+    def decide_ahead(
+        self, policy: Policy, costs, make_view: Callable[[], BatchView], batch_size: int | None = None
+    ) -> None:
+        """While the GPU scores: the next step's plan, for this step's requests (``make_view``, of
+        ``batch_size`` requests), when plan-ahead is on, the policy allows it, the held plan is due
+        and the batch is at most ``ahead_max_batch`` (else the due decide runs on the next step)."""
         if not (self.is_plan_ahead and policy.is_plan_ahead_safe and self.reuse.is_due):
+            return
+        if self.ahead_max_batch is not None and batch_size is not None and batch_size > self.ahead_max_batch:
             return
         if self.reuse.budget is not None and self._since_post >= BASELINE_EVERY and self.held is not None:
             self._is_grace = True  # this step measures the baseline; the held plan runs one step more

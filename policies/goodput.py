@@ -336,6 +336,10 @@ class GoodputPolicy(Policy):
         }
         for name in ("propose_ms", "score_ms", "verify_ms", "overhead_ms"):
             info[f"predicted_{name}"] = cost[name]
+        if isinstance(prob, BatchProblem) and not (run is not None and run.is_taken):
+            intent = prob.intent(k, g_plan, chosen, cfg.max_k)  # what a carry offers more drafts
+            if intent is not None:
+                info["k_intent"] = intent
         # expected tokens at the posterior means, as every policy's plan reports them (make_plan)
         expected, total_ms = prob.expected_at_mean(k), cost["total_ms"]
         if run is not None:

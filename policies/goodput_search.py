@@ -251,6 +251,27 @@ class BatchProblem:
             return k, g, 0
         return held, g_held, num_held
 
+    def intent(self, k: np.ndarray, lam: float, s: int, max_k: int) -> list[int] | None:
+        """``[B]``: the k each request would take were it offered ``max_k`` drafts, for the engine's
+        carry of the plan to later steps (engine/planning.py ``carry_plan``), where a request's offer
+        (an n-gram match) moves from step to step. A request the plan left below its cap keeps its k
+        (the search chose it); one held at its cap takes the drafts that pay at the plan's goodput
+        ``lam`` under scorer ``s`` — draft j while E[a^j] > λ·δ, as in :func:`improve`, and only if
+        they pay for its share of the draft model — or its k, whichever is more. None when no
+        request was held at a cap below ``max_k`` (the plan is its own intent)."""
+        capped = (k >= self.cap) & (self.cap < max_k)
+        if not capped.any():
+            return None
+        idx = np.flatnonzero(capped)
+        powers = acceptance_powers(self.mean[idx], self.std[idx], max_k)  # [C, max_k]
+        delta = self.table.delta[s, idx]  # [C]
+        kstar = (powers > lam * delta[:, None]).sum(-1)  # a prefix: E[a^j] falls with j
+        gain = np.take_along_axis(np.cumsum(powers, axis=1), np.maximum(kstar - 1, 0)[:, None], 1)[:, 0]
+        pays = gain - lam * (delta * kstar + self.table.spec_request_ms * max_k) > 0
+        out = k.copy()
+        out[idx] = np.maximum(k[idx], np.where(pays, kstar, 0))
+        return out.tolist()
+
     def can_probe(self, k) -> bool:
         """Whether the plan leaves at k = 0 a request that could draft."""
         return bool(((k == 0) & (self.cap > 0)).any())

@@ -17,11 +17,16 @@ from specsched.policies.base import BatchView, Plan, RequestView
 
 
 def make_engine(
-    plan_ahead: str, policy: dict, proposer: str = "ngram", decide_budget: float | None = None
+    plan_ahead: str,
+    policy: dict,
+    proposer: str = "ngram",
+    decide_budget: float | None = None,
+    max_batch: int | None = None,
 ) -> Engine:
     sched = SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=64, plan_ahead=plan_ahead, decide_budget=decide_budget
-    )
+        max_num_seqs=4, max_num_batched_tokens=64, plan_ahead=plan_ahead, decide_budget=decide_budget,
+        plan_ahead_max_batch=max_batch,
+    )  # fmt: skip
     cfg = EngineConfig(
         model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
         cache=CacheConfig(block_size=4, num_blocks=256),
@@ -135,3 +140,22 @@ def test_a_plan_decided_ahead_does_not_keep_a_request_from_a_match_found_after_i
     assert any(q.max_k > 0 for q in rows) and any(q.max_k == 0 for q in rows)
     stale = [(q.request_id, q.k, q.max_k) for q in rows if q.k < q.max_k]
     assert not stale, stale[:5]
+
+
+def test_plan_ahead_max_batch_decides_larger_batches_on_the_step_and_stays_lossless():
+    """``scheduler.plan_ahead_max_batch``: a batch above it gets its due plan decided on the step, on
+    the step's own offers (no plan flagged as decided ahead)."""
+    reference, _ = run(make_engine("off", {"name": "fixed", "k": 0, "scorer": "batch_expansion"}))
+    outputs, records = run(make_engine("on", {"name": "goodput"}, max_batch=1))
+    assert outputs == reference
+    ahead = [r.batch_size for r in records if r.plan_info.get("is_planned_ahead")]
+    assert sum(r.batch_size > 1 for r in records) > 3
+    assert all(b == 1 for b in ahead), ahead  # (the last request alone may: how long it runs varies)
+    assert any(r.num_proposed for r in records)
+    _, uncapped = run(make_engine("on", {"name": "goodput"}))
+    assert any(r.batch_size > 1 and r.plan_info.get("is_planned_ahead") for r in uncapped)
+
+
+def test_config_checks_plan_ahead_max_batch():
+    with pytest.raises(ValueError, match="plan_ahead_max_batch must be >= 1 or null, got 0"):
+        SchedulerConfig(plan_ahead_max_batch=0)

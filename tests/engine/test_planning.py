@@ -352,3 +352,15 @@ def test_max_joined_share_sets_when_joins_make_the_held_plan_due():
     assert due == [True, False]  # 3 > max(1, 2) at 0.125; 3 <= 8 at 0.5
     with pytest.raises(ValueError, match="max_joined_share must be in"):
         SchedulerConfig(max_joined_share=1.5)
+
+
+def test_decide_ahead_skips_batches_above_ahead_max_batch():
+    policy = CountingGoodput()
+    planner = Planner(budget=None, max_age=8, is_plan_ahead=True, ahead_max_batch=2)
+    views = {n: view_of([f"r{i}" for i in range(n)], [4] * n) for n in (2, 3)}
+    planner.reuse.on_use()  # the held plan has run its step: the next one is due
+    assert planner.reuse.is_due
+    planner.decide_ahead(policy, None, lambda: views[3], batch_size=3)
+    assert policy.num_decides == 0 and planner.held is None
+    with pytest.raises(ValueError, match="needs cost models"):  # batch 2: decided ahead
+        planner.decide_ahead(policy, None, lambda: views[2], batch_size=2)
