@@ -129,11 +129,13 @@ class SchedulerConfig:
     # allow it (Policy.is_plan_ahead_safe): auto = on CUDA, on, off. See Engine._decode.
     plan_ahead: str = "auto"
     # Plan ahead only at batches of at most this many requests (null: any). A plan decided ahead
-    # offers every request spec.max_k (its offer is a step old); past batch 1 that prices the whole
-    # batch drafting and plans fewer drafts than the offers allow (replay of the 2026-12-06 H100
-    # serve log, N = 64: -2.6 % tokens per request-step), while on a host-bound step it hides only
-    # 20-40 % of the decide. Above this size the due decide runs on the step, on its offers.
-    plan_ahead_max_batch: int | None = None
+    # offers every request spec.max_k (its offer is a step old), which prices the whole batch
+    # drafting and plans fewer drafts than the offers allow (replay of the 2026-12-06 H100 serve log,
+    # N = 64: -2.4 % tokens per request-step), while a host-bound step at batch 64 hides little of
+    # the decide. Above this size the due decide runs on the step, on its offers. 16: on that H100
+    # (bench=serve_plan_ab, 5 rounds) deciding on the step past batch 1 gave goodput +7.8 % per round
+    # at N = 64 [+0.1 - +16.7], -2.2 % [-15.4 - +0.6] at N = 16, -0.2 % at N = 4. docs/policies.md.
+    plan_ahead_max_batch: int | None = 16
     # The share of a decode step's time that deciding may cost: a plan whose decide the step waits
     # for (on the critical path, or planned ahead but longer than the GPU's scoring) is used for
     # up to max_plan_age steps, so that deciding costs about this share (engine/planning.py). For

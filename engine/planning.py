@@ -5,7 +5,9 @@ take ~1-2 ms of Python on the H200 host), and its plans move slowly: the accepta
 cost models it reads change little from one step to the next. So the engine treats the decide's
 cost as part of the step's cost and decides only as often as that cost allows:
 
-- **Planned ahead** (``scheduler.plan_ahead``): on CUDA the next step's plan is decided while the GPU
+- **Planned ahead** (``scheduler.plan_ahead``, at batches up to ``scheduler.plan_ahead_max_batch``;
+  a larger batch decides on the step, on its own offers: docs/policies.md): on CUDA the next step's
+  plan is decided while the GPU
   scores this step, from a view that offers every request the full ``spec.max_k`` (this step's
   tokens are not committed yet, so a proposer's peek would be a step old: on the H200 on 2026-12-04
   a third of goodput's draftable steps at N = 1 ran k = 0 because the n-gram match came with the
