@@ -1,0 +1,129 @@
+"""How much does carrying a plan cost? Replay a decision log under goodput deciding every step, and
+under the engine's planner: a decide every ``interval`` steps (or when the batch changed too much to
+carry), its plan carried in between by :func:`specsched.engine.planning.carry_plan`, decided either
+ahead (every request offered ``max_k``, as ``scheduler.plan_ahead`` does) or on the step's own offers.
+
+``python -m specsched.bench.carry_replay LOG [--intervals 1 6] [--offers ahead step] [--fixed-k 8]``
+
+The replay is :func:`specsched.policies.replay.simulate` per concurrency level
+(:mod:`specsched.policies.replay_segments`): the log's match bits decide what each draft would have
+got, its refitted cost model prices each step. The replay decides every step; a live engine carries
+plans, so the gap between the ``every step`` row and a carried row is what carrying costs in tokens
+per request-step (the decide's own host time is not in it). On the 2026-12-06 H100 serve log of fixed
+k = 8 (docs/benchmarks.md) it showed that a plan decided ahead drafts less than the offers allow at
+N = 64 (scheduler.plan_ahead_max_batch) and that a plan carried by its k loses what its intent keeps
+(goodput's ``k_intent``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+from specsched.bench.markdown import fmt, table
+from specsched.engine.planning import MAX_JOINED, carry_plan
+from specsched.policies.base import BatchView, Plan, Policy
+from specsched.policies.registry import build_policy
+from specsched.policies.replay import refit_costs, simulate
+from specsched.policies.replay_log import complete_bits, load_run
+from specsched.policies.replay_segments import split_levels
+
+OFFERS = ("ahead", "step")
+
+
+class CarriedPolicy:
+    """``inner`` as the engine's planner runs it: a fresh decide every ``interval`` steps (or when
+    :func:`carry_plan` refuses the batch: more than ``max_joined`` of it new), the plan carried in
+    between. ``offer`` "ahead": the decide sees every request offered ``max_k`` (a plan decided
+    during the last step's scoring) and the step caps it by its offers; "step": the step's offers."""
+
+    is_plan_ahead_safe = True
+
+    def __init__(self, inner: Policy, interval: int, max_k: int, offer: str, max_joined: float = MAX_JOINED):
+        if offer not in OFFERS:
+            raise ValueError(f"offer must be one of {', '.join(OFFERS)}, got {offer!r}")
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        self.inner, self.interval, self.max_k, self.offer = inner, interval, max_k, offer
+        self.max_joined = max_joined
+        self.name = inner.name
+        self.held: tuple[list[str], Plan, dict[str, int]] | None = None
+        self.age = 0
+        self.num_decides = 0
+
+    def decide(self, view: BatchView, costs) -> Plan:
+        if self.held is not None and self.age < self.interval:
+            ids, plan, caps = self.held
+            carried = carry_plan(ids, plan, view, self.max_joined, caps)
+            if carried is not None:
+                self.age += 1
+                return carried
+        seen = view
+        if self.offer == "ahead":
+            seen = dataclasses.replace(
+                view, requests=[dataclasses.replace(r, max_k=self.max_k) for r in view.requests]
+            )
+        plan = self.inner.decide(seen, costs)
+        self.num_decides += 1
+        caps = {r.request_id: r.max_k for r in seen.requests}  # the offers the decide saw
+        self.held = [r.request_id for r in view.requests], plan, caps
+        self.age = 1
+        k = [min(k, r.max_k) for k, r in zip(plan.k, view.requests, strict=True)]
+        return dataclasses.replace(plan, k=k)
+
+    def observe(self, plan: Plan, accepted: list[int]) -> None:
+        self.inner.observe(plan, accepted)
+
+
+def carry_rows(
+    path: str, intervals: Sequence[int], offers: Sequence[str], fixed_k: int | None
+) -> list[list[str]]:
+    """Per concurrency level of the log: fixed k (when given), goodput every step, goodput carried
+    for each interval × offer; (level, config, tok/s, tokens per request-step, mean k, decides)."""
+    run = load_run(path)
+    bits = complete_bits(run, 0)
+    costs = refit_costs(run)
+    max_k = run.settings.max_k
+    configs: list[tuple[str, object]] = []
+    if fixed_k is not None:
+        scorers = run.settings.scorers
+        scorer = next((s for s in ("mqa_graph", "mqa") if s in scorers), scorers[0])
+        cfg = {"name": "fixed", "k": fixed_k, "scorer": scorer}
+        configs.append((f"fixed k={fixed_k} {scorer}", lambda: build_policy(cfg)))
+    configs.append(("goodput, every step", lambda: build_policy({"name": "goodput"})))
+    for i in intervals:
+        for o in offers:
+            label = f"goodput, {i} steps a plan, decided {'ahead' if o == 'ahead' else 'on the step'}"
+            make = lambda i=i, o=o: CarriedPolicy(build_policy({"name": "goodput"}), i, max_k, o)  # noqa: E731
+            configs.append((label, make))
+    rows = []
+    for level, (sub, sub_bits, _) in split_levels(run, bits).items():
+        for label, make in configs:
+            policy = make()
+            res = simulate(sub, sub_bits, policy, costs, label, None, closed_loop=True)
+            per_request = res.num_decode_tokens / res.num_request_steps if res.num_request_steps else 0.0
+            decides = getattr(policy, "num_decides", res.num_steps)
+            rows.append([str(level), label, fmt(res.tokens_per_s, 0), fmt(per_request, 3), fmt(res.mean_k, 2),
+                         f"{decides} / {res.num_steps}"])  # fmt: skip
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("log", help="a decision log (SQLite) with match bits: bench=serve's, a daemon's")
+    ap.add_argument("--intervals", type=int, nargs="+", default=[1, 6], help="steps a plan runs")
+    ap.add_argument("--offers", nargs="+", choices=OFFERS, default=list(OFFERS))
+    ap.add_argument("--fixed-k", type=int, default=8, help="a fixed-k row beside (0: none)")
+    args = ap.parse_args(argv)
+    if any(i < 1 for i in args.intervals):
+        ap.error("every --intervals value must be >= 1")
+    rows = carry_rows(args.log, args.intervals, args.offers, args.fixed_k or None)
+    header = ["N", "config", "tok/s (replayed)", "tokens / request-step", "mean k", "decides / steps"]
+    sys.stdout.write(table(header, rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
