@@ -103,6 +103,7 @@ class CostModels:
         self.expansion_scorers = tuple(expansion_scorers)
         self.models: dict[tuple[str, ...], OnlineLinearModel] = {}
         self.num_decodes: dict[str, int] = {}  # plain decode steps (every k = 0) observed per scorer
+        self.num_run_steps: dict[str, int] = {}  # plain decode steps observed inside runs, per scorer
         self.errors: dict[str, RunningError] = {}  # scorer -> prequential error of step ms
         # graph scorer -> its score model's residual per graph (policies/bucket_bias.py); off: none
         self.is_bucket_bias = bucket_bias
@@ -124,6 +125,7 @@ class CostModels:
         self.device = device
         self.models.clear()
         self.num_decodes.clear()
+        self.num_run_steps.clear()
         self.errors.clear()
         self.biases.clear()
         self.runs.clear()
@@ -317,6 +319,7 @@ class CostModels:
             return
         predicted = run_ms(self, record.scorer, _record_stats(record), record.num_decode_steps)
         self.runs.setdefault(record.scorer, RunRatio()).update(predicted, measured)
+        self.num_run_steps[record.scorer] = self.num_run_steps.get(record.scorer, 0) + record.num_decode_steps
 
     def prediction_error(self, scorer: str, signed: bool = False) -> float | None:
         """Running relative error of ``scorer``'s predicted step ms over its last ~16 steps (each

@@ -56,6 +56,25 @@ def test_runs_teach_their_own_ratio_and_not_the_step_models():
     assert costs.predict_run("mqa_graph", s, 4) == pytest.approx(2.0 * predicted, rel=1e-6)
     assert (costs.model("score", "mqa_graph").coef == coef).all()
     assert "mqa_graph" not in costs.num_decodes
+    assert costs.num_run_steps == {"mqa_graph": 160}  # 40 runs of 4: what ends a decode try
+
+
+def test_a_decode_try_ends_after_its_runs():
+    """The MQA graph priced within the tolerance of the decode graph but never seen at k = 0 is tried
+    for plain steps; runs on it count as its plain steps, so the tries end after min_steps of them."""
+    from specsched.policies.goodput_explore import decode_scorer
+
+    costs = cuda_costs()
+    scorers = ["batch_expansion", "mqa_graph"]
+    for name in scorers:  # both models mature; only batch expansion has seen plain steps
+        costs.model("score", name).num_updates = 100
+    costs.num_decodes["batch_expansion"] = 100
+    goodput_k0 = [10.0, 9.8]  # the MQA graph within 5 % of the best
+    assert decode_scorer(costs, scorers, goodput_k0, [300] * 4, 8, 0.05) == (1, True)
+    costs.observe(run_record(0, 4, 4, 1.0))
+    assert decode_scorer(costs, scorers, goodput_k0, [300] * 4, 8, 0.05) == (1, True)  # 4 steps seen
+    costs.observe(run_record(1, 4, 4, 1.0))
+    assert decode_scorer(costs, scorers, goodput_k0, [300] * 4, 8, 0.05) == (0, False)  # 8: tried enough
 
 
 def spec_record(step: int, batch: int, k: int, propose_ms: float, is_after_run: bool) -> StepRecord:
