@@ -3,7 +3,8 @@ under the engine's planner: a decide every ``interval`` steps (or when the batch
 carry), its plan carried in between by :func:`specsched.engine.planning.carry_plan`, decided either
 ahead (every request offered ``max_k``, as ``scheduler.plan_ahead`` does) or on the step's own offers.
 
-``python -m specsched.bench.carry_replay LOG [--intervals 1 6] [--offers ahead step] [--fixed-k 8]``
+``python -m specsched.bench.carry_replay LOG [--intervals 1 6] [--offers ahead step] [--max-joined 0.125]
+[--fixed-k 8]``
 
 The replay is :func:`specsched.policies.replay.simulate` per concurrency level
 (:mod:`specsched.policies.replay_segments`): the log's match bits decide what each draft would have
@@ -78,10 +79,15 @@ class CarriedPolicy:
 
 
 def carry_rows(
-    path: str, intervals: Sequence[int], offers: Sequence[str], fixed_k: int | None
+    path: str,
+    intervals: Sequence[int],
+    offers: Sequence[str],
+    fixed_k: int | None,
+    max_joined: Sequence[float] = (MAX_JOINED,),
 ) -> list[list[str]]:
     """Per concurrency level of the log: fixed k (when given), goodput every step, goodput carried
-    for each interval × offer; (level, config, tok/s, tokens per request-step, mean k, decides)."""
+    for each interval × offer × max_joined share; (level, config, tok/s, tokens per request-step,
+    mean k, decides)."""
     run = load_run(path)
     bits = complete_bits(run, 0)
     costs = refit_costs(run)
@@ -95,9 +101,12 @@ def carry_rows(
     configs.append(("goodput, every step", lambda: build_policy({"name": "goodput"})))
     for i in intervals:
         for o in offers:
-            label = f"goodput, {i} steps a plan, decided {'ahead' if o == 'ahead' else 'on the step'}"
-            make = lambda i=i, o=o: CarriedPolicy(build_policy({"name": "goodput"}), i, max_k, o)  # noqa: E731
-            configs.append((label, make))
+            for j in max_joined:
+                label = f"goodput, {i} steps a plan, decided {'ahead' if o == 'ahead' else 'on the step'}"
+                if len(max_joined) > 1 or j != MAX_JOINED:
+                    label += f", up to {j:g} of the batch new"
+                make = lambda i=i, o=o, j=j: CarriedPolicy(build_policy({"name": "goodput"}), i, max_k, o, j)  # noqa: E731
+                configs.append((label, make))
     rows = []
     for level, (sub, sub_bits, _) in split_levels(run, bits).items():
         for label, make in configs:
@@ -115,11 +124,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("log", help="a decision log (SQLite) with match bits: bench=serve's, a daemon's")
     ap.add_argument("--intervals", type=int, nargs="+", default=[1, 6], help="steps a plan runs")
     ap.add_argument("--offers", nargs="+", choices=OFFERS, default=list(OFFERS))
+    ap.add_argument("--max-joined", type=float, nargs="+", default=[MAX_JOINED],
+                    help="shares of the batch that may be new in a carried plan")  # fmt: skip
     ap.add_argument("--fixed-k", type=int, default=8, help="a fixed-k row beside (0: none)")
     args = ap.parse_args(argv)
     if any(i < 1 for i in args.intervals):
         ap.error("every --intervals value must be >= 1")
-    rows = carry_rows(args.log, args.intervals, args.offers, args.fixed_k or None)
+    if any(not 0.0 <= j <= 1.0 for j in args.max_joined):
+        ap.error("every --max-joined share must be in [0, 1]")
+    rows = carry_rows(args.log, args.intervals, args.offers, args.fixed_k or None, args.max_joined)
     header = ["N", "config", "tok/s (replayed)", "tokens / request-step", "mean k", "decides / steps"]
     sys.stdout.write(table(header, rows) + "\n")
     return 0

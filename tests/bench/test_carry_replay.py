@@ -90,3 +90,9 @@ def test_the_table_has_a_row_per_level_and_config(log, capsys):
     assert main([str(log), "--intervals", "3", "--offers", "step", "--fixed-k", "0"]) == 0
     out = capsys.readouterr().out
     assert "goodput, 3 steps a plan, decided on the step" in out and "fixed k" not in out
+    assert main([str(log), "--intervals", "3", "--offers", "step", "--max-joined", "0.125", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "up to 0.125 of the batch new" in out and "up to 0.5 of the batch new" in out
+    with pytest.raises(SystemExit):
+        main([str(log), "--max-joined", "2"])
+    assert "every --max-joined share must be in [0, 1]" in capsys.readouterr().err
