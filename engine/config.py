@@ -132,7 +132,9 @@ class SchedulerConfig:
     # offers every request spec.max_k (its offer is a step old), which prices the whole batch
     # drafting and plans fewer drafts than the offers allow (replay of the 2026-12-06 H100 serve log,
     # N = 64: -2.4 % tokens per request-step), while a host-bound step at batch 64 hides little of
-    # the decide. Above this size the due decide runs on the step, on its offers. 16: on that H100
+    # the decide. Above this size the due decide runs on the step, on its offers, unless at most a
+    # quarter of the batch had its offer cut (a draft model's: the ahead view is then the step's
+    # batch, and behind a GPU-bound 7B forward the decide ahead is hidden). 16: on that H100
     # (bench=serve_plan_ab, 5 rounds) deciding on the step past batch 1 gave goodput +7.8 % per round
     # at N = 64 [+0.1 - +16.7], -2.2 % [-15.4 - +0.6] at N = 16, -0.2 % at N = 4. docs/policies.md.
     plan_ahead_max_batch: int | None = 16

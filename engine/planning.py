@@ -6,8 +6,8 @@ cost models it reads change little from one step to the next. So the engine trea
 cost as part of the step's cost and decides only as often as that cost allows:
 
 - **Planned ahead** (``scheduler.plan_ahead``, at batches up to ``scheduler.plan_ahead_max_batch``;
-  a larger batch decides on the step, on its own offers: docs/policies.md): on CUDA the next step's
-  plan is decided while the GPU
+  a larger batch whose offers were cut decides on the step, on its own offers: docs/policies.md): on
+  CUDA the next step's plan is decided while the GPU
   scores this step, from a view that offers every request the full ``spec.max_k`` (this step's
   tokens are not committed yet, so a proposer's peek would be a step old: on the H200 on 2026-12-04
   a third of goodput's draftable steps at N = 1 ran k = 0 because the n-gram match came with the
@@ -54,6 +54,10 @@ from dataclasses import replace
 from specsched.policies.base import BatchView, Plan, Policy
 
 MAX_JOINED = 0.125  # a plan is carried to a batch of which at most this share (or 1 request) is new
+# a batch above ``ahead_max_batch`` still plans ahead while at most this share of its requests had an
+# offer below spec.max_k at the last step: then the ahead view (every offer max_k) is about the batch
+# the step will see (a draft model's offers), and the decide stays hidden behind a GPU-bound forward
+OFFER_CUT_SHARE = 0.25
 BASELINE_EVERY = 32  # steps: a decide ahead is skipped (the held plan runs one step more) when the
 # post-launch time of a step without one is older than this (with interval 1 there is no other)
 
@@ -295,15 +299,23 @@ class Planner:
         return carried
 
     def decide_ahead(
-        self, policy: Policy, costs, make_view: Callable[[], BatchView], batch_size: int | None = None
+        self,
+        policy: Policy,
+        costs,
+        make_view: Callable[[], BatchView],
+        batch_size: int | None = None,
+        num_cut: int | None = None,
     ) -> None:
         """While the GPU scores: the next step's plan, for this step's requests (``make_view``, of
-        ``batch_size`` requests), when plan-ahead is on, the policy allows it, the held plan is due
-        and the batch is at most ``ahead_max_batch`` (else the due decide runs on the next step)."""
+        ``batch_size`` requests, ``num_cut`` of which had an offer below ``spec.max_k`` this step),
+        when plan-ahead is on, the policy allows it and the held plan is due — and, for a batch above
+        ``ahead_max_batch``, only while at most ``OFFER_CUT_SHARE`` of it had its offer cut (else the
+        due decide runs on the next step, on its offers)."""
         if not (self.is_plan_ahead and policy.is_plan_ahead_safe and self.reuse.is_due):
             return
         if self.ahead_max_batch is not None and batch_size is not None and batch_size > self.ahead_max_batch:
-            return
+            if num_cut is None or num_cut > OFFER_CUT_SHARE * batch_size:
+                return
         if self.reuse.budget is not None and self._since_post >= BASELINE_EVERY and self.held is not None:
             self._is_grace = True  # this step measures the baseline; the held plan runs one step more
             return

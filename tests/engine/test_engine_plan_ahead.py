@@ -159,3 +159,13 @@ def test_plan_ahead_max_batch_decides_larger_batches_on_the_step_and_stays_lossl
 def test_config_checks_plan_ahead_max_batch():
     with pytest.raises(ValueError, match="plan_ahead_max_batch must be >= 1 or null, got 0"):
         SchedulerConfig(plan_ahead_max_batch=0)
+
+
+def test_a_batch_above_the_size_with_whole_offers_still_plans_ahead():
+    """A draft model offers every request spec.max_k (but near its end): the ahead view is the batch
+    the step sees, so a batch above ``plan_ahead_max_batch`` keeps planning ahead (on a GPU-bound
+    forward, e.g. the 7B's, the decide ahead is hidden and the one on the step would not be)."""
+    reference, _ = run(make_engine("off", {"name": "fixed", "k": 0, "scorer": "batch_expansion"}))
+    outputs, records = run(make_engine("on", {"name": "goodput"}, proposer="draft", max_batch=1))
+    assert outputs == reference
+    assert any(r.batch_size > 1 and r.plan_info.get("is_planned_ahead") for r in records)
