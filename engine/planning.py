@@ -5,22 +5,21 @@ take ~1-2 ms of Python on the H200 host), and its plans move slowly: the accepta
 cost models it reads change little from one step to the next. So the engine treats the decide's
 cost as part of the step's cost and decides only as often as that cost allows:
 
-- **Planned ahead** (``scheduler.plan_ahead``, at batches up to ``scheduler.plan_ahead_max_batch``;
-  a larger batch whose offers were cut decides on the step, on its own offers: docs/policies.md): on
-  CUDA the next step's plan is decided while the GPU
-  scores this step, from a view that offers every request the full ``spec.max_k`` (this step's
-  tokens are not committed yet, so a proposer's peek would be a step old: on the H200 on 2026-12-04
-  a third of goodput's draftable steps at N = 1 ran k = 0 because the n-gram match came with the
-  step before); carrying the plan caps each k by the step's own peek. That hides the decide only
-  while it is shorter than the scoring forward; :class:`PlanReuse` measures the part it does not
-  hide (*exposed* ms, at most the planning ms): the host time from the end of the scoring launch to
-  the end of the verification read (``overlap`` + ``verify``) beyond that of the steps that decided
-  nothing ahead (an EMA of theirs; when every step decides ahead, one in ``BASELINE_EVERY`` skips
-  it and runs the held plan one step more, to keep that baseline). The scoring forward's own event
-  time is no baseline: on a GPU that waits for the host to pack and launch it, it spans the packing
-  too (H200, 2026-12-04, N = 64: deciding steps ran 0.4-1 ms longer than the others while that
-  measure called them hidden, so a decide ran every 1-3 steps against a 5 % budget: goodput 0.90x
-  hf_heuristic).
+- **Planned ahead** (``scheduler.plan_ahead``, at batches up to ``scheduler.plan_ahead_max_batch``; a
+  larger batch whose offers were cut decides on the step, on its own offers: docs/policies.md): on
+  CUDA the next step's plan is decided while the GPU scores this step, from a view that offers every
+  request the full ``spec.max_k`` (this step's tokens are not committed yet, so a proposer's peek
+  would be a step old: on the H200 on 2026-12-04 a third of goodput's draftable steps at N = 1 ran k =
+  0 because the n-gram match came with the step before); carrying the plan caps each k by the step's
+  own peek. That hides the decide only while it is shorter than the scoring forward;
+  :class:`PlanReuse` measures the part it does not hide (*exposed* ms, at most the planning ms): the
+  host time from the end of the scoring launch to the end of the verification read (``overlap`` +
+  ``verify``) beyond that of the steps that decided nothing ahead (an EMA of theirs; when every step
+  decides ahead, one in ``BASELINE_EVERY`` skips it and runs the held plan one step more, to keep that
+  baseline). The scoring forward's own event time is no baseline: on a GPU that waits for the host to
+  pack and launch it, it spans the packing too (H200, 2026-12-04, N = 64: deciding steps ran 0.4-1 ms
+  longer than the others while that measure called them hidden, so a decide ran every 1-3 steps
+  against a 5 % budget: goodput 0.90x hf_heuristic).
 - **Carried over** (``scheduler.decide_budget``): a plan is used again for up to
   ``interval - 1`` more steps, ``interval = ceil(exposed / (budget · step ms))``, so that deciding
   costs about ``budget`` of the step time on average (1 = decide every step, which is what a cheap
@@ -66,22 +65,22 @@ def carry_plan(
     ids: list[str], plan: Plan, view: BatchView, max_joined: float | None, caps: dict[str, int] | None = None
 ) -> Plan | None:
     """``plan`` (decided for requests ``ids``; ``caps``: their max_k in the view it was decided on) for
-    the batch of ``view``; None when no request of the batch was in the plan, or (``max_joined`` not
-    None) more than ``max_joined`` of it (a share of the batch, at least one request) joined since.
-    Every k is capped by its request's ``max_k`` now. A joined request, and a *reopened* one (planned
-    at k = 0 because it could not draft then: cap 0 in ``caps``, and it can now: an n-gram match came
-    since), takes the planned k of the kept request of the same proposer, able to draft at the
-    decide, whose acceptance estimate is nearest its own (``view``'s estimates: a fresh request's is
-    its proposer's pooled prior), so a carried plan drafts for it about as the policy drafts for
-    requests like it. A plan whose ``info["k_intent"]`` gives each request's k had it been offered
-    every draft (goodput's, when the decide saw a request's offer cut short) carries that instead
-    of its k, capped as above: an offer that grew since is taken (replaying the 2026-12-06 H100
-    serve log of k = 8, a plan decided on the step's offers and carried by its k lost 3-4 % of the
-    tokens per request-step at N = 4-16); reopening does not apply. A carry that leaves every k at 0
-    runs on the plan's ``info["k0_scorer"]`` when it names one of the run's scorers (the policy's
-    scorer for a plain decode step: the decode graph, not the MQA graph the speculative plan chose).
-    The plan's ``info`` is copied with ``num_joined`` / ``num_left`` / ``num_reopened`` added (the
-    original is not changed)."""
+    the batch of ``view``; None when no request of the batch was in the plan, or (``max_joined`` not None)
+    more than ``max_joined`` of it (a share of the batch, at least one request) joined since. Every k is
+    capped by its request's ``max_k`` now. A joined request, and a *reopened* one (planned at k = 0
+    because it could not draft then: cap 0 in ``caps``, and it can now: an n-gram match came since), takes
+    the planned k of the kept request of the same proposer, able to draft at the decide, whose acceptance
+    estimate is nearest its own (``view``'s estimates: a fresh request's is its proposer's pooled prior),
+    so a carried plan drafts for it about as the policy drafts for requests like it. A plan whose
+    ``info["k_intent"]`` gives each request's k had it been offered every draft (goodput's, when the
+    decide saw a request's offer cut short) carries that instead of its k, capped as above: an offer that
+    grew since is taken (replaying the 2026-12-06 H100 serve log of k = 8, a plan decided on the step's
+    offers and carried by its k for 6 steps drafted 2-5 % fewer tokens per request-step than deciding
+    every step at N = 4-64, by its intent 0-0.7 %); reopening does not apply. A carry that leaves every k
+    at 0 runs on the plan's ``info["k0_scorer"]`` when it names one of the run's scorers (the policy's
+    scorer for a plain decode step: the decode graph, not the MQA graph the speculative plan chose). The
+    plan's ``info`` is copied with ``num_joined`` / ``num_left`` / ``num_reopened`` added (the original is
+    not changed)."""
     old_k, caps, views = plan.k, caps or {}, view.requests
     intent = plan.info.get("k_intent")
     if intent is not None and len(intent) == len(old_k):  # the k each would take if offered more
