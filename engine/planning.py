@@ -115,6 +115,7 @@ def carry_plan(
                 k[j] = nearest.k(views[j])
         num_left = len(ids) - len(kept)
     info = {**plan.info, "num_joined": num_joined, "num_left": num_left, "num_reopened": num_reopened}
+    info.pop("k_intent", None)  # in the decided plan's request order; the carried k are its use
     scorer = plan.scorer
     if not any(k) and info.get("k0_scorer") in view.scorers:  # a plain decode: the policy's scorer for one
         scorer = info["k0_scorer"]
