@@ -84,10 +84,12 @@ def carry_rows(
     offers: Sequence[str],
     fixed_k: int | None,
     max_joined: Sequence[float] = (MAX_JOINED,),
+    decide_ms: float | None = None,
 ) -> list[list[str]]:
     """Per concurrency level of the log: fixed k (when given), goodput every step, goodput carried
     for each interval × offer × max_joined share; (level, config, tok/s, tokens per request-step,
-    mean k, decides)."""
+    mean k, decides) and, with ``decide_ms``, the tok/s with each of goodput's decides charged that
+    many ms on the step (a decide on the step; the replayed steps' ms hold the recorded policy's)."""
     run = load_run(path)
     bits = complete_bits(run, 0)
     costs = refit_costs(run)
@@ -113,9 +115,14 @@ def carry_rows(
             policy = make()
             res = simulate(sub, sub_bits, policy, costs, label, None, closed_loop=True)
             per_request = res.num_decode_tokens / res.num_request_steps if res.num_request_steps else 0.0
+            is_goodput = label.startswith("goodput")
             decides = getattr(policy, "num_decides", res.num_steps)
-            rows.append([str(level), label, fmt(res.tokens_per_s, 0), fmt(per_request, 3), fmt(res.mean_k, 2),
-                         f"{decides} / {res.num_steps}"])  # fmt: skip
+            row = [str(level), label, fmt(res.tokens_per_s, 0), fmt(per_request, 3), fmt(res.mean_k, 2),
+                   f"{decides} / {res.num_steps}"]  # fmt: skip
+            if decide_ms is not None:
+                ms = res.predicted_ms + (decides * decide_ms if is_goodput else 0.0)
+                row.append(fmt(res.num_tokens / (ms / 1e3), 0) if ms > 0 else "–")
+            rows.append(row)
     return rows
 
 
@@ -127,13 +134,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-joined", type=float, nargs="+", default=[MAX_JOINED],
                     help="shares of the batch that may be new in a carried plan")  # fmt: skip
     ap.add_argument("--fixed-k", type=int, default=8, help="a fixed-k row beside (0: none)")
+    ap.add_argument("--decide-ms", type=float, default=None,
+                    help="charge each goodput decide this many ms (a log's median decide_ms)")  # fmt: skip
     args = ap.parse_args(argv)
     if any(i < 1 for i in args.intervals):
         ap.error("every --intervals value must be >= 1")
     if any(not 0.0 <= j <= 1.0 for j in args.max_joined):
         ap.error("every --max-joined share must be in [0, 1]")
-    rows = carry_rows(args.log, args.intervals, args.offers, args.fixed_k or None, args.max_joined)
+    if args.decide_ms is not None and args.decide_ms < 0:
+        ap.error("--decide-ms must be >= 0")
+    rows = carry_rows(
+        args.log, args.intervals, args.offers, args.fixed_k or None, args.max_joined, args.decide_ms
+    )
     header = ["N", "config", "tok/s (replayed)", "tokens / request-step", "mean k", "decides / steps"]
+    if args.decide_ms is not None:
+        header.append(f"tok/s, {args.decide_ms:g} ms a decide")
     sys.stdout.write(table(header, rows) + "\n")
     return 0
 

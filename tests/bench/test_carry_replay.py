@@ -96,3 +96,15 @@ def test_the_table_has_a_row_per_level_and_config(log, capsys):
     with pytest.raises(SystemExit):
         main([str(log), "--max-joined", "2"])
     assert "every --max-joined share must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_decide_ms_charges_goodput_s_decides(log):
+    rows = carry_rows(str(log), [4], ["step"], 2, decide_ms=5.0)
+    by = {(r[0], r[1]): r for r in rows}
+    level = rows[0][0]
+    fixed, every, carried = (by[(level, c)] for c in (
+        "fixed k=2 mqa", "goodput, every step", "goodput, 4 steps a plan, decided on the step"))  # fmt: skip
+    assert fixed[6] == fixed[2]  # not goodput: nothing charged
+    assert float(every[6]) < float(every[2]) and float(carried[6]) < float(carried[2])
+    # a decide every step pays more of it than one every 4 steps
+    assert float(every[6]) / float(every[2]) < float(carried[6]) / float(carried[2])
