@@ -7,6 +7,8 @@ uses, its caps, the log's flag — and that greedy output stays the non-speculat
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
@@ -174,3 +176,38 @@ def test_a_batch_above_the_size_with_whole_offers_still_plans_ahead():
     outputs, records = run(make_engine("on", {"name": "goodput"}, proposer="draft", max_batch=1))
     assert outputs == reference
     assert any(r.batch_size > 1 and r.plan_info.get("is_planned_ahead") for r in records)
+
+
+def test_the_default_decides_batches_above_16_on_the_step_with_the_intent_carried():
+    """The default (``plan_ahead_max_batch`` 16) with plan-ahead on, as on CUDA: n-gram batches of up
+    to 24 whose offers are mostly cut decide on the step, record goodput's intent, and the output
+    stays the non-speculative output."""
+    rng = random.Random(1)
+    prompts = []
+    for _ in range(30):
+        base = [rng.randrange(3, 200) for _ in range(rng.randint(3, 9))]
+        prompts.append((base * 10)[: rng.randint(20, 60)])
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+
+    def engine(policy: dict, plan_ahead: str) -> Engine:
+        cfg = EngineConfig(
+            model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
+            cache=CacheConfig(block_size=8, num_blocks=2048),
+            scheduler=SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=2048, plan_ahead=plan_ahead),
+            spec=SpecConfig(proposer="ngram", scorers=["batch_expansion", "mqa"], max_k=8),
+            policy=policy,
+        )
+        return Engine(cfg)
+
+    reference = engine({"name": "fixed", "k": 0, "scorer": "batch_expansion"}, "off").generate(
+        prompts, params
+    )
+    goodput = engine({"name": "goodput"}, "on")
+    assert goodput.cfg.scheduler.plan_ahead_max_batch == 16
+    records: list[StepRecord] = []
+    goodput.on_step = records.append
+    assert goodput.generate(prompts, params) == reference
+    decode = [r for r in records if r.kind == "decode"]
+    on_step = [r for r in decode if r.batch_size > 16 and r.plan_info.get("decide_ms", 0) > 0]
+    assert on_step and any("k_intent" in r.plan_info for r in on_step)
+    assert sum(r.num_proposed for r in decode) > 0
