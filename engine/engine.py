@@ -67,7 +67,6 @@ class Engine(PrefillStep, DecodeSteps):
             sc.decide_budget, sc.max_plan_age, is_plan_ahead, sc.max_joined_share, sc.decide_cost == "host",
             sc.plan_ahead_max_batch,
         )  # fmt: skip
-        self._max_k = cfg.spec.max_k  # an offer below it is cut (by the proposer or the request's end)
         self._unobserved: list[StepRecord] = []
         self._last_end: float | None = None  # perf_counter at the end of the last step, while busy
         self.num_steps = 0
@@ -185,7 +184,7 @@ class Engine(PrefillStep, DecodeSteps):
             scored = self._score(plan.scorer, reqs, props, num_steps)  # logits, or [S, B] tokens
         if self._is_prediction_deferred:  # the costs as the decide saw them: before the observe
             predict_plan(plan, view, self.costs)
-        self._while_scoring(reqs, names, sum(v.max_k < self._max_k for v in views))
+        self._while_scoring(reqs, names, views)
         timer.mark("overlap")  # on CUDA while the GPU scores: off the critical path up to its time
         with self._timed(rec, "verify_ms"):
             emitted, match_bits = self._verify(scored, reqs, props, num_steps)
@@ -209,20 +208,22 @@ class Engine(PrefillStep, DecodeSteps):
             )
         return plan
 
-    def _while_scoring(self, reqs: list[Request], names: list[str], num_cut: int) -> None:
+    def _while_scoring(self, reqs: list[Request], names: list[str], views: list) -> None:
         """Host work while the GPU scores (CUDA): nothing here waits for it. Observe the last step's
         costs, let the proposers work on the tokens known before the commit (``on_scoring``), and
-        decide the next step's plan ahead where the policy allows it (``num_cut``: requests whose
-        offer this step was below ``spec.max_k``)."""
+        decide the next step's plan ahead where the policy allows it (``views``: this step's, whose
+        offers below ``spec.max_k`` the planner counts when the batch's size asks for it)."""
         if self._unobserved:
             self.flush_observations()
         if self.is_overlapped_observe:  # the GPU scores meanwhile (on the host path: nothing to hide)
             by = by_proposer(names)
             for n, idx in by.items():  # e.g. the n-gram proposer indexes what it can before the commit
                 self.proposers[n].on_scoring(reqs if len(by) == 1 else [reqs[i] for i in idx])
+        max_k = self.cfg.spec.max_k
         self.planner.decide_ahead(
-            self.policy, self.costs, lambda: self._view(reqs, names, is_ahead=True), len(reqs), num_cut
-        )
+            self.policy, self.costs, lambda: self._view(reqs, names, is_ahead=True), len(reqs),
+            lambda: sum(v.max_k < max_k for v in views),
+        )  # fmt: skip
 
     def _record(self, rec, reqs, names, plan, props, views, emitted, match_bits, outputs, num_steps) -> None:
         """Fill the step's record (the decision log's ``steps`` and ``step_requests`` rows); ``views``:

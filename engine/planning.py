@@ -304,17 +304,17 @@ class Planner:
         costs,
         make_view: Callable[[], BatchView],
         batch_size: int | None = None,
-        num_cut: int | None = None,
+        count_cut: Callable[[], int] | None = None,
     ) -> None:
         """While the GPU scores: the next step's plan, for this step's requests (``make_view``, of
-        ``batch_size`` requests, ``num_cut`` of which had an offer below ``spec.max_k`` this step),
-        when plan-ahead is on, the policy allows it and the held plan is due — and, for a batch above
-        ``ahead_max_batch``, only while at most ``OFFER_CUT_SHARE`` of it had its offer cut (else the
-        due decide runs on the next step, on its offers)."""
+        ``batch_size`` requests; ``count_cut()``: how many had an offer below ``spec.max_k`` this
+        step, counted only when asked), when plan-ahead is on, the policy allows it and the held plan
+        is due — and, for a batch above ``ahead_max_batch``, only while at most ``OFFER_CUT_SHARE`` of
+        it had its offer cut (else the due decide runs on the next step, on its offers)."""
         if not (self.is_plan_ahead and policy.is_plan_ahead_safe and self.reuse.is_due):
             return
         if self.ahead_max_batch is not None and batch_size is not None and batch_size > self.ahead_max_batch:
-            if num_cut is None or num_cut > OFFER_CUT_SHARE * batch_size:
+            if count_cut is None or count_cut() > OFFER_CUT_SHARE * batch_size:
                 return
         if self.reuse.budget is not None and self._since_post >= BASELINE_EVERY and self.held is not None:
             self._is_grace = True  # this step measures the baseline; the held plan runs one step more

@@ -360,11 +360,11 @@ def test_decide_ahead_skips_batches_above_ahead_max_batch():
     views = {n: view_of([f"r{i}" for i in range(n)], [4] * n) for n in (2, 3)}
     planner.reuse.on_use()  # the held plan has run its step: the next one is due
     assert planner.reuse.is_due
-    planner.decide_ahead(policy, None, lambda: views[3], batch_size=3, num_cut=1)  # a third cut
+    planner.decide_ahead(policy, None, lambda: views[3], batch_size=3, count_cut=lambda: 1)  # a third cut
     assert policy.num_decides == 0 and planner.held is None
     with pytest.raises(ValueError, match="needs cost models"):  # batch 2: decided ahead
-        planner.decide_ahead(policy, None, lambda: views[2], batch_size=2, num_cut=2)
+        planner.decide_ahead(policy, None, lambda: views[2], batch_size=2, count_cut=lambda: 2)
     # above the size, a batch whose offers were (nearly) all whole, as a draft model's, plans ahead
     with pytest.raises(ValueError, match="needs cost models"):
-        planner.decide_ahead(policy, None, lambda: views[3], batch_size=3, num_cut=0)
+        planner.decide_ahead(policy, None, lambda: views[3], batch_size=3, count_cut=lambda: 0)
     assert policy.num_decides == 2
