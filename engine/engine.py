@@ -182,12 +182,14 @@ class Engine(PrefillStep, DecodeSteps):
             props = self._propose(reqs, ks, names)
         with self._timed(rec, "score_ms"):
             scored = self._score(plan.scorer, reqs, props, num_steps)  # logits, or [S, B] tokens
+        with self._timed(rec, "verify_ms"):  # queued behind the forward; read after the host's overlap
+            pending = self._launch_verify(scored, reqs, props, num_steps)
         if self._is_prediction_deferred:  # the costs as the decide saw them: before the observe
             predict_plan(plan, view, self.costs)
         self._while_scoring(reqs, names, views)
-        timer.mark("overlap")  # on CUDA while the GPU scores: off the critical path up to its time
-        with self._timed(rec, "verify_ms"):
-            emitted, match_bits = self._verify(scored, reqs, props, num_steps)
+        timer.mark("overlap")  # on CUDA while the GPU scores and verifies: off the critical path up to then
+        emitted, match_bits = self._read_verify(pending)  # waits for the device
+        timer.mark_tail(rec, "verify_ms")
         outputs = self._commit(reqs, emitted, props.num_draft, names)
         timer.mark("commit")
         self._record(rec, reqs, names, plan, props, views, emitted, match_bits, outputs, num_steps)

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from specsched.engine.request import Request
-from specsched.kernels.rejection_sampling import verify
+from specsched.kernels.pending_read import PendingRead
+from specsched.kernels.rejection_sampling import VerifyResult, launch_verify
 from specsched.proposers.base import Proposals
 from specsched.scorers.base import Scorer
 from specsched.scorers.multi_step import greedy_decode_steps
@@ -83,15 +84,27 @@ class DecodeSteps:
         s = self.scorers[scorer]
         return greedy_decode_steps(s.decode_forward, reqs, num_steps, self.scheduler.block_size, self.device)
 
-    def _verify(
+    def _launch_verify(
         self, scored: torch.Tensor, reqs: list[Request], props: Proposals, num_steps: int
+    ) -> PendingRead[tuple[list[list[int]], list[str]]]:
+        """Queue the step's verification right behind its scoring (the device runs it as soon as the
+        forward ends, whatever the host does meanwhile); :meth:`_read_verify` reads it."""
+        if num_steps > 1:  # [S, B] tokens: no drafts, nothing matched
+            return PendingRead(scored.T, lambda rows: (rows, [""] * len(rows)))
+        pending = launch_verify(scored, props, [r.sampling for r in reqs], [r.generator for r in reqs])
+        return PendingRead(pending.tensor, lambda host: _lists(pending.finish(host)))
+
+    def _read_verify(
+        self, pending: PendingRead[tuple[list[list[int]], list[str]]]
     ) -> tuple[list[list[int]], list[str]]:
-        """Each request's emitted tokens and match bits, read on the host (the step's one host read,
-        inside ``verify``: ``on_device_wait`` goes first, so that what it wakes runs while this thread
-        waits for the device without the interpreter lock)."""
-        if self.on_device_wait is not None:
+        """Each request's emitted tokens and match bits, read on the host (the step's one host read).
+        ``on_device_wait`` goes first, so that what it wakes runs while this thread waits for the
+        device without the interpreter lock — unless the device is done already: the woken threads
+        would then hold the lock while this thread wants it back (their turn comes at the next wait)."""
+        if self.on_device_wait is not None and not pending.is_done:
             self.on_device_wait()
-        if num_steps > 1:
-            return scored.T.tolist(), [""] * len(reqs)  # [B][S]: no drafts, nothing matched
-        result = verify(scored, props, [r.sampling for r in reqs], [r.generator for r in reqs])
-        return result.to_lists(), result.match_bits()
+        return pending.result()
+
+
+def _lists(result: VerifyResult) -> tuple[list[list[int]], list[str]]:
+    return result.to_lists(), result.match_bits()

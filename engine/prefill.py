@@ -11,7 +11,6 @@ from specsched.engine.proposing import by_proposer
 from specsched.engine.records import RequestOutput, StepRecord
 from specsched.engine.request import Request
 from specsched.engine.scheduler import ScheduledBatch
-from specsched.kernels.rejection_sampling import verify
 from specsched.proposers.base import Proposals
 from specsched.scorers.inputs import chunk_host_inputs, tokens_from
 
@@ -32,13 +31,13 @@ class PrefillStep:
         logits = self._prefill_logits(rec, tokens, starts, [r.block_table for r in reqs], sample)
         for r, e in zip(reqs, ends):
             r.num_computed = e
-        self._while_prefilling(reqs)
         done = [reqs[i] for i in sample]
         empty = Proposals.from_lists([[] for _ in done])  # host tensors: no device copy
-        with self._timed(rec, "verify_ms"):
-            if self.on_device_wait is not None:  # before verify's host read (see DecodeSteps._verify)
-                self.on_device_wait()
-            first = verify(logits, empty, [r.sampling for r in done], [r.generator for r in done]).to_lists()
+        with self._timed(rec, "verify_ms"):  # the first tokens' sampling, queued behind the forward
+            pending = self._launch_verify(logits, done, empty, 1)
+        self._while_prefilling(reqs)
+        first, _ = self._read_verify(pending)  # waits for the device (see DecodeSteps._read_verify)
+        self.timer.mark_tail(rec, "verify_ms")
         now = time.time()
         for r in done:
             r.first_token_time = now

@@ -15,9 +15,10 @@ event fires when that work is done, so the phase is charged only its own GPU wor
 its host work that the GPU waited for. The score phase's time is therefore the GPU time of the
 scoring forward (plus its unhidden input preparation), as the cost models expect. The phases are
 disjoint intervals of the stream's timeline inside the step, so their sum never exceeds the step's
-wall time. The end event of the last phase is recorded after the host read; :meth:`finish` checks it
-with ``query`` (no wait) and waits only when the GPU has not reached it yet (counted in
-``num_waits``; it should stay 0).
+wall time. The verify phase's block only queues the verification behind the forward (its events
+time that device work); the host reads the result later (:meth:`mark_tail` charges the read's host
+time to the phase). :meth:`finish` checks each end event with ``query`` (no wait) and waits only when
+the GPU has not reached it yet (counted in ``num_waits``; it should stay 0).
 
 ``host_ms`` keeps the current step's host (perf_counter) time per phase on both devices: the timed
 phases' blocks, plus the untimed stretches between them charged by :meth:`StepTimer.mark` to a named
@@ -67,6 +68,19 @@ class StepTimer:
         self.host_ms[name] = self.host_ms.get(name, 0.0) + (now - self._lap) * 1e3
         self._lap = now
 
+    def mark_tail(self, rec: StepRecord, field: str) -> None:
+        """Charge the host time since the last mark to the timed phase ``field`` (e.g. ``verify_ms``):
+        the host end of a phase whose device work was queued in its block earlier (the read of its
+        result). On the host path the record's field gets the time too (a phase's time is its host
+        time there); on CUDA the block's events timed the device work."""
+        now = time.perf_counter()
+        ms = (now - self._lap) * 1e3
+        self._lap = now
+        name = field.removesuffix("_ms")
+        self.host_ms[name] = self.host_ms.get(name, 0.0) + ms
+        if not self.is_events:
+            setattr(rec, field, getattr(rec, field) + ms)
+
     def phase(self, rec: StepRecord, field: str) -> StepTimer:
         """Context manager adding the enclosed block's time to ``rec.<field>`` (ms)."""
         self._rec, self._field = rec, field
@@ -100,7 +114,7 @@ class StepTimer:
 
     def finish(self, rec: StepRecord) -> None:
         """Add the event-timed phases of this step to ``rec`` (no-op on the host path). Call after
-        the step's host read, which has waited for every event but the last phase's end."""
+        the step's host read, which has waited for the device work of every phase."""
         for field, i in self._pending:
             start, end = self._pool[i]
             if not end.query():

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from specsched.engine.request import SamplingParams
+from specsched.kernels.pending_read import PendingRead
 from specsched.kernels.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from specsched.proposers.base import Proposals
 
@@ -151,13 +152,12 @@ def _leading_true(accept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _assemble(
     layout: _Layout, kept: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor, num_draft: list[int]
-) -> VerifyResult:
-    """One device-to-host copy: each row is the padded output tokens, then num_accepted."""
+) -> PendingRead[VerifyResult]:
+    """One device-to-host copy, when read: each row is the padded output tokens, then num_accepted."""
     out = torch.where(kept, layout.draft, -1)  # [B, K]
     out = torch.cat([out, final.unsqueeze(1), num_accepted.unsqueeze(1)], dim=1)  # [B, K + 2]
-    rows = out.tolist()
-    emitted = [row[: row[-1]] + [row[-2]] for row in rows]
-    return VerifyResult(emitted, list(num_draft))
+    num_draft = list(num_draft)
+    return PendingRead(out, lambda rows: VerifyResult([r[: r[-1]] + [r[-2]] for r in rows], num_draft))
 
 
 def verify_greedy(
@@ -167,21 +167,36 @@ def verify_greedy(
     """Greedy verification: accept while argmax p_j == d_j; emit argmax at the first mismatch, or
     the bonus argmax after all k_i are accepted. Equal to non-speculative greedy decoding by
     construction (every emitted token is the target argmax given the accepted prefix). The argmax
-    runs on the logits' device; the comparison walks the host copy."""
+    runs on the logits' device; the comparison walks the host copy (:func:`launch_greedy`, read)."""
+    return launch_greedy(target_logits, proposals).result()
+
+
+def launch_greedy(
+    target_logits: torch.Tensor,  # [N + B, V]
+    proposals: Proposals,
+) -> PendingRead[VerifyResult]:
+    """:func:`verify_greedy`'s device op queued; its read (one host copy) and host walk are left to
+    the caller's ``result()``."""
     if target_logits.dim() != 2:
         raise ValueError(f"target_logits must be [rows, vocab], got shape {tuple(target_logits.shape)}")
     num_rows = target_logits.shape[0]
     _check(proposals, num_rows)
     argmax = target_logits.argmax(dim=-1)  # [N + B]
-    drafts = proposals.draft_tokens
+    drafts, num_draft = proposals.draft_tokens, list(proposals.num_draft)
     if num_rows == proposals.num_requests:  # no drafts at all (non-speculative): each emits its argmax
-        return VerifyResult([[t] for t in argmax.tolist()], list(proposals.num_draft))  # one host copy
+        return PendingRead(argmax, lambda host: VerifyResult([[t] for t in host], num_draft))
     if drafts.device.type == "cpu":  # the proposer's drafts are on the host already
-        host = argmax.tolist() + drafts.tolist()
-    else:  # drafts on the device: one device-to-host copy of the argmaxes and the drafts
-        host = torch.cat([argmax, drafts.to(argmax.device)]).tolist()
+        draft_list = drafts.tolist()
+        return PendingRead(argmax, lambda host: _walk_greedy(host + draft_list, num_rows, num_draft))
+    # drafts on the device: one device-to-host copy of the argmaxes and the drafts
+    both = torch.cat([argmax, drafts.to(argmax.device)])
+    return PendingRead(both, lambda host: _walk_greedy(host, num_rows, num_draft))
+
+
+def _walk_greedy(host: list[int], num_rows: int, num_draft: list[int]) -> VerifyResult:
+    """``host``: the ``num_rows`` target argmaxes, then the flat drafts."""
     emitted, row, d = [], 0, num_rows  # row: request's first target row; d: its first draft in host
-    for k in proposals.num_draft:
+    for k in num_draft:
         if not k:  # no drafts: the target's token
             emitted.append([host[row]])
             row += 1
@@ -191,7 +206,7 @@ def verify_greedy(
             a += 1
         emitted.append(host[d : d + a] + [host[row + a]])
         row, d = row + k + 1, d + k
-    return VerifyResult(emitted, list(proposals.num_draft))
+    return VerifyResult(emitted, num_draft)
 
 
 def verify_sampled(
@@ -200,6 +215,16 @@ def verify_sampled(
     uniforms_accept: torch.Tensor,  # [N] in [0, 1), one per draft token (flat draft layout)
     uniforms_resample: torch.Tensor,  # [B] in [0, 1), one per request
 ) -> VerifyResult:
+    """:func:`launch_sampled`, read."""
+    return launch_sampled(target_probs, proposals, uniforms_accept, uniforms_resample).result()
+
+
+def launch_sampled(
+    target_probs: torch.Tensor,  # [N + B, V] float32
+    proposals: Proposals,
+    uniforms_accept: torch.Tensor,  # [N] in [0, 1), one per draft token (flat draft layout)
+    uniforms_resample: torch.Tensor,  # [B] in [0, 1), one per request
+) -> PendingRead[VerifyResult]:
     """Speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
 
     Draft j is accepted iff ``u_j * q_j(d_j) < p_j(d_j)`` (i.e. u_j < min(1, p/q)); q is
@@ -257,6 +282,16 @@ def verify(
     sampling: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> VerifyResult:
+    """:func:`launch_verify`, read."""
+    return launch_verify(target_logits, proposals, sampling, generators).result()
+
+
+def launch_verify(
+    target_logits: torch.Tensor,  # [N + B, V]
+    proposals: Proposals,
+    sampling: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> PendingRead[VerifyResult]:
     """Verify a mixed batch. Greedy requests (temperature 0) follow the argmax rule; sampled ones
     use :func:`logits_to_probs` and :func:`verify_sampled`. Request i's k_i + 1 uniforms (k_i for
     acceptance, one for the recovered/bonus token) come from ``generators[i]`` (the global RNG
@@ -273,7 +308,7 @@ def verify(
             f"{num_req} requests but {len(sampling)} sampling params and {len(generators)} generators"
         )
     if all(sp.temperature == 0.0 for sp in sampling):  # all greedy (SamplingParams.is_greedy, inlined)
-        return verify_greedy(target_logits, proposals)
+        return launch_greedy(target_logits, proposals)
     device = target_logits.device
     u_accept, u_resample = [], []  # host tensors: request i's k_i accept uniforms, then 1 resample
     for sp, gen, k in zip(sampling, generators, proposals.num_draft, strict=True):
@@ -288,4 +323,4 @@ def verify(
     repeats = [k + 1 for k in proposals.num_draft]
     probs = logits_to_probs(target_logits, SamplingTensors.from_params(sampling, repeats, device))
     u_accept_t = torch.cat(u_accept).to(device, non_blocking=True)  # host uniforms: no sync
-    return verify_sampled(probs, proposals, u_accept_t, torch.cat(u_resample).to(device, non_blocking=True))
+    return launch_sampled(probs, proposals, u_accept_t, torch.cat(u_resample).to(device, non_blocking=True))

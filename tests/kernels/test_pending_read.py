@@ -1,0 +1,59 @@
+"""Verification queued now and read later (``launch_*`` + ``result()``) is the verification done at
+once, for greedy, sampled and mixed batches, with drafts on the host; the pending read's readiness."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from specsched.engine.request import SamplingParams
+from specsched.kernels.pending_read import PendingRead
+from specsched.kernels.rejection_sampling import launch_greedy, launch_verify, verify, verify_greedy
+from specsched.proposers.base import Proposals
+
+
+def random_batch(seed: int, vocab: int = 11):
+    rng = random.Random(seed)
+    ks = [rng.choice([0, 1, 3, 8]) for _ in range(rng.randrange(1, 9))]
+    logits = torch.randn(sum(ks) + len(ks), vocab, generator=torch.Generator().manual_seed(seed))
+    # drafts that often match the target's argmax, so that acceptance runs of every length occur
+    argmax = logits.argmax(-1).tolist()
+    drafts, row = [], 0
+    for k in ks:
+        drafts.append([argmax[row + j] if rng.random() < 0.7 else rng.randrange(vocab) for j in range(k)])
+        row += k + 1
+    return logits, Proposals.from_lists(drafts)
+
+
+def test_launched_greedy_reads_as_verify_greedy():
+    for seed in range(20):
+        logits, props = random_batch(seed)
+        pending = launch_greedy(logits, props)
+        assert isinstance(pending, PendingRead)
+        got = pending.result()
+        want = verify_greedy(logits, props)
+        assert got.to_lists() == want.to_lists() and got.match_bits() == want.match_bits()
+
+
+def generators(n: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(100 + i) for i in range(n)]
+
+
+def test_launched_mixed_batch_reads_as_verify_with_the_same_generators():
+    for seed in range(10):
+        logits, props = random_batch(seed)
+        n = props.num_requests
+        sampling = [SamplingParams(temperature=0.0 if i % 2 else 0.8) for i in range(n)]
+
+        got = launch_verify(logits, props, sampling, generators(n)).result().to_lists()
+        assert got == verify(logits, props, sampling, generators(n)).to_lists()
+
+
+def test_a_host_tensor_is_never_reported_done():
+    # on the host path no event exists: a caller asking whether the device is done is told no (and
+    # does what it does while the device works, as before); the result is read all the same
+    logits, props = random_batch(3)
+    pending = launch_greedy(logits, props)
+    assert not pending.is_done
+    assert pending.result().num_requests == props.num_requests
