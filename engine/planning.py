@@ -268,6 +268,8 @@ class Planner:
             else:
                 self.held, self.held_caps = None, None
         self.reuse.on_use()
+        if self.held is not None and self.held[1].is_one_step:
+            self.reuse.expire()  # its step's outcomes are what it was for: the next step decides again
         return plan
 
     def carried(self, policy: Policy, view: BatchView) -> Plan | None:
@@ -316,7 +318,8 @@ class Planner:
         if self.ahead_max_batch is not None and batch_size is not None and batch_size > self.ahead_max_batch:
             if count_cut is None or count_cut() > OFFER_CUT_SHARE * batch_size:
                 return
-        if self.reuse.budget is not None and self._since_post >= BASELINE_EVERY and self.held is not None:
+        is_carried = self.held is not None and not self.held[1].is_one_step  # a probe does not run twice
+        if self.reuse.budget is not None and self._since_post >= BASELINE_EVERY and is_carried:
             self._is_grace = True  # this step measures the baseline; the held plan runs one step more
             return
         t0 = time.perf_counter()

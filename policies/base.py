@@ -60,6 +60,9 @@ class Plan:
     predicted_ms: float | None = None  # predicted step time (propose + score + verify + overhead)
     expected_tokens: float | None = None  # expected emitted tokens this step
     info: dict = field(default_factory=dict)  # policy's reasoning, for the log
+    # an exploration plan (goodput's acceptance probe): its purpose is one step's outcomes, so the
+    # engine runs it one step and decides again instead of carrying it (engine/planning.py)
+    is_one_step: bool = False
 
     def __post_init__(self) -> None:
         if len(self.k) and min(self.k) < 0:  # one C-level pass (a plan is made and copied every step)

@@ -348,7 +348,7 @@ class GoodputPolicy(Policy):
                 info["run_switch_ms"], info["run_regret_ms"] = switch_ms, run.regret_ms
             if not is_spec:  # the engine runs a plan that drafts nothing as a run: its ms and tokens
                 expected, total_ms = float(len(reqs) * view.decode_steps), run.ms
-        return Plan(k_list, scorers[chosen], self.name, total_ms, expected, info)
+        return Plan(k_list, scorers[chosen], self.name, total_ms, expected, info, is_one_step=is_probe)
 
 
 def _reason(top: int, is_spec: bool, g: float, g_off: float, num_cuts: int, is_probe: bool) -> str:
