@@ -41,8 +41,11 @@ def host_phase_rows(log_path: str | Path, config: str, concurrency: list[int]) -
         if not steps:
             continue
         host = [json.loads(s["host_ms"]) for s in steps]
-        row = {"config": config, "concurrency": n, "num_steps": len(steps),
-               "total_ms": statistics.median(s["total_ms"] for s in steps),
+        walls = [s["total_ms"] for s in steps]
+        median = statistics.median(walls)
+        slow = sum(w > 2 * median for w in walls) / len(walls)  # the tail a median hides (stalls)
+        row = {"config": config, "concurrency": n, "num_steps": len(steps), "total_ms": median,
+               "mean_ms": statistics.fmean(walls), "slow_share": slow,
                "gpu_idle_ms": statistics.median(
                    s["total_ms"] + h.get("between", 0.0) - (s["propose_ms"] or 0) - (s["score_ms"] or 0)
                    - (s["verify_ms"] or 0) for s, h in zip(steps, host))}  # fmt: skip
@@ -53,23 +56,30 @@ def host_phase_rows(log_path: str | Path, config: str, concurrency: list[int]) -
 
 
 def host_table(rows: list[dict]) -> str:
-    header = ["config", "N", "steps", "step ms", "GPU-idle ms (goal)", *PHASES]
+    header = ["config", "N", "steps", "step ms", "mean", "> 2x", "GPU-idle ms (goal)", *PHASES]
     out = []
     for r in rows:
         goal = HOST_GOAL_MS.get(r["concurrency"])
         idle = fmt(r["gpu_idle_ms"], 3) + (f" (≤ {goal})" if goal else "")
-        out.append([r["config"], str(r["concurrency"]), str(r["num_steps"]), fmt(r["total_ms"], 3), idle,
+        out.append([r["config"], str(r["concurrency"]), str(r["num_steps"]), fmt(r["total_ms"], 3),
+                    fmt(r.get("mean_ms"), 3), _pct(r.get("slow_share")), idle,
                     *(fmt(r[p], 3) for p in PHASES)])  # fmt: skip
     return table(header, out)
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f} %"
 
 
 def host_note() -> str:
     return (
         "Host ms per decode step by phase (medians over the steps of batch size N, both passes; "
-        "`steps.host_ms` of the decision logs): between = the daemon's loop since the last step "
+        "`steps.host_ms` of the decision logs; step ms: the median, its mean, and the share of steps "
+        "over twice the median): between = the daemon's loop since the last step "
         "(streaming the outputs, stats, commands); view = proposer peek + acceptance estimates; decide = "
         "the critical path's (≈0 when decided ahead); score = input build + launch; overlap = cost-model "
-        "update + next step's decide while the GPU scores; verify includes the wait for the GPU; "
+        "update + next step's decide while the GPU scores and verifies; verify = the verification's "
+        "launch (queued behind the forward) and, after the overlap, its read (the wait for the GPU); "
         "first_event = the step's first CUDA event record (its first release of the interpreter lock, "
         "where the daemon's other threads do the work the last step gave them); events = the other "
         "event records around the timed phases (3-5 calls into torch). "

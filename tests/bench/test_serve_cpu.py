@@ -92,6 +92,7 @@ def test_serve_bench_tiny_hf_chat(tmp_path, tiny_hf_dir):
         assert h["num_steps"] > 0 and h["gpu_idle_ms"] > 0 and h["between"] > 0  # the daemon's loop
         inside = sum(h[p] for p in PHASES if p != "between")  # medians of the parts: about the whole
         assert 0 < inside <= 1.5 * h["total_ms"]
+        assert h["mean_ms"] > 0 and 0.0 <= h["slow_share"] < 0.5  # the tail beside the median
     assert host[("ngram k=2 MQA", 1)]["view"] > 0
     for c in info.values():  # where each daemon's time went, from its log
         mix = c["step_mix"]
