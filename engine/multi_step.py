@@ -92,7 +92,7 @@ class DecodeSteps:
         if num_steps > 1:  # [S, B] tokens: no drafts, nothing matched
             return PendingRead(scored.T, lambda rows: (rows, [""] * len(rows)))
         pending = launch_verify(scored, props, [r.sampling for r in reqs], [r.generator for r in reqs])
-        return PendingRead(pending.tensor, lambda host: _lists(pending.finish(host)))
+        return pending.then(_lists)
 
     def _read_verify(
         self, pending: PendingRead[tuple[list[list[int]], list[str]]]

@@ -17,6 +17,7 @@ from typing import Generic, TypeVar
 import torch
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 class PendingRead(Generic[T]):
@@ -43,3 +44,10 @@ class PendingRead(Generic[T]):
     def result(self) -> T:
         """Read ``tensor`` (the host waits for the device here) and finish it."""
         return self.finish(self.tensor.tolist())
+
+    def then(self, fn: Callable[[T], U]) -> PendingRead[U]:
+        """The same read (its tensor and event), its result passed on to ``fn``."""
+        out: PendingRead[U] = object.__new__(PendingRead)
+        finish = self.finish
+        out.tensor, out._event, out.finish = self.tensor, self._event, lambda host: fn(finish(host))
+        return out

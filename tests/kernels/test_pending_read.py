@@ -57,3 +57,12 @@ def test_a_host_tensor_is_never_reported_done():
     pending = launch_greedy(logits, props)
     assert not pending.is_done
     assert pending.result().num_requests == props.num_requests
+
+
+def test_then_passes_the_same_read_on():
+    logits, props = random_batch(5)
+    pending = launch_greedy(logits, props)
+    lists = pending.then(lambda r: (r.to_lists(), r.match_bits()))
+    assert lists.tensor is pending.tensor and lists.is_done == pending.is_done
+    want = verify_greedy(logits, props)
+    assert lists.result() == (want.to_lists(), want.match_bits())
