@@ -180,9 +180,9 @@ class Engine(PrefillStep, DecodeSteps):
         timer.mark("reserve")
         with self._timed(rec, "propose_ms"):
             props = self._propose(reqs, ks, names)
-        with self._timed(rec, "score_ms"):
+        with self._timed(rec, "score_ms", is_adjacent=True):
             scored = self._score(plan.scorer, reqs, props, num_steps)  # logits, or [S, B] tokens
-        with self._timed(rec, "verify_ms"):  # queued behind the forward; read after the host's overlap
+        with self._timed(rec, "verify_ms", is_adjacent=True):  # queued behind the forward; read later
             pending = self._launch_verify(scored, reqs, props, num_steps)
         if self._is_prediction_deferred:  # the costs as the decide saw them: before the observe
             predict_plan(plan, view, self.costs)
@@ -345,8 +345,8 @@ class Engine(PrefillStep, DecodeSteps):
         self.acceptance.forget(req.request_id)
         self.requests.pop(req.request_id, None)
 
-    def _timed(self, rec: StepRecord, field: str) -> StepTimer:
-        return self.timer.phase(rec, field)
+    def _timed(self, rec: StepRecord, field: str, is_adjacent: bool = False) -> StepTimer:
+        return self.timer.phase(rec, field, is_adjacent)
 
     # ---- status -------------------------------------------------------------------------------------
     @property

@@ -33,7 +33,7 @@ class PrefillStep:
             r.num_computed = e
         done = [reqs[i] for i in sample]
         empty = Proposals.from_lists([[] for _ in done])  # host tensors: no device copy
-        with self._timed(rec, "verify_ms"):  # the first tokens' sampling, queued behind the forward
+        with self._timed(rec, "verify_ms", is_adjacent=True):  # the first tokens, sampled behind the forward
             pending = self._launch_verify(logits, done, empty, 1)
         self._while_prefilling(reqs)
         first, _ = self._read_verify(pending)  # waits for the device (see DecodeSteps._read_verify)

@@ -47,8 +47,10 @@ class StepTimer:
         one, the event path runs on any device (tests)."""
         self.is_events = event_factory is not None or torch.device(device).type == "cuda"
         self._new_event = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
-        self._pool: list[tuple[object, object]] = []  # (start, end) per phase of a step, reused
-        self._pending: list[tuple[str, int]] = []  # (field, pool index) of this step's phases
+        self._pool: list[object] = []  # the events of a step's phases, reused every step
+        self._num_used = 0  # events of the pool this step has recorded
+        self._pending: list[list] = []  # [field, start event, end event] of this step's phases
+        self._is_adjacent = False
         self.host_ms: dict[str, float] = {}  # perf_counter ms per phase of the current step
         self.num_waits = 0  # finish() found an end event not yet reached and waited for it
         self._rec: StepRecord | None = None
@@ -60,6 +62,7 @@ class StepTimer:
         """Begin a step; ``t0``: its perf_counter start, when work before this call belongs to it."""
         self.host_ms.clear()
         self._pending.clear()
+        self._num_used = 0
         self._lap = time.perf_counter() if t0 is None else t0
 
     def mark(self, name: str) -> None:
@@ -81,23 +84,35 @@ class StepTimer:
         if not self.is_events:
             setattr(rec, field, getattr(rec, field) + ms)
 
-    def phase(self, rec: StepRecord, field: str) -> StepTimer:
-        """Context manager adding the enclosed block's time to ``rec.<field>`` (ms)."""
-        self._rec, self._field = rec, field
+    def phase(self, rec: StepRecord, field: str, is_adjacent: bool = False) -> StepTimer:
+        """Context manager adding the enclosed block's time to ``rec.<field>`` (ms). ``is_adjacent``:
+        the block follows the step's previous phase with no device work queued between the two, so
+        on CUDA it starts at that phase's end event (one record, one release of the interpreter
+        lock, fewer a step)."""
+        self._rec, self._field, self._is_adjacent = rec, field, is_adjacent
         return self
+
+    def _event(self) -> object:
+        """The next event of the pool (made on first use)."""
+        if self._num_used == len(self._pool):
+            self._pool.append(self._new_event())
+        self._num_used += 1
+        return self._pool[self._num_used - 1]
 
     def __enter__(self) -> None:
         self.mark("other")
         if self.is_events:
-            i = len(self._pending)
-            if i == len(self._pool):
-                self._pool.append((self._new_event(), self._new_event()))
-            self._pool[i][0].record()
-            self._pending.append((self._field, i))
-            # the record calls apart: each lets the other threads take the GIL; the step's first apart
-            # again: the first release of the lock in a step is where work the other threads were
-            # given since the last step (outputs to send, log records) lands
-            self.mark("events" if i else "first_event")
+            if self._is_adjacent and self._pending:
+                self._pending.append([self._field, self._pending[-1][2], None])
+            else:
+                is_first = not self._pending
+                start = self._event()
+                start.record()
+                self._pending.append([self._field, start, None])
+                # the record calls apart: each lets the other threads take the GIL; the step's first
+                # apart again: the first release of the lock in a step is where work the other
+                # threads were given since the last step (outputs to send, log records) lands
+                self.mark("first_event" if is_first else "events")
         self._t0 = self._lap
 
     def __exit__(self, *exc) -> None:
@@ -107,7 +122,8 @@ class StepTimer:
         name = field.removesuffix("_ms")
         self.host_ms[name] = self.host_ms.get(name, 0.0) + ms
         if self.is_events:
-            self._pool[self._pending[-1][1]][1].record()
+            end = self._pending[-1][2] = self._event()
+            end.record()
             self.mark("events")
         else:
             setattr(self._rec, field, getattr(self._rec, field) + ms)
@@ -115,8 +131,7 @@ class StepTimer:
     def finish(self, rec: StepRecord) -> None:
         """Add the event-timed phases of this step to ``rec`` (no-op on the host path). Call after
         the step's host read, which has waited for the device work of every phase."""
-        for field, i in self._pending:
-            start, end = self._pool[i]
+        for field, start, end in self._pending:
             if not end.query():
                 self.num_waits += 1
                 end.synchronize()

@@ -23,31 +23,29 @@ U = TypeVar("U")
 class PendingRead(Generic[T]):
     """``tensor``'s value, once read to the host (``tolist``) and passed to ``finish``.
 
-    On CUDA an event recorded at construction (after the ops that compute ``tensor``) tells, without
-    waiting, whether they are done (:attr:`is_done`)."""
+    On CUDA the stream current at construction (the one the ops that compute ``tensor`` were queued
+    on) tells, without waiting, whether its work is done (:attr:`is_done`): a query, no event record
+    (a record lets the daemon's other threads take the interpreter lock)."""
 
     def __init__(self, tensor: torch.Tensor, finish: Callable[[list], T]) -> None:
         self.tensor = tensor
         self.finish = finish
-        self._event: torch.cuda.Event | None = None
-        if tensor.device.type == "cuda":
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._stream = torch.cuda.current_stream(tensor.device) if tensor.device.type == "cuda" else None
 
     @property
     def is_done(self) -> bool:
-        """The device has computed ``tensor``: reading it will not wait. False on the host path,
-        where no event is recorded (the tensor is computed, but nothing tells a caller that asks
-        whether to do other work while the device runs)."""
-        return self._event is not None and self._event.query()
+        """The device has done all the work queued on the stream (``tensor`` included): reading will
+        not wait. False on the host path, where there is no stream (the tensor is computed, but
+        nothing tells a caller that asks whether to do other work while the device runs)."""
+        return self._stream is not None and self._stream.query()
 
     def result(self) -> T:
         """Read ``tensor`` (the host waits for the device here) and finish it."""
         return self.finish(self.tensor.tolist())
 
     def then(self, fn: Callable[[T], U]) -> PendingRead[U]:
-        """The same read (its tensor and event), its result passed on to ``fn``."""
+        """The same read (its tensor and stream), its result passed on to ``fn``."""
         out: PendingRead[U] = object.__new__(PendingRead)
         finish = self.finish
-        out.tensor, out._event, out.finish = self.tensor, self._event, lambda host: fn(finish(host))
+        out.tensor, out._stream, out.finish = self.tensor, self._stream, lambda host: fn(finish(host))
         return out

@@ -301,3 +301,44 @@ def test_overlapped_observe_feeds_every_decode_record_once_and_keeps_outputs():
     assert over.step() == [] and seen == decode  # an idle step flushes
     model = over.costs.model("score", "mqa")
     assert model.num_updates == base.costs.model("score", "mqa").num_updates == len(decode)
+
+
+def test_an_adjacent_phase_starts_at_the_previous_phase_s_end_event():
+    """``is_adjacent``: no device work between two phases, so the second needs no start record (one
+    release of the interpreter lock fewer); its time runs from the first's end event."""
+    made: list[FakeEvent] = []
+    records: list[int] = []
+
+    class CountingEvent(FakeEvent):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+        def record(self) -> None:
+            records.append(1)
+            super().record()
+
+    timer = StepTimer("cpu", event_factory=CountingEvent)
+    for step in range(2):
+        records.clear()
+        rec = StepRecord(step, "decode", 0.0, 1, 1)
+        timer.start_step()
+        with timer.phase(rec, "propose_ms"):
+            time.sleep(0.001)
+        with timer.phase(rec, "score_ms", is_adjacent=True):
+            time.sleep(0.003)
+        with timer.phase(rec, "verify_ms", is_adjacent=True):
+            time.sleep(0.001)
+        timer.finish(rec)
+        assert len(records) == 4  # propose's start and end, score's end, verify's end
+        assert len(made) == 4  # the pool: made once, reused the next step
+        assert 1.0 <= rec.propose_ms < 2.5 and 3.0 <= rec.score_ms < 4.5 and 1.0 <= rec.verify_ms < 2.5
+        assert "events" in timer.host_ms and "first_event" in timer.host_ms
+    # the first phase of a step has no previous one: it records its own start, adjacent or not
+    rec = StepRecord(2, "decode", 0.0, 1, 1)
+    timer.start_step()
+    records.clear()
+    with timer.phase(rec, "score_ms", is_adjacent=True):
+        time.sleep(0.001)
+    timer.finish(rec)
+    assert len(records) == 2 and rec.score_ms >= 1.0
