@@ -4,7 +4,10 @@ On the host (CPU device) a phase's time is its ``time.perf_counter`` wall time, 
 record's field when the phase ends.
 
 On CUDA each phase records an event when it starts and when it ends (a small pool of timing events,
-reused every step: nothing is allocated per step once the pool has grown to the step's phases), and
+reused every step: nothing is allocated per step once the pool has grown to the step's phases; a
+phase entered with ``is_adjacent``, no device work queued since the phase before, starts at that
+phase's end event instead of a record of its own: each record lets the other threads take the
+interpreter lock), and
 the elapsed times are read in :meth:`StepTimer.finish`, after the step's one host read (verification
 copies its result to the host, which waits for the GPU) — so timing adds no sync point to the step.
 A phase's time is the stream time between its two events: when the GPU is idle at the phase's start
