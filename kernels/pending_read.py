@@ -44,8 +44,6 @@ class PendingRead(Generic[T]):
         return self.finish(self.tensor.tolist())
 
     def then(self, fn: Callable[[T], U]) -> PendingRead[U]:
-        """The same read (its tensor and stream), its result passed on to ``fn``."""
-        out: PendingRead[U] = object.__new__(PendingRead)
+        """The same read of ``tensor``, its result passed on to ``fn``."""
         finish = self.finish
-        out.tensor, out._stream, out.finish = self.tensor, self._stream, lambda host: fn(finish(host))
-        return out
+        return PendingRead(self.tensor, lambda host: fn(finish(host)))
