@@ -29,6 +29,7 @@ from specsched.scorers.graph import GraphConfig, graph_buckets_of
 
 if TYPE_CHECKING:
     from specsched.engine.warmup import WarmupReport
+    from specsched.models.cuda_graphs import GraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class EngineSpec:
     tokenizer: object | None = None
     name: str = "model"
     scheduler: dict = field(default_factory=dict)  # SchedulerConfig overrides (bench.regret.scheduler)
+    prefill_runner: GraphRunner | None = None  # prefill chunks on graphs, as the daemon's (None: eager)
 
 
 def make_engine(
@@ -164,6 +166,7 @@ def _config_and_parts(
         costs=CostModels(graph_buckets_of(spec.scorers), device="cuda" if device.type == "cuda" else "cpu"),
         acceptance=AcceptanceEstimator(), model_name=spec.name, device=device,
         max_model_len=spec.max_model_len, eos_token_ids=spec.eos_token_ids,
+        prefill_runner=spec.prefill_runner,
     )  # fmt: skip
     return cfg, parts
 
@@ -186,10 +189,14 @@ def warm_up_spec(spec: EngineSpec, proposers: dict[str, Proposer]) -> WarmupRepo
 
 
 def graph_config(cfg, max_batch: int, max_k: int, max_model_len: int) -> GraphConfig:
-    """The bench's ``graphs`` section as a :class:`GraphConfig` for one model."""
+    """The bench's ``graphs`` section as a :class:`GraphConfig` for one model: prefill chunks of up to
+    ``graphs.prefill_tokens`` tokens (0: eager) and 16 prompts (within ``max_batch``), as the
+    daemon's defaults (``GraphConfig.for_engine``)."""
     return GraphConfig(
         enabled=bool(cfg.enabled), max_batch=max_batch, max_k=max_k, max_model_len=max_model_len,
         emulate=bool(cfg.emulate), progress=bool(cfg.progress),
+        prefill_rows=min(GraphConfig.prefill_rows, max_batch),
+        prefill_tokens=int(cfg.get("prefill_tokens", 0)),
     )  # fmt: skip
 
 

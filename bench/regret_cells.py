@@ -50,7 +50,7 @@ def synthetic_cells(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, b
     from specsched.proposers.draft import DraftModelProposer
     from specsched.proposers.none import NoProposer
     from specsched.proposers.synthetic import SyntheticProposer, attach_oracle
-    from specsched.scorers.graph import attach_draft_graphs
+    from specsched.scorers.graph import attach_draft_graphs, build_prefill_runner
     from specsched.scorers.registry import build_scorers
 
     target = random_model(cfg.target, device, dtype, seed)
@@ -63,7 +63,8 @@ def synthetic_cells(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, b
     draft_prop = DraftModelProposer(draft, draft.allocate_kv_cache(num_blocks, block_size), block_size)
     attach_draft_graphs(draft_prop, gcfg, block_size)
     spec = EngineSpec(target, kv, num_blocks, block_size, scorers, max_b, cfg.max_k, max_len,
-                      list(target.cfg.eos_token_ids), None, f"{cfg.target}+{cfg.draft}")  # fmt: skip
+                      list(target.cfg.eos_token_ids), None, f"{cfg.target}+{cfg.draft}",
+                      prefill_runner=build_prefill_runner(target, kv, block_size, gcfg))  # fmt: skip
     none = NoProposer(device)
     warm_up_spec(spec, {"none": none, "draft": draft_prop})  # as the daemon does before it serves
     for b in cfg.batch:
@@ -87,7 +88,7 @@ def real_cells(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_
     from specsched.proposers.draft import DraftModelProposer
     from specsched.proposers.ngram import NgramProposer
     from specsched.proposers.none import NoProposer
-    from specsched.scorers.graph import attach_draft_graphs
+    from specsched.scorers.graph import attach_draft_graphs, build_prefill_runner
     from specsched.scorers.registry import build_scorers
 
     dtype_name = str(dtype).replace("torch.", "")
@@ -101,7 +102,8 @@ def real_cells(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_
     gcfg = graph_config(graphs_cfg, max_b, cfg.max_k, max_len)
     scorers = build_scorers(list(cfg.scorers), model, kv, block_size, gcfg)
     spec = EngineSpec(model, kv, num_blocks, block_size, scorers, max_b, cfg.max_k, max_len,
-                      list(loaded.llama_config.eos_token_ids), loaded.tokenizer, loaded.name)  # fmt: skip
+                      list(loaded.llama_config.eos_token_ids), loaded.tokenizer, loaded.name,
+                      prefill_runner=build_prefill_runner(model, kv, block_size, gcfg))  # fmt: skip
     none = NoProposer(device)
     warm_up_spec(spec, {"none": none})
     for name in cfg.proposers:

@@ -13,7 +13,7 @@ from specsched.engine.config import ModelConfig, NgramConfig
 from specsched.proposers.draft import DraftModelProposer
 from specsched.proposers.none import NoProposer
 from specsched.proposers.synthetic import SyntheticProposer, attach_oracle
-from specsched.scorers.graph import attach_draft_graphs
+from specsched.scorers.graph import attach_draft_graphs, build_prefill_runner
 from specsched.scorers.registry import build_scorers
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ def run_synthetic_suite(
     spec = EngineSpec(
         target, kv, num_blocks, block_size, scorers, max_b, cfg.max_k, max_len,
         list(target.cfg.eos_token_ids), None, f"{cfg.target}+{cfg.draft}",
+        prefill_runner=build_prefill_runner(target, kv, block_size, gcfg),
     )  # fmt: skip
     none = NoProposer(device)
     rows: list[E2ERow] = []
@@ -97,7 +98,8 @@ def run_real_suite(
     scorers = build_scorers(list(cfg.scorers), model, kv, block_size, gcfg)
     eos = list(loaded.llama_config.eos_token_ids)
     spec = EngineSpec(model, kv, num_blocks, block_size, scorers, max_b, cfg.max_k, max_len, eos,
-                      loaded.tokenizer, loaded.name)  # fmt: skip
+                      loaded.tokenizer, loaded.name,
+                      prefill_runner=build_prefill_runner(model, kv, block_size, gcfg))  # fmt: skip
     none = NoProposer(device)
     proposers: dict[str, object] = {}
     for name in cfg.proposers:

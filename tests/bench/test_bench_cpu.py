@@ -289,3 +289,42 @@ def test_the_bench_warm_up_covers_the_target_and_a_wrapped_draft(monkeypatch):
     assert report is not None and report.num_forwards > 0
     only_target = warm_up_spec(spec, {"none": NoProposer(cpu)})
     assert report.num_forwards == 2 * only_target.num_forwards  # the draft's forwards too
+
+
+def test_bench_engines_prefill_on_graphs_as_the_daemon_does():
+    """``graphs.prefill_tokens`` gives the bench's engines the daemon's prefill graphs (emulated
+    here): prefill chunks replayed, greedy output that of eager prefill; 0 keeps prefill eager.
+    Without it a regret window ran every refill's prefill eagerly (7B pair on an H100: 13-14 ms of
+    host launches for one 128-token prompt), a cost the daemon does not pay."""
+    from omegaconf import OmegaConf
+
+    from specsched.bench.common import EngineSpec, graph_config, make_engine
+    from specsched.engine.request import SamplingParams
+    from specsched.policies.fixed import FixedConfig, FixedPolicy
+    from specsched.proposers.none import NoProposer
+    from specsched.scorers.graph import GraphConfig, build_prefill_runner
+    from specsched.scorers.registry import build_scorers
+
+    cpu = torch.device("cpu")
+    target = random_model("tiny", cpu, torch.float32, 0)
+    kv = target.allocate_kv_cache(64, 4)
+    section = OmegaConf.create({"enabled": True, "emulate": True, "progress": False, "prefill_tokens": 32})
+    gcfg = graph_config(section, 2, 3, 64)
+    assert (gcfg.prefill_rows, gcfg.prefill_tokens) == (2, 32)  # 16 prompts cut to the batch bound
+    off = graph_config(OmegaConf.merge(section, {"prefill_tokens": 0}), 2, 3, 64)
+    assert build_prefill_runner(target, kv, 4, off) is None
+
+    def engine(runner):
+        scorers = build_scorers(["mqa"], target, kv, 4, GraphConfig(enabled=False))
+        spec = EngineSpec(target, kv, 64, 4, scorers, 2, 3, 64, [2], prefill_runner=runner)
+        policy = FixedPolicy(FixedConfig(k=0, scorer="mqa"))
+        return make_engine(spec, {"none": NoProposer(cpu)}, "none", policy)
+
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 5, [12, 13] * 4]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = engine(None).generate(prompts, params)
+    runner = build_prefill_runner(target, kv, 4, gcfg)
+    with_graphs = engine(runner)
+    assert with_graphs.prefill_runner is runner
+    assert with_graphs.generate(prompts, params) == want
+    assert runner.num_replays > 0 and runner.num_eager_fallbacks == 0
