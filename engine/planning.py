@@ -52,7 +52,7 @@ from dataclasses import replace
 
 from specsched.policies.base import BatchView, Plan, Policy
 
-MAX_JOINED = 0.125  # a plan is carried to a batch of which at most this share (or 1 request) is new
+MAX_JOINED = 0.5  # a plan is carried to a batch of which at most this share (or 1 request) is new
 # a batch above ``ahead_max_batch`` still plans ahead while at most this share of its requests had an
 # offer below spec.max_k at the last step: then the ahead view (every offer max_k) is about the batch
 # the step will see (a draft model's offers), and the decide stays hidden behind a GPU-bound forward

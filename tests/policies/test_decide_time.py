@@ -18,7 +18,10 @@ def test_every_decode_record_carries_its_decide_ms(plan_ahead, policy):
     cfg = EngineConfig(
         model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
         cache=CacheConfig(block_size=4, num_blocks=128),
-        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, plan_ahead=plan_ahead),
+        # decide_budget None: a decide every step (a budget carries plans for a timing-led while)
+        scheduler=SchedulerConfig(
+            max_num_seqs=2, max_num_batched_tokens=64, plan_ahead=plan_ahead, decide_budget=None
+        ),
         spec=SpecConfig(proposer="ngram", scorers=["batch_expansion", "mqa"], max_k=3),
         policy={"name": policy},
     )
