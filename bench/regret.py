@@ -110,8 +110,9 @@ def run_cell(cell: Cell, cfg, seed: int) -> dict:
                 # and stall a window's step (H100, 2026-12-05: 233 ms in one of goodput's steps)
                 freeze_heap()
                 fields, recs, steps = run_window(
-                    run, state, cell, min_steps_of(cfg, cell.batch), refill=bool(cfg.get("refill"))
-                )
+                    run, state, cell, min_steps_of(cfg, cell.batch), refill=bool(cfg.get("refill")),
+                    stagger=bool(cfg.get("stagger")),
+                )  # fmt: skip
                 if log_dir:
                     write_window_log(log_dir, cell, run, r, steps, state[0], fields["num_compiles"])
                 samples.append(Sample(run.label, r, **fields))
@@ -213,6 +214,7 @@ def run_regret(
             "errors": dict(errors),
             "min_steps_by_batch": by_batch,
             "refill": bool(plain.get("refill")),
+            "stagger": bool(plain.get("refill") and plain.get("stagger")),
         }
         out["markdown"] = regret_markdown(out)
         return out
@@ -242,7 +244,8 @@ def _by_batch(res: dict) -> str:
 
 def _shape(res: dict) -> str:
     if res.get("refill"):
-        return "refilled windows (the batch kept full, a finished request replaced at once)"
+        firsts = ", the first requests cut short to finish spread over one request" * bool(res.get("stagger"))
+        return f"refilled windows (the batch kept full, a finished request replaced at once{firsts})"
     return "closed groups (each window whole passes of groups of the batch size)"
 
 

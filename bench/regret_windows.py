@@ -25,6 +25,7 @@ import numpy as np
 from specsched.bench.common import make_engine, sync
 from specsched.bench.e2e import RunConfig
 from specsched.bench.regret_cells import Cell
+from specsched.bench.serve_clients import stagger_plan
 from specsched.engine.records import StepRecord
 from specsched.engine.request import Request, SamplingParams
 from specsched.kernels.compile_watch import compile_watch
@@ -49,16 +50,23 @@ class Sample:
 
 
 def run_window(
-    run: RunConfig, state, cell: Cell, min_steps: int, tokens: int | None = None, refill: bool = False
+    run: RunConfig,
+    state,
+    cell: Cell,
+    min_steps: int,
+    tokens: int | None = None,
+    refill: bool = False,
+    stagger: bool = False,
 ):
     """A fresh engine and policy from a copy of the profiled ``state`` (cost models, acceptance),
     whole passes over the cell's prompts until ``min_steps`` decode steps (one pass when
-    ``tokens`` cuts each request short; ``refill``: :func:`refilled_window` instead): (the
-    :class:`Sample` fields, the decode records, every step's record)."""
+    ``tokens`` cuts each request short; ``refill``: :func:`refilled_window` instead, its first
+    requests cut short by ``stagger``): (the :class:`Sample` fields, the decode records, every
+    step's record)."""
     engine = make_engine(cell.spec, run.proposers, run.proposer, run.make_policy())
     engine.costs, engine.acceptance = copy.deepcopy(state[0]), copy.deepcopy(state[1])
     if refill and tokens is None:
-        return refilled_window(engine, cell, min_steps)
+        return refilled_window(engine, cell, min_steps, stagger)
     return closed_window(engine, cell, min_steps, tokens)
 
 
@@ -170,7 +178,7 @@ def closed_window(engine, cell: Cell, min_steps: int, tokens: int | None = None)
     return window.fields(num_tokens, wall, passes), window.records, window.steps
 
 
-def refilled_window(engine, cell: Cell, min_steps: int):
+def refilled_window(engine, cell: Cell, min_steps: int, stagger: bool = False):
     """A window at a steady batch: ``cell.batch`` requests in flight from the start, each finished one
     replaced at once by the next prompt of the cell's list (cycled), until ``min_steps`` decode
     forwards; tok/s = tokens emitted in the window / its wall time. The requests still running at
@@ -178,13 +186,24 @@ def refilled_window(engine, cell: Cell, min_steps: int):
     slot goes to a waiting one), unlike :func:`closed_window`'s groups, where every request of a
     group has the same length: without speculation they all finish at one step, with it they spread
     out and the group's last steps run a draining batch (batch 64, a = 0.3, H100 2026-12-05: 155 and
-    306 ms of goodput's 2.7 s windows, the whole of its deficit to non-speculative)."""
+    306 ms of goodput's 2.7 s windows, the whole of its deficit to non-speculative).
+
+    ``stagger`` (``bench.regret.stagger``): the first ``cell.batch`` requests stop after
+    :func:`~specsched.bench.serve_clients.stagger_plan` tokens (evenly spread up to a whole request,
+    as ``bench=serve``'s clients start), so that requests finish and refill at a steady rate from
+    the start, whatever the config. Without it the requests of a config that emits one token a step
+    stay in step: they all finish at once and their refill is one batched prefill (one 16-prompt
+    prefill of 40 ms on the 7B, H100 2026-12-06), while a speculative config's finish apart and
+    refill in one- or two-prompt prefills (9 ms each on graphs, 23 of them in goodput's window at
+    batch 16, a = 0.3) — a lockstep that a server whose requests differ in length never sees."""
     params = SamplingParams(max_tokens=cell.max_new_tokens, ignore_eos=True)
     prompts, num_admitted = cell.prompts, [0]
+    firsts = stagger_plan(cell.max_new_tokens, cell.batch) if stagger else []
 
     def admit() -> None:
         i = num_admitted[0]
-        engine.add_request(Request(f"w-{i}", list(prompts[i % len(prompts)]), SamplingParams(**vars(params))))
+        p = SamplingParams(**{**vars(params), "max_tokens": firsts[i]}) if i < len(firsts) else params
+        engine.add_request(Request(f"w-{i}", list(prompts[i % len(prompts)]), SamplingParams(**vars(p))))
         num_admitted[0] += 1
 
     device = cell.spec.model.lm_head.weight.device

@@ -237,9 +237,38 @@ def test_a_refilled_window_keeps_its_batch_full_where_closed_groups_drain():
     assert min(r.batch_size for r in closed) < 3  # the groups drain
 
 
+def test_a_staggered_window_refills_a_plain_engine_at_a_steady_rate():
+    """``bench.regret.stagger``: the first requests stop after 3, 6 and 9 tokens (of 9), so a plain
+    engine (one token a request a step) finishes and refills them one at a time; unstaggered, its
+    equal-length requests stay in step and refill together, in one prefill step."""
+    from types import SimpleNamespace
+
+    from specsched.bench.regret_windows import refilled_window
+    from tests.engine.test_multi_step import engine
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [8, 9, 10, 11], [12, 13, 12, 13, 12], [20, 21], [30, 31, 30, 31]]
+
+    def refills(stagger: bool) -> tuple[list[int], list[int]]:
+        e = engine("mqa", 1, graphs=False)
+        spec = SimpleNamespace(model=e.model)
+        cell = SimpleNamespace(prompts=prompts, batch=3, max_new_tokens=9, spec=spec)
+        _, records, steps = refilled_window(e, cell, 24, stagger)
+        firsts = [q.request_id for r in records for q in r.requests]
+        prefills = [i for i, r in enumerate(steps) if r.kind == "prefill" and i > 0]
+        return prefills, [firsts.count(f"w-{i}") for i in range(3)]
+
+    prefills, steps_of_firsts = refills(stagger=True)
+    assert steps_of_firsts == [2, 5, 8]  # 3, 6, 9 tokens: the prefill's and then one a decode step
+    assert len(prefills) >= 3 and len(set(prefills)) == len(prefills)  # one refill at a time
+    prefills, steps_of_firsts = refills(stagger=False)
+    assert steps_of_firsts == [8, 8, 8]
+    assert len(prefills) <= 2  # all three refilled together (a chunk of 64 tokens holds them)
+
+
 def test_the_grid_past_batch_1_runs_refilled_windows():
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        assert compose("bench", overrides=["bench=regret_h200_grid"]).bench.regret.refill is True
+        grid = compose("bench", overrides=["bench=regret_h200_grid"]).bench.regret
+        assert grid.refill is True and grid.stagger is True
         assert compose("bench", overrides=["bench=regret"]).bench.regret.refill is False
 
 
@@ -249,3 +278,5 @@ def test_the_tables_say_which_window_shape_ran():
     res = {"cells": [], "repeats": 3, "min_steps": 500, "errors": {}, "min_steps_by_batch": {}}
     assert "closed groups (" in regret_markdown(res)
     assert "refilled windows (" in regret_markdown({**res, "refill": True})
+    assert "first requests cut short" in regret_markdown({**res, "refill": True, "stagger": True})
+    assert "first requests cut short" not in regret_markdown({**res, "refill": True})
