@@ -51,6 +51,10 @@ step() {  # step NAME LIMIT_S CMD...: run guarded, full log in $OUT/NAME.log, ou
 : >"$OUT/summary.txt"
 {
   date; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; git rev-parse HEAD 2>/dev/null
+  # the device copies the working tree, not always its git metadata: a HEAD older than the tree shows
+  # as changed files here (2026-12-06: HEAD a0c535b printed for a tree at 0b46755)
+  changed=$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l)
+  [ "$changed" -eq 0 ] || echo "!!! the tree differs from that HEAD in $changed tracked files: name the tree's commit by hand"
   python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)"
   python3 -c "import hydra, omegaconf; print('hydra', hydra.__version__, 'omegaconf', omegaconf.__version__)" || echo "!!! hydra/omegaconf missing: stage their wheels"
   python3 -c "import pytest; print('pytest', pytest.__version__)" || echo "!!! pytest missing: stage pytest pluggy iniconfig"

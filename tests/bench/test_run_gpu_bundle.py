@@ -42,3 +42,31 @@ def test_without_bundle_the_files_stay(tmp_path):
     subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh")], cwd=ROOT, env=env, check=True,
                    capture_output=True, timeout=120)  # fmt: skip
     assert (out / "logs" / "a.sqlite").read_bytes() == b"x" and not list(out.glob("out.tar.part_*"))
+
+
+def test_env_txt_says_when_the_tree_is_not_its_head(tmp_path):
+    """The device copies the working tree, not always its git metadata: env.txt flags a HEAD whose
+    tracked files differ from the tree that ran (a stale HEAD named the wrong commit on 2026-12-06)."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True)
+    for name in ("run_gpu.sh", "gpu_env.sh"):
+        shutil.copy(ROOT / "bench" / name, repo / "bench" / name)
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "tree"], cwd=repo, check=True)
+
+    def env_txt() -> str:
+        out = tmp_path / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        env = {"OUT": str(out), "SKIP_TESTS": "1", "SKIP_BENCH": "1", "PATH": "/usr/bin:/bin"}
+        subprocess.run(["bash", "bench/run_gpu.sh"], cwd=repo, env=env, check=True, capture_output=True,
+                       timeout=120)  # fmt: skip
+        return (out / "env.txt").read_text()
+
+    assert "differs from that HEAD" not in env_txt()
+    (repo / "bench" / "gpu_env.sh").write_text((repo / "bench" / "gpu_env.sh").read_text() + "\n# edited\n")
+    assert "differs from that HEAD in 1 tracked files" in env_txt()
