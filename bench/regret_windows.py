@@ -196,14 +196,14 @@ def refilled_window(engine, cell: Cell, min_steps: int, stagger: bool = False):
     prefill of 40 ms on the 7B, H100 2026-12-06), while a speculative config's finish apart and
     refill in one- or two-prompt prefills (9 ms each on graphs, 23 of them in goodput's window at
     batch 16, a = 0.3) — a lockstep that a server whose requests differ in length never sees."""
-    params = SamplingParams(max_tokens=cell.max_new_tokens, ignore_eos=True)
     prompts, num_admitted = cell.prompts, [0]
     firsts = stagger_plan(cell.max_new_tokens, cell.batch) if stagger else []
 
     def admit() -> None:
         i = num_admitted[0]
-        p = SamplingParams(**{**vars(params), "max_tokens": firsts[i]}) if i < len(firsts) else params
-        engine.add_request(Request(f"w-{i}", list(prompts[i % len(prompts)]), SamplingParams(**vars(p))))
+        max_tokens = firsts[i] if i < len(firsts) else cell.max_new_tokens
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(Request(f"w-{i}", list(prompts[i % len(prompts)]), params))
         num_admitted[0] += 1
 
     device = cell.spec.model.lm_head.weight.device
