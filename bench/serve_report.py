@@ -137,7 +137,8 @@ def paired_table(res: dict) -> str:
     in the same stretch of the host's time, so a drift of the host's speed between rounds hits them
     alike and cancels in the ratio of two configs' loops of one round; the pooled passes above do not
     cancel it. Per N: the default config's tok/s over the best fixed row's (chosen as in the targets
-    table) and over the baseline's, round by round: median [min–max]. Empty without round tok/s."""
+    table) and over the baseline's, round by round: median [min–max]; then each other policy's
+    (kind ``policy``: an A/B row) the same way. Empty without round tok/s."""
     rounds: dict[tuple[str, int], list[float]] = {}
     for r in res["rows"]:
         if r.get("round_tok_s") and not r["num_errors"] and not r.get("error"):
@@ -145,21 +146,23 @@ def paired_table(res: dict) -> str:
     kinds = {c["name"]: c["kind"] for c in res["configs"]}
     default = next((n for n, k in kinds.items() if k == "default"), None)
     base = next((n for n, k in kinds.items() if k == "baseline"), None)
+    policies = [default] + [c for c, k in kinds.items() if k == "policy"]
     tok, out = mean_tok_s(res["rows"]), []
     for n in sorted({n for _, n in rounds}):
-        g = rounds.get((default, n))
         best = max(((tok[(c, n)], c) for c, k in kinds.items() if k == "fixed" and (c, n) in rounds),
                    default=None)  # fmt: skip
-        if not g or best is None:
-            continue
-        vs_best = [a / b - 1 for a, b in zip(g, rounds[(best[1], n)]) if b > 0]
-        vs_base = [a / b for a, b in zip(g, rounds.get((base, n)) or []) if b > 0]
-        out.append([str(n), best[1], str(len(vs_best)), _median_range(vs_best, "{:+.1%}"),
-                    f"{sum(v >= -LEAD_GOAL for v in vs_best)} / {len(vs_best)}",
-                    _median_range(vs_base, "{:.2f}")])  # fmt: skip
+        for config in policies:
+            g = rounds.get((config, n))
+            if not g or best is None:
+                continue
+            vs_best = [a / b - 1 for a, b in zip(g, rounds[(best[1], n)]) if b > 0]
+            vs_base = [a / b for a, b in zip(g, rounds.get((base, n)) or []) if b > 0]
+            out.append([str(n), config, best[1], str(len(vs_best)), _median_range(vs_best, "{:+.1%}"),
+                        f"{sum(v >= -LEAD_GOAL for v in vs_best)} / {len(vs_best)}",
+                        _median_range(vs_base, "{:.2f}")])  # fmt: skip
     if not out:
         return ""
-    header = ["N", "best fixed row", "rounds", f"{default} vs it, per round: median [min–max]",
+    header = ["N", "config", "best fixed row", "rounds", "vs it, per round: median [min–max]",
               "rounds ≥ −3%", "× non-spec, per round: median [min–max]"]  # fmt: skip
     return table(header, out)
 

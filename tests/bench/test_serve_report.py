@@ -29,18 +29,24 @@ def test_paired_table_divides_each_rounds_loops_so_a_host_drift_cancels():
     from specsched.bench.serve_report import paired_table
 
     configs = [{"name": "base", "kind": "baseline"}, {"name": "k5", "kind": "fixed"},
-               {"name": "k8", "kind": "fixed"}, {"name": "goodput", "kind": "default"}]  # fmt: skip
+               {"name": "k8", "kind": "fixed"}, {"name": "goodput", "kind": "default"},
+               {"name": "goodput B", "kind": "policy"}]  # fmt: skip
     # round 2 ran on a host 2x slower for every config: goodput is 0.98x k8 in both rounds, while
     # the pooled means would compare its slow round with k8's fast one had the rounds been apart
-    per_round = {"base": [500, 250], "k5": [700, 350], "k8": [1000, 500], "goodput": [980, 490]}
+    per_round = {"base": [500, 250], "k5": [700, 350], "k8": [1000, 500], "goodput": [980, 490],
+                 "goodput B": [1100, 550]}  # fmt: skip
     rows = [dict(row(c, 4, p, sum(v) / 2), round_tok_s=v) for c, v in per_round.items() for p in (1, 2)]
-    text = paired_table({"configs": configs, "rows": rows})
-    line = next(ln for ln in text.splitlines() if ln.startswith("| 4 |"))
-    assert line == "| 4 | k8 | 2 | -2.0% [-2.0% – -2.0%] | 2 / 2 | 1.96 [1.96 – 1.96] |"
+    lines = [
+        ln for ln in paired_table({"configs": configs, "rows": rows}).splitlines() if ln.startswith("| 4 |")
+    ]
+    assert lines == [
+        "| 4 | goodput | k8 | 2 | -2.0% [-2.0% – -2.0%] | 2 / 2 | 1.96 [1.96 – 1.96] |",
+        "| 4 | goodput B | k8 | 2 | +10.0% [+10.0% – +10.0%] | 2 / 2 | 2.20 [2.20 – 2.20] |",  # an A/B row
+    ]
     # one round below the goal is counted as such; no round tok/s: no table
     per_round["goodput"] = [1000, 480]
     rows = [dict(row(c, 4, p, sum(v) / 2), round_tok_s=v) for c, v in per_round.items() for p in (1, 2)]
     line = next(ln for ln in paired_table({"configs": configs, "rows": rows}).splitlines()
-                if ln.startswith("| 4 |"))  # fmt: skip
+                if ln.startswith("| 4 | goodput |"))  # fmt: skip
     assert "| -2.0% [-4.0% – +0.0%] | 1 / 2 | 1.96 [1.92 – 2.00] |" in line
     assert paired_table({"configs": configs, "rows": [row("goodput", 4, 1, 900.0)]}) == ""
