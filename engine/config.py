@@ -144,12 +144,12 @@ class SchedulerConfig:
     # policies that allow plan-ahead; null: decide every step. 0.02: on the H200 (2026-12-04 17:02,
     # bench=serve_rounds, both in the same rounds) goodput at 0.02 against 0.05 was +2.6 % at N = 16 and
     # +8 % at N = 64, within the spread at N = 1 and 4 (docs/benchmarks.md).
+    decide_budget: float | None = 0.02
     # max_plan_age 16 with max_joined_share 0.5 (8 and 0.125 before): on the H100 on 2026-12-06
     # (bench=serve_verdict_carry, 5 rounds, both beside fixed k = 8) goodput's tok/s went 3,987 ->
     # 4,135 / 10,459 -> 11,610 / 20,249 -> 21,062 at N = 4 / 16 / 64 (k = 8: 4,061 / 10,594 /
     # 21,057), with 0.38 decides a decode step instead of 0.44; at N = 1 986 against 1,007, where
     # plans were fresh on 85-87 % of the steps either way (a decide there is ~0.12 ms, hidden).
-    decide_budget: float | None = 0.02
     max_plan_age: int = 16
     # A held plan is due when more than this share of the batch (at least 1 request) joined since it
     # was decided (engine/planning.py). With plan-ahead the newcomers run the held plan meanwhile,
