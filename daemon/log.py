@@ -175,13 +175,7 @@ class LogWriter:
         ``timeout``."""
         if self._is_closed or not self._run_started:
             return False
-        ctl = _Control("costs", costs=copy.deepcopy(costs))
-        try:
-            self._queue.put(ctl, timeout=timeout)
-        except queue.Full:
-            return False
-        ctl.done.wait(timeout)
-        return ctl.ok
+        return self._control("costs", timeout, costs=copy.deepcopy(costs)).ok
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Write everything enqueued so far. True when it is on disk within ``timeout``."""
@@ -270,14 +264,20 @@ class LogWriter:
             )
 
     def _control(
-        self, kind: str, timeout: float, run_row: dict | None = None, run_end: dict | None = None
+        self,
+        kind: str,
+        timeout: float,
+        run_row: dict | None = None,
+        run_end: dict | None = None,
+        costs: object | None = None,
     ) -> _Control:
-        ctl = _Control(kind, run_row, run_end)
+        """Queue a control and wait up to ``timeout`` for the writer to carry it out (``ok``)."""
+        ctl = _Control(kind, run_row, run_end, costs)
         try:
             self._queue.put(ctl, timeout=timeout)
         except queue.Full:
             return ctl
-        self._nudge.set()  # log.pace=step: a control does not wait for the engine
+        self._nudge.set()  # log.pace=step: a control does not wait for the engine's nudge
         ctl.done.wait(timeout)
         return ctl
 

@@ -283,6 +283,25 @@ def test_cost_models_are_saved_with_the_run_and_give_a_replay_its_graph_buckets(
     assert load_run(str(path), run_id).settings.graph_buckets == {"batch_expansion": [1, 2, 4, 8, 16]}
 
 
+def test_saving_cost_models_does_not_wait_for_the_flush_interval_when_paced(tmp_path):
+    """``log.pace=step`` (the default): the writer sleeps until an engine nudge or the flush interval;
+    a control must wake it. save_costs did not (the daemon's shutdown then waited 10 s, its timeout,
+    with a 60 s flush interval, and reported the costs unsaved)."""
+    from specsched.policies.cost_model import CostModels
+
+    path = tmp_path / "log.sqlite"
+    costs = CostModels({"batch_expansion": [1, 2, 4]}, device="cpu")
+    with LogWriter(fast_cfg(path, pace="step", flush_interval_s=60.0)) as w:
+        w.start_run({"n": 1}, model="tiny", device="cpu", version="v")
+        t0 = time.monotonic()
+        assert w.save_costs(costs, timeout=5.0)
+        assert time.monotonic() - t0 < 2.0
+        t0 = time.monotonic()
+        assert w.end_run(0, timeout=5.0)
+        assert time.monotonic() - t0 < 2.0
+    assert CostModels.load(str(path)).graph_buckets["batch_expansion"].tolist() == [1, 2, 4]
+
+
 def test_cost_models_that_cannot_be_saved_hold_no_step_back(tmp_path, caplog):
     class Broken:
         def save(self, db, run_id):
