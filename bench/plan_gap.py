@@ -16,7 +16,7 @@ Per log (its last run) and batch size, over the decode steps of exactly that bat
 - *accept.*: accepted over proposed drafts;
 - *slow decides*: the share of steps whose critical-path ``decide`` phase took over ``--decide-ms``
   (a plan not decided ahead) and the mean step ms of those steps;
-- *explore*: the share of steps planned as a probe or a dither (``plan_info``; goodput only);
+- *explore*: the share of steps planned as a probe, a dither or a try (``plan_info``; goodput only);
 - the scorers' shares of the steps.
 
 Written for issue 12 (goodput 3-8 % behind fixed k = 8 on the MQA graph at N = 1, 4 and 64 on the
@@ -100,7 +100,7 @@ def read_log(
         s.scorers[row["scorer"]] += 1
         if host.get("decide", 0.0) > decide_ms:
             s.slow_decide_ms.append(ms)
-        s.num_explore += bool(info.get("is_probe") or info.get("is_dither"))
+        s.num_explore += bool(info.get("is_probe") or info.get("is_dither") or info.get("is_try"))
         steps[row["step"]] = s
     for row in db.query(
         "select step, k, num_accepted, max_k from step_requests where run_id = ?", [run]

@@ -21,6 +21,13 @@ Learning while deciding (the cost models and acceptance estimates only see what 
   stays at the prior's guess (persistent excitation; Åström & Wittenmark, *Adaptive Control*, §2.4).
 - *Young scorers*: a scorer predicted better whose cost model has seen fewer than
   ``min_scorer_steps`` steps is not held off by the scorer hysteresis, so a prior cannot hide it.
+- *Tries* (while probes and dither are off): every ``try_interval`` decides one step runs, in turn,
+  the runner-up scorer's best plan or the plan dithered, if predicted within ``try_tolerance`` of the
+  plan. A cost is learnt only where the policy steps, so a plan mispriced by its start-up profile is
+  otherwise never run again: on the H100 (2026-12-06, 7B pair, batch 4, a = 0.3) the profile priced
+  batch expansion's 8-row graph 0.33 ms (6 %) over what it took in every timed step, and goodput kept
+  the MQA graph at k = 2 (0.724 tokens/ms) beside batch expansion at k = 1 (0.748, the oracle). A try
+  costs at most ``try_tolerance`` of one step in ``try_interval``.
 
 *Pruning*: the search's host time grows with the scorers it prices (a decide at batch 64 took ~2 ms
 on the H200 host on 2026-12-05), and at large batches a scorer far behind stays far behind (there:
@@ -75,6 +82,8 @@ class GoodputConfig:
     explore_stop_error: float = 0.05  # ... and the step-ms prediction's running |bias| at most this
     explore_restart: float = 2.0  # ... and restart when either exceeds this times its threshold
     explore_min_steps: int = 32  # decides of exploration at least, from the start or a restart
+    try_interval: int = 16  # exploration off: every this many decides a try (module docstring; 0: never)
+    try_tolerance: float = 0.05  # ... of a plan predicted at most this much worse than the chosen
     max_iters: int = 2  # Dinkelbach iterations (batch > 1; a third gained <0.02 % at batch 64, H200 log)
     # search only the scorers whose best goodput at the last full search was at least this share of
     # the best one's (0: every scorer on every decide); a full search every full_search_interval decides
@@ -88,12 +97,13 @@ class GoodputConfig:
         if self.max_k < 0:
             raise ValueError(f"policy goodput: max_k must be >= 0, got {self.max_k}")
         for name in ("scorer_margin", "k_margin", "optimism", "acceptance_z", "dither_tolerance",
-                     "decode_try_tolerance", "explore_stop_std", "explore_stop_error"):  # fmt: skip
+                     "decode_try_tolerance", "try_tolerance", "explore_stop_std",
+                     "explore_stop_error"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"policy goodput: {name} must be >= 0, got {getattr(self, name)}")
         if self.explore_restart < 1:
             raise ValueError(f"policy goodput: explore_restart must be >= 1, got {self.explore_restart}")
-        for name in ("dither_interval", "min_scorer_steps", "explore_min_steps"):
+        for name in ("dither_interval", "min_scorer_steps", "explore_min_steps", "try_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"policy goodput: {name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.prune_below < 1:
@@ -125,6 +135,7 @@ class GoodputPolicy(Policy):
         self._next_probe = 0  # decide count after which the next probe may come
         self._probe_interval = self.config.probe_interval
         self._dither = 1  # direction of the next dither
+        self._num_tries = 0  # tries so far: even ones try the runner-up scorer, odd ones dither
         self._is_fresh_k = False  # last step's k was a probe or dither: no k hysteresis against it
         self._contenders: set[str] | None = None  # scorers the next decides search (None: every one)
         self._scorer_set: list[str] | None = None  # the scorers of the last full search
@@ -268,32 +279,38 @@ class GoodputPolicy(Policy):
             dithered, self._dither = prob.dither(k, g, self._dither, chosen, cfg.dither_tolerance)
             if dithered is not None:
                 k, is_dither = dithered, True
-        self._is_fresh_k = is_probe or is_dither
-        k, num_cuts = prob.fit_kv(k, view.num_free_blocks, view.block_size)
         self._last_scorer = scorers[chosen]  # the speculative choice, which the hysteresis holds
+        is_try = False
+        is_try_due = cfg.try_interval and self._num_decides % cfg.try_interval == 0
+        if is_try_due and not is_exploring and prob.top > 0:
+            tried = self._try(prob, k, g, chosen, g_scorers)
+            if tried is not None:
+                (k, chosen), is_try = tried, True
+        self._is_fresh_k = is_probe or is_dither or is_try
+        k, num_cuts = prob.fit_kv(k, view.num_free_blocks, view.block_size)
         is_decode = is_decode_try = False
         k_list = prob.as_list(k)
         is_spec = any(k_list)
         k0_scorer = scorers[chosen]
         if len(scorers) > 1:  # a plain decode step's scorer (also the hint for a carry that drafts nothing)
             ctx = [r.context_len for r in reqs]
-            k0, is_try = decode_scorer(
+            k0, is_k0_try = decode_scorer(
                 costs, scorers, prob.goodput_k0, ctx, cfg.min_scorer_steps, cfg.decode_try_tolerance
             )
             k0_scorer = scorers[k0]
             if not is_spec:
-                chosen, is_decode_try, is_decode = k0, is_try, True
+                chosen, is_decode_try, is_decode = k0, is_k0_try, True
         if self._last_full == self._num_decides or self._k0_scorer not in scorers:  # searched them all
             self._k0_scorer = k0_scorer
         else:  # a pruned search: a carry that drafts nothing runs on the last full search's choice
             k0_scorer = self._k0_scorer
 
         cost = prob.components(k, chosen)
-        g_plan = prob.goodput(k, chosen) if is_probe or is_dither or num_cuts or is_decode else g
+        g_plan = prob.goodput(k, chosen) if is_probe or is_dither or is_try or num_cuts or is_decode else g
         run = None
         if view.decode_steps > 1:  # a plan with every k = 0 runs several plain steps: weigh that
             ctx = [r.context_len for r in reqs]
-            g_spec = g_plan if is_spec and not (is_probe or is_dither) else None  # exploring: it drafts
+            g_spec = g_plan if is_spec and not (is_probe or is_dither or is_try) else None  # exploring
             switch_ms = costs.catchup_ms(step_proposer(view))  # what the return to drafting costs
             run = weigh_run(
                 costs, k0_scorer, ctx, view.decode_steps, g_spec, self._is_run, cfg.scorer_margin,
@@ -309,6 +326,8 @@ class GoodputPolicy(Policy):
         runner_up = next((s for s in ranked if s != chosen), None)
         g_off = prob.goodput_k0[chosen]
         reason = _reason(prob.top, is_spec, g_plan, g_off, num_cuts, is_probe)
+        if is_try and is_spec:
+            reason = f"try (runner-up plan, its cost measured): {g_plan:.4g} tokens/ms, the plan {g:.4g}"
         if run is not None and run.is_taken:
             reason = (
                 f"run of {view.decode_steps} plain steps: {run.goodput:.4g} tokens/ms, speculating "
@@ -326,6 +345,7 @@ class GoodputPolicy(Policy):
             "num_kv_cuts": num_cuts,
             "is_probe": is_probe,
             "is_dither": is_dither,
+            "is_try": is_try,
             "is_exploring": is_exploring,
             "explore_spread": spread,
             "explore_error": error,
@@ -348,7 +368,26 @@ class GoodputPolicy(Policy):
                 info["run_switch_ms"], info["run_regret_ms"] = switch_ms, run.regret_ms
             if not is_spec:  # the engine runs a plan that drafts nothing as a run: its ms and tokens
                 expected, total_ms = float(len(reqs) * view.decode_steps), run.ms
-        return Plan(k_list, scorers[chosen], self.name, total_ms, expected, info, is_one_step=is_probe)
+        return Plan(
+            k_list, scorers[chosen], self.name, total_ms, expected, info, is_one_step=is_probe or is_try
+        )
+
+    def _try(self, prob, k, g: float, chosen: int, g_scorers: list[float]):
+        """A try's (k, scorer index) (module docstring, *Tries*), or None when this turn's candidate
+        is none or predicted worse than ``g`` by more than ``try_tolerance``: even tries the runner-up
+        scorer's best plan, odd ones ``k`` dithered (the turn passes either way)."""
+        cfg, turn = self.config, self._num_tries
+        self._num_tries += 1
+        if turn % 2 == 1:
+            dithered, self._dither = prob.dither(k, g, self._dither, chosen, cfg.try_tolerance)
+            return None if dithered is None else (dithered, chosen)
+        others = [s for s in range(len(g_scorers)) if s != chosen]
+        if not others:
+            return None
+        best = max(others, key=g_scorers.__getitem__)
+        if g_scorers[best] < g * (1.0 - cfg.try_tolerance) or not any(prob.as_list(prob.best_k[best])):
+            return None
+        return prob.best_k[best], best
 
 
 def _reason(top: int, is_spec: bool, g: float, g_off: float, num_cuts: int, is_probe: bool) -> str:

@@ -31,6 +31,15 @@ def slower(machine, factor: float):
     return dataclasses.replace(machine, name=f"{machine.name} x{factor}", scorers=scorers)
 
 
+def linear_costs(m) -> CostModels:
+    """Cost models without the per-graph residual: a uniform step change in costs is then learnt by
+    the linear models alone, over the ~16 steps the prediction error averages. The residual (rate
+    0.1, policies/bucket_bias.py) absorbs it in the chosen graph within a few steps, so the error's
+    peak is smaller (at a = 0.9, batch 1: under the restart threshold, and goodput after the change
+    was the same either way, 0.2612 vs 0.2610 tokens/ms over 6 seeds)."""
+    return CostModels(m.graph_buckets, device="cuda", bucket_bias=False)
+
+
 def exploratory_steps(policy, sc: Scenario) -> list[int]:
     steps = []
 
@@ -38,7 +47,7 @@ def exploratory_steps(policy, sc: Scenario) -> list[int]:
         if plan.info["is_probe"] or plan.info["is_dither"]:
             steps.append(step)
 
-    simulate(policy, sc, on_step=on_step)
+    simulate(policy, sc, costs=linear_costs(sc.machine), on_step=on_step)
     return steps
 
 
@@ -75,7 +84,8 @@ def test_prediction_error_is_prequential_and_its_bias_shows_a_step_change():
 
     costs = CostModels(m.graph_buckets, device="cuda")
     assert costs.prediction_error("mqa_graph") is None
-    simulate(GoodputPolicy(), sc, costs=costs, on_step=on_step)
+    # without tries: one moves the step to the other scorer, whose error has seen few steps
+    simulate(GoodputPolicy(GoodputConfig(try_interval=0)), sc, costs=costs, on_step=on_step)
     size, bias = seen[199]
     assert size < 0.15 and abs(bias) < 0.05  # noise (draft catch-ups) in the size, less in the bias
     size, bias = min((seen[s] for s in range(200, 216) if seen[s][1] is not None), key=lambda e: e[1])
