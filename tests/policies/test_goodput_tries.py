@@ -8,7 +8,8 @@ timed step, and goodput sat on the MQA graph at k = 2 next to batch expansion at
 Here a machine fitted to that cell's timed steps is profiled while its 8-row expansion graph costs
 0.35 ms more, then served without the surcharge.
 
-``python tests/policies/test_goodput_tries.py`` prints the sweep over 12 seeds (bucket rate x tries).
+``python tests/policies/test_goodput_tries.py`` prints the sweep over 12 seeds (bucket rate x tries),
+``... grid`` the simulator's preset grid before (rate 0.02, no tries) and after.
 """
 
 from __future__ import annotations
@@ -160,5 +161,27 @@ def sweep(seeds: int = 12) -> None:
     BucketBias.__init__.__defaults__ = (0.1, 8.0)
 
 
+def grid(seeds: int = 3) -> None:
+    """Goodput before (residual rate 0.02, no tries) and after on the preset machines, fresh cost
+    models, a spread of acceptances around ``a`` in a batch, runs of 4 plain steps on."""
+    from specsched.policies.sim_machine import get_machine
+
+    for name in ("h200-llama2-7b", "h200-smollm2-135m"):
+        for a in (0.3, 0.6, 0.9):
+            for batch in (1, 4, 16, 64):
+                acc = a if batch == 1 else [max(0.05, a - 0.2), a, min(0.95, a + 0.2)]
+                sc = Scenario(get_machine(name), acc, batch, num_steps=400 if batch < 64 else 200, decode_steps=4)
+                out = []
+                for rate, interval in ((0.02, 0), (0.1, 16)):
+                    BucketBias.__init__.__defaults__ = (rate, 8.0)
+                    config = GoodputConfig(try_interval=interval)
+                    out.append(np.mean([simulate(GoodputPolicy(config), sc, s).goodput for s in range(seeds)]))
+                gain = out[1] / out[0] - 1
+                print(f"{name} a={a} batch={batch}: before {out[0]:.4f}, after {out[1]:.4f} ({gain:+.2%})")
+    BucketBias.__init__.__defaults__ = (0.1, 8.0)
+
+
 if __name__ == "__main__":
-    sweep()
+    import sys
+
+    grid() if sys.argv[1:] == ["grid"] else sweep()
