@@ -170,12 +170,14 @@ def grid(seeds: int = 3) -> None:
         for a in (0.3, 0.6, 0.9):
             for batch in (1, 4, 16, 64):
                 acc = a if batch == 1 else [max(0.05, a - 0.2), a, min(0.95, a + 0.2)]
-                sc = Scenario(get_machine(name), acc, batch, num_steps=400 if batch < 64 else 200, decode_steps=4)
+                steps = 400 if batch < 64 else 200
+                sc = Scenario(get_machine(name), acc, batch, num_steps=steps, decode_steps=4)
                 out = []
                 for rate, interval in ((0.02, 0), (0.1, 16)):
                     BucketBias.__init__.__defaults__ = (rate, 8.0)
                     config = GoodputConfig(try_interval=interval)
-                    out.append(np.mean([simulate(GoodputPolicy(config), sc, s).goodput for s in range(seeds)]))
+                    runs = [simulate(GoodputPolicy(config), sc, s) for s in range(seeds)]
+                    out.append(np.mean([r.goodput for r in runs]))
                 gain = out[1] / out[0] - 1
                 print(f"{name} a={a} batch={batch}: before {out[0]:.4f}, after {out[1]:.4f} ({gain:+.2%})")
     BucketBias.__init__.__defaults__ = (0.1, 8.0)
