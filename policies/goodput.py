@@ -29,12 +29,8 @@ Learning while deciding (the cost models and acceptance estimates only see what 
   the MQA graph at k = 2 (0.724 tokens/ms) beside batch expansion at k = 1 (0.748, the oracle). A try
   costs at most ``try_tolerance`` of one step in ``try_interval``.
 
-*Pruning*: the search's host time grows with the scorers it prices (a decide at batch 64 took ~2 ms
-on the H200 host on 2026-12-05), and at large batches a scorer far behind stays far behind (there:
-the MQA graph 28 tokens/ms, eager MQA 4.7, batch expansion 2.9). A decide searches only the
-scorers whose best goodput at the last full search was at least ``prune_below`` of the best; every
-``full_search_interval`` decides, and whenever the pruned search would leave every request at k = 0,
-it searches them all.
+*Pruning*: a decide searches only the scorers still in contention
+(:mod:`specsched.policies.goodput_scope`).
 
 Probes and dither stop once the acceptance posteriors are tight and the cost models predict the
 measured steps without bias, and resume when either grows again
@@ -48,20 +44,14 @@ rank alike is tried), not on the one the hysteresis kept from the speculative st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
 
-import numpy as np
-
-from specsched.policies.acceptance_stages import staged_powers, stages_of
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.cost_model import CostModels
 from specsched.policies.fixed import step_proposer
 from specsched.policies.goodput_explore import ExplorationSwitch, decode_scorer
+from specsched.policies.goodput_scope import SearchScope
 from specsched.policies.goodput_search import BatchProblem
-from specsched.policies.goodput_single import SingleProblem
 from specsched.policies.run_cost import weigh_run
-
-_REQUEST_FIELDS = attrgetter("acceptance", "acceptance_std", "context_len", "max_k", "last_k")
 
 
 @dataclass
@@ -137,92 +127,14 @@ class GoodputPolicy(Policy):
         self._dither = 1  # direction of the next dither
         self._num_tries = 0  # tries so far: even ones try the runner-up scorer, odd ones dither
         self._is_fresh_k = False  # last step's k was a probe or dither: no k hysteresis against it
-        self._contenders: set[str] | None = None  # scorers the next decides search (None: every one)
-        self._scorer_set: list[str] | None = None  # the scorers of the last full search
-        self._last_full = 0  # decide count of the last full search
+        self.scope = SearchScope(self.config)  # each decide's search, over the scorers in contention
         self._k0_scorer: str | None = None  # a plain decode's scorer at the last search of every scorer
         self._is_run = False  # the last plan was a run of plain steps taken over speculation
         self._run_regret_ms = 0.0  # ms the runs passed up since speculation last led would have saved
-        self._staged_memo: tuple | None = None  # (decide count, view, survival) of staged_acceptance
         cfg = self.config
         self.exploration = ExplorationSwitch(
             cfg.explore_stop_std, cfg.explore_stop_error, cfg.explore_restart, cfg.explore_min_steps
         )
-
-    def problem(self, view: BatchView, costs: CostModels, scorers: list[str]):
-        """The step's search: :class:`SingleProblem` (plain Python) at batch 1, else
-        :class:`BatchProblem` (numpy); both decide alike. Also returns the requests' last k (a list
-        at batch 1, else ``[B]`` int) and the posterior sds of those that could draft."""
-        reqs, cfg = view.requests, self.config
-        proposer = step_proposer(view)
-        staged = self._staged_powers(view) if cfg.staged_acceptance else None
-        if len(reqs) == 1:
-            r = reqs[0]
-            cap = max(min(r.max_k, cfg.max_k), 0)
-            prob = SingleProblem(
-                costs, scorers, proposer, r.acceptance, r.acceptance_std, r.context_len, cap, cfg.optimism,
-                survival=None if staged is None else staged[0].tolist(),
-            )  # fmt: skip
-            return prob, [r.last_k], [r.acceptance_std] if r.max_k > 0 else []
-        accs, stds, ctxs, max_k, lasts = zip(*map(_REQUEST_FIELDS, reqs))  # one pass over the views
-        mean = np.array(accs, dtype=np.float64)  # [B]
-        std = np.array(stds, dtype=np.float64)  # [B]
-        ctx = np.array(ctxs, dtype=np.int64)  # [B]
-        cap = np.array(max_k, dtype=np.int64)  # [B]
-        np.minimum(cap, cfg.max_k, out=cap)
-        np.maximum(cap, 0, out=cap)
-        last = np.array(lasts, dtype=np.int64)  # [B]
-        prob = BatchProblem(
-            costs, scorers, proposer, mean, std, ctx, cap, cfg.max_iters, cfg.scorer_margin, cfg.optimism,
-            powers=staged,
-        )  # fmt: skip
-        return prob, last, [sd for sd, m in zip(stds, max_k) if m > 0]
-
-    def _staged_powers(self, view: BatchView) -> np.ndarray | None:
-        """``[B, max_k]`` survival of each request's drafts under its two acceptance rates
-        (``staged_acceptance``), or None when the view carries no estimator."""
-        if view.acceptance is None:
-            return None
-        memo = self._staged_memo  # a pruned search and then a full one in one decide read them once
-        if memo is not None and memo[0] == self._num_decides and memo[1] is view:
-            return memo[2]
-        stages = stages_of(view.acceptance)
-        num = max(self.config.max_k, 1)
-        reqs = view.requests
-        out = np.empty((len(reqs), num))
-        by: dict[str, list[int]] = {}
-        for i, r in enumerate(reqs):
-            by.setdefault(r.proposer, []).append(i)
-        for proposer, idx in by.items():
-            m1, _, m2, s2 = stages.mean_std_many([reqs[i].request_id for i in idx], proposer)
-            out[idx] = staged_powers(m1, m2, s2, num)
-        self._staged_memo = (self._num_decides, view, out)
-        return out
-
-    def _contending_problem(self, view: BatchView, costs: CostModels, scorers: list[str]):
-        """:meth:`problem` over the contending scorers (module docstring, *Pruning*), or over every
-        scorer: on a full search's turn, when a scorer appeared or when the pruned search leaves every
-        request at k = 0 (a plain decode step picks among every scorer). Returns the problem, the
-        requests' last k, the posterior sds and the scorers searched."""
-        cfg = self.config
-        kept = self._contenders
-        if (
-            cfg.prune_below > 0
-            and kept is not None
-            and self._num_decides - self._last_full < cfg.full_search_interval
-            and self._scorer_set == scorers
-        ):
-            pruned = [s for s in scorers if s in kept]
-            if 0 < len(pruned) < len(scorers):
-                prob, last_k, spreads = self.problem(view, costs, pruned)
-                best = max(range(len(pruned)), key=prob.best_goodput.__getitem__)
-                if any(prob.as_list(prob.best_k[best])):  # else a plain decode: every scorer competes
-                    return prob, last_k, spreads, pruned
-        prob, last_k, spreads = self.problem(view, costs, scorers)
-        self._last_full, self._scorer_set = self._num_decides, scorers
-        best = max(prob.best_goodput)
-        self._contenders = {s for s, g in zip(scorers, prob.best_goodput) if g >= cfg.prune_below * best}
-        return prob, last_k, spreads, scorers
 
     def decide(self, view: BatchView, costs: CostModels | None) -> Plan:
         cfg = self.config
@@ -238,7 +150,7 @@ class GoodputPolicy(Policy):
             last = self._last_scorer if self._last_scorer in scorers else scorers[0]
             return Plan([], last, self.name, 0.0, 0.0)
         self._num_decides += 1
-        prob, last_k, spreads, scorers = self._contending_problem(view, costs, scorers)
+        prob, last_k, spreads, scorers = self.scope.problem(view, costs, scorers, self._num_decides)
         g_scorers = prob.best_goodput
 
         # scorer, with hysteresis: keep last step's unless another is better by scorer_margin, or
@@ -300,7 +212,7 @@ class GoodputPolicy(Policy):
             k0_scorer = scorers[k0]
             if not is_spec:
                 chosen, is_decode_try, is_decode = k0, is_k0_try, True
-        if self._last_full == self._num_decides or self._k0_scorer not in scorers:  # searched them all
+        if self.scope.last_full == self._num_decides or self._k0_scorer not in scorers:  # searched all
             self._k0_scorer = k0_scorer
         else:  # a pruned search: a carry that drafts nothing runs on the last full search's choice
             k0_scorer = self._k0_scorer
