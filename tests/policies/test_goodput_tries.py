@@ -8,8 +8,9 @@ timed step, and goodput sat on the MQA graph at k = 2 next to batch expansion at
 Here a machine fitted to that cell's timed steps is profiled while its 8-row expansion graph costs
 0.35 ms more, then served without the surcharge.
 
-``python tests/policies/test_goodput_tries.py`` prints the sweep over 12 seeds (bucket rate x tries),
-``... grid`` the simulator's preset grid before (rate 0.02, no tries) and after.
+``python tests/policies/test_goodput_tries.py [STEPS]`` prints the sweep over 12 seeds (bucket rate x
+tries; 2,000 steps served unless given), ``... grid`` the simulator's preset grid before (rate 0.02,
+no tries) and after.
 """
 
 from __future__ import annotations
@@ -144,16 +145,15 @@ def test_try_options_are_validated():
         GoodputConfig(try_tolerance=-0.1)
 
 
-def sweep(seeds: int = 12) -> None:
-    """Mean and worst goodput over ``seeds`` profiles, bucket rate (old 0.02, now 0.1) x tries."""
-    true_best = served(GoodputConfig(), 0.0, seed=0)[0]
-    print(f"no surcharge, goodput with tries (seed 0): {true_best:.4f} tokens/ms")
+def sweep(num_steps: int = 2000, seeds: int = 12) -> None:
+    """Mean and worst goodput over ``seeds`` profiles served ``num_steps`` steps, bucket rate (old
+    0.02, now 0.1) x tries."""
     for surcharge in (0.35, 0.0):
         for rate in (0.02, 0.1):
             for interval in (0, 16):
                 BucketBias.__init__.__defaults__ = (rate, 8.0)
                 config = GoodputConfig(try_interval=interval)
-                gs = np.array([served(config, surcharge, s)[0] for s in range(seeds)])
+                gs = np.array([served(config, surcharge, s, num_steps)[0] for s in range(seeds)])
                 print(
                     f"surcharge {surcharge} ms, bucket rate {rate}, try_interval {interval:2d}: "
                     f"mean {gs.mean():.4f}, min {gs.min():.4f}, below 0.70: {(gs < 0.70).sum()} of {seeds}"
@@ -186,4 +186,7 @@ def grid(seeds: int = 3) -> None:
 if __name__ == "__main__":
     import sys
 
-    grid() if sys.argv[1:] == ["grid"] else sweep()
+    if sys.argv[1:] == ["grid"]:
+        grid()
+    else:
+        sweep(*map(int, sys.argv[1:2]))
