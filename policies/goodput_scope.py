@@ -15,7 +15,7 @@ request at k = 0, it searches them all.
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -26,18 +26,27 @@ from specsched.policies.fixed import step_proposer
 from specsched.policies.goodput_search import BatchProblem
 from specsched.policies.goodput_single import SingleProblem
 
-if TYPE_CHECKING:
-    from specsched.policies.goodput import GoodputConfig
-
 __all__ = ["SearchScope"]
 
 _REQUEST_FIELDS = attrgetter("acceptance", "acceptance_std", "context_len", "max_k", "last_k")
 
 
+class ScopeSettings(Protocol):
+    """The options of :class:`~specsched.policies.goodput.GoodputConfig` a search reads."""
+
+    max_k: int
+    max_iters: int
+    scorer_margin: float
+    optimism: float
+    staged_acceptance: bool
+    prune_below: float
+    full_search_interval: int
+
+
 class SearchScope:
     """Builds a decide's search and keeps the pruning state between decides (module docstring)."""
 
-    def __init__(self, config: GoodputConfig) -> None:
+    def __init__(self, config: ScopeSettings) -> None:
         self.config = config
         self._num_decides = 0  # the policy's decide count at the last problem()
         self._contenders: set[str] | None = None  # scorers the next decides search (None: every one)
