@@ -32,9 +32,8 @@ def bucket_key(x: Sequence[float]) -> tuple[int, int] | None:
 class BucketBias:
     """Running means per graph: the first ``1 / rate`` steps of a graph averaged, later ones weighted
     ``rate`` (an exponential mean that forgets as the models do). ``rate`` 0.1: a graph that the
-    start-up profile timed over ~30 steps with an error is corrected by ~12 later steps (goodput's
-    tries, policies/goodput.py); at 0.02 it took ~70 (H100, 2026-12-06: a 0.33 ms error on one graph
-    of the 7B pair at batch 4)."""
+    start-up profile timed over 18 steps 0.33 ms too slow (H100, 2026-12-06, the 7B pair at batch 4)
+    is within 0.07 ms after ~15 later steps (goodput's tries, policies/goodput.py); at 0.02, ~70."""
 
     def __init__(self, rate: float = 0.1, shrink: float = 8.0) -> None:
         if not 0.0 < rate <= 1.0 or shrink < 0.0:
