@@ -71,15 +71,19 @@ class RunConfig:
 
 
 def policy_configs(cfg, scorers: list[str]) -> list[tuple[str, Callable[[], Policy]]]:
-    """``(label, factory)`` for the fixed (k, scorer) grid and each named policy of ``cfg``."""
+    """``(label, factory)`` for the fixed (k, scorer) grid and each named policy of ``cfg``
+    (``policies``: registry names, or ``name@tag`` for a variant whose options are ``policy_args``'
+    entry ``name@tag``; labels ``policy name (option=value, ...)``)."""
     out: list[tuple[str, Callable[[], Policy]]] = []
     for k in cfg.fixed_k:
         for s in cfg.fixed_scorers:
             if s in scorers:
                 out.append((f"fixed k={k} {s}", lambda k=k, s=s: FixedPolicy(FixedConfig(k=k, scorer=s))))
     args = dict(cfg.get("policy_args") or {})
-    for name in cfg.policies:
-        options = dict(args.get(name) or {})
+    for entry in cfg.policies:
+        # "name@tag": a variant of policy name with its own policy_args entry (an A/B within a cell)
+        name = entry.partition("@")[0]
+        options = dict(args.get(entry) or {})
         spec = {"name": name, **options}
         shown = ", ".join(f"{k}={v}" for k, v in options.items())
         label = f"policy {name}" + (f" ({shown})" if shown else "")

@@ -182,6 +182,8 @@ def summarize(samples: list[Sample], labels: list[str]) -> dict:
         return {"median": statistics.median(rs), "min": min(rs), "max": max(rs), "per_repeat": rs}
 
     out["vs_oracle"], out["vs_non_spec"] = ratio(out["oracle"]), ratio(NON_SPEC)
+    # goodput against its variants (policies "goodput@tag"), paired per repeat: an A/B in the cell
+    out["vs_variants"] = {v: ratio(v) for v in labels if is_goodput(v) and v != good}
     ps = [s.decide_ms_p99 for s in by[good] if s.decide_ms_p99 is not None]
     out["decide_ms_p99"] = max(ps) if ps else None
     return out
@@ -255,7 +257,7 @@ def regret_markdown(res: dict) -> str:
     head = ["suite", "model", "proposer", "batch", "oracle (best config but goodput)", "oracle tok/s",
             "goodput tok/s", "goodput / oracle", "non-spec tok/s", "goodput / non-spec",
             "goodput decide ms p99", "min steps"]  # fmt: skip
-    rows, detail, errors = [], [], []
+    rows, detail, errors, variants = [], [], [], []
     for c in cells:
         cf, good = c["configs"], c.get("goodput")
         oracle = c.get("oracle")
@@ -269,12 +271,16 @@ def regret_markdown(res: dict) -> str:
             detail.append([c["proposer"], c["batch"], label, fmt(v["tokens_per_s"], 1), spread,
                            fmt(v["mean_k"]), v["min_steps"], v.get("num_compiles", "–"),
                            v.get("num_full_gc", "–")])  # fmt: skip
+        for variant, r in (c.get("vs_variants") or {}).items():
+            variants.append(f"- {c['proposer']}, batch {c['batch']}: {good} / {variant} {_ratio(r)}")
         for e in c["cost_error"]:
             live = e.get("live_median")
             errors.append([c["proposer"], e["scorer"], e["batch_size"], e["num_fit"], e["num_held_out"],
                            fmt(100 * e["median"], 1), fmt(100 * e["p90"], 1),
                            "yes" if e["median"] <= 0.05 else "**no**",
                            fmt(None if live is None else 100 * live, 1)])  # fmt: skip
+    if variants:
+        variants = ["Goodput against its variants, per repeat: median [min–max]", "", *variants, ""]
     big = [c["decide_ms_p99"] for c in cells if c["batch"] == 64 and c.get("decide_ms_p99") is not None]
     error_head = [
         "proposer",
@@ -292,6 +298,7 @@ def regret_markdown(res: dict) -> str:
         f"steps per config{_by_batch(res)}, {_shape(res)}; ratios per repeat: median [min–max]", "",
         table(head, rows), "",
         f"goodput decide p99 at batch 64: {fmt(max(big), 3) + ' ms' if big else '– (no batch-64 cell)'}", "",
+        *variants,
         "### Regret: every config (tok/s median over repeats, min–max)", "",
         table(["proposer", "batch", "config", "tok/s", "min–max", "mean k", "min steps",
                "compiles in windows", "full GCs in windows"], detail), "",

@@ -100,6 +100,47 @@ def test_summary_without_goodput_names_the_oracle_only():
     assert out["oracle"] == "fixed k=1 mqa" and out["goodput"] is None
 
 
+def test_a_goodput_variant_is_a_config_of_its_own_and_an_a_b_against_goodput():
+    from omegaconf import OmegaConf
+
+    from specsched.bench.e2e import policy_configs
+    from specsched.bench.regret import regret_markdown
+    from specsched.bench.regret_windows import Sample
+
+    cfg = OmegaConf.create({"fixed_k": [], "fixed_scorers": [], "policies": ["goodput", "goodput@no_tries"],
+                            "policy_args": {"goodput@no_tries": {"try_interval": 0}}})  # fmt: skip
+    built = {label: make() for label, make in policy_configs(cfg, ["mqa"])}
+    assert list(built) == ["policy goodput", "policy goodput (try_interval=0)"]
+    assert [p.config.try_interval for p in built.values()] == [16, 0]
+
+    labels = [NON_SPEC, "fixed k=1 mqa", *built]
+    rates = {
+        NON_SPEC: 100.0,
+        "fixed k=1 mqa": 120.0,
+        "policy goodput": 130.0,
+        "policy goodput (try_interval=0)": 110.0,
+    }
+    samples = [
+        Sample(label, r, tps + r, 10, 1, 0.0, None, None) for r in range(3) for label, tps in rates.items()
+    ]
+    out = summarize(samples, labels)
+    assert out["goodput"] == "policy goodput" and out["oracle"] == "fixed k=1 mqa"  # a variant is no oracle
+    per = [(130.0 + r) / (110.0 + r) for r in range(3)]
+    assert out["vs_variants"]["policy goodput (try_interval=0)"]["per_repeat"] == pytest.approx(per)
+    cell = {
+        "suite": "synthetic",
+        "model": "m",
+        "proposer": "synthetic a=0.3",
+        "batch": 4,
+        "cost_error": [],
+        **out,
+    }
+    text = regret_markdown({"cells": [cell], "repeats": 3, "min_steps": 10})
+    r = out["vs_variants"]["policy goodput (try_interval=0)"]
+    line = f"- synthetic a=0.3, batch 4: policy goodput / policy goodput (try_interval=0) {r['median']:.3f}"
+    assert line in text
+
+
 def test_each_timed_window_is_one_run_of_its_cell_s_decision_log(result):
     """bench.regret.log_dir: one log per cell, one run per (config, repeat), every step of the window
     (its decode steps as many as the sample counted) and the cost models it started from."""
