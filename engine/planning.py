@@ -50,9 +50,11 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import replace
 
+from specsched.engine.config import SchedulerConfig
 from specsched.policies.base import BatchView, Plan, Policy
 
-MAX_JOINED = 0.5  # a plan is carried to a batch of which at most this share (or 1 request) is new
+# a plan is carried to a batch of which at most this share (or 1 request) is new: the scheduler's default
+MAX_JOINED = SchedulerConfig.max_joined_share
 # a batch above ``ahead_max_batch`` still plans ahead while at most this share of its requests had an
 # offer below spec.max_k at the last step: then the ahead view (every offer max_k) is about the batch
 # the step will see (a draft model's offers), and the decide stays hidden behind a GPU-bound forward

@@ -15,6 +15,8 @@ no tries) and after.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 
@@ -29,6 +31,7 @@ from specsched.policies.simulate import Scenario, simulate
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 36)  # the regret bench's graphs at batch 4
 
 
+@dataclass(frozen=True)
 class H100Batch4(Machine):
     """The 7B pair at batch 4 as timed on the H100 (expansion 6.02 ms at 8 rows, 6.35 at 16, 7.06
     at 36; the MQA graph ~6.1-6.3 flat; a draft forward ~0.4 ms), and ``surcharge_ms`` more on the
@@ -45,7 +48,7 @@ class H100Batch4(Machine):
 
 
 def machine(surcharge_ms: float = 0.0) -> H100Batch4:
-    m = H100Batch4(
+    return H100Batch4(
         name="h100-7b-b4",
         scorers={
             "batch_expansion": ScorerCost(
@@ -58,9 +61,8 @@ def machine(surcharge_ms: float = 0.0) -> H100Batch4:
         overhead_ms=0.47,
         overhead_request_ms=0.033,
         verify_bias_ms=0.012,
+        surcharge_ms=surcharge_ms,
     )
-    object.__setattr__(m, "surcharge_ms", surcharge_ms)  # a frozen dataclass's extra field
-    return m
 
 
 class Cycle(Policy):
