@@ -122,8 +122,8 @@ class Phases:
         inner, phases = engine._timed, self
 
         class Block:
-            def __init__(self, rec: StepRecord, field: str) -> None:
-                self.block, self.phase = inner(rec, field), field.removesuffix("_ms")
+            def __init__(self, rec: StepRecord, field: str, is_adjacent: bool = False) -> None:
+                self.block, self.phase = inner(rec, field, is_adjacent), field.removesuffix("_ms")
 
             def __enter__(self) -> None:
                 self.block.__enter__()

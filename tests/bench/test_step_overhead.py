@@ -1,0 +1,22 @@
+"""The host-overhead bench runs end to end on the tiny model (a smoke test: it wraps the engine's
+private timers, so a change to their signature must break here, not in the next measurement)."""
+
+from __future__ import annotations
+
+import re
+
+from specsched.bench.step_overhead import PHASES, main
+
+
+def test_the_bench_prints_a_row_per_config_and_batch_with_every_phase(capsys):
+    args = "--batches 1 --tokens 12 --graphs emulate --configs ngram-goodput --top 0"
+    main(args.split())
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ngram + goodput | 1 |")]
+    assert len(rows) == 2, out  # the per-step table and the per-phase table
+    phase_cells = [float(c) for c in rows[1].strip("|").split("|")[2:]]
+    assert len(phase_cells) == len(PHASES)
+    by_phase = dict(zip(PHASES, phase_cells, strict=True))
+    assert by_phase["score"] > 0 and by_phase["decide"] > 0, by_phase  # the engine's timers were read
+    steps = int(rows[0].split("|")[3])
+    assert steps > 0 and re.search(r"decode_steps=1", out)
