@@ -38,7 +38,9 @@ class CarriedPolicy:
     """``inner`` as the engine's planner runs it: a fresh decide every ``interval`` steps (or when
     :func:`carry_plan` refuses the batch: more than ``max_joined`` of it new), the plan carried in
     between. ``offer`` "ahead": the decide sees every request offered ``max_k`` (a plan decided
-    during the last step's scoring) and the step caps it by its offers; "step": the step's offers."""
+    during the last step's scoring) and the step runs it carried to its offers (:func:`carry_plan`,
+    as the engine's planner does: the plan's intent and token budget apply); "step": the step's
+    offers."""
 
     is_plan_ahead_safe = True
 
@@ -69,9 +71,14 @@ class CarriedPolicy:
         plan = self.inner.decide(seen, costs)
         self.num_decides += 1
         caps = {r.request_id: r.max_k for r in seen.requests}  # the offers the decide saw
-        self.held = [r.request_id for r in view.requests], plan, caps
+        ids = [r.request_id for r in view.requests]
+        self.held = ids, plan, caps
         self.age = 1
-        k = [min(k, r.max_k) for k, r in zip(plan.k, view.requests, strict=True)]
+        if self.offer == "ahead":  # the step runs it carried to its own offers, as the engine's planner
+            carried = carry_plan(ids, plan, view, self.max_joined, caps)
+            if carried is not None:
+                return carried
+        k = [min(k, r.max_k) for k, r in zip(plan.k, view.requests, strict=True)]  # a copy: the step's own
         return dataclasses.replace(plan, k=k)
 
     def observe(self, plan: Plan, accepted: list[int]) -> None:

@@ -44,6 +44,7 @@ plan-ahead it is decided at once. Only policies that declare
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from bisect import bisect_left
@@ -78,12 +79,17 @@ def carry_plan(
     decide saw a request's offer cut short) carries that instead of its k, capped as above: an offer that
     grew since is taken (replaying the 2026-12-06 H100 serve log of k = 8, a plan decided on the step's
     offers and carried by its k for 6 steps drafted 2-5 % fewer tokens per request-step than deciding
-    every step at N = 4-64, by its intent 0-0.7 %); reopening does not apply. A carry that leaves every k
+    every step at N = 4-64, by its intent 0-0.7 %); reopening does not apply. With the intent, a plan's
+    ``info["token_budget"]`` (goodput's on a graph scorer: the bucket the plan runs in) bounds the
+    carry's tokens: past it, the least valuable drafts above each kept request's planned k (capped by
+    its offer) go, while a request the plan held at its offer keeps its intent (docs/policies.md,
+    *token budget*). A carry that leaves every k
     at 0 runs on the plan's ``info["k0_scorer"]`` when it names one of the run's scorers (the policy's
     scorer for a plain decode step: the decode graph, not the MQA graph the speculative plan chose). The
     plan's ``info`` is copied with ``num_joined`` / ``num_left`` / ``num_reopened`` added (the original is
     not changed)."""
     old_k, caps, views = plan.k, caps or {}, view.requests
+    decided_caps = caps
     intent = plan.info.get("k_intent")
     if intent is not None and len(intent) == len(old_k):  # the k each would take if offered more
         old_k, caps = intent, {}  # a request held at its cap carries its intent: no reopening
@@ -116,12 +122,49 @@ def carry_plan(
             for j in fill:
                 k[j] = nearest.k(views[j])
         num_left = len(ids) - len(kept)
+    budget = plan.info.get("token_budget") if old_k is not plan.k else None
+    if budget is not None and len(k) + sum(k) > budget:
+        k = _trim_to_budget(k, _floors(ids, plan.k, decided_caps, views, k), views, budget)
     info = {**plan.info, "num_joined": num_joined, "num_left": num_left, "num_reopened": num_reopened}
     info.pop("k_intent", None)  # in the decided plan's request order; the carried k are its use
+    info.pop("token_budget", None)
     scorer = plan.scorer
     if not any(k) and info.get("k0_scorer") in view.scorers:  # a plain decode: the policy's scorer for one
         scorer = info["k0_scorer"]
     return replace(plan, k=k, scorer=scorer, info=info)
+
+
+def _floors(ids: list[str], planned: list[int], caps: dict[str, int], views: list, k: list[int]) -> list[int]:
+    """Each request's least k in a trim to the token budget (``k``: the carried intent): a kept
+    request's planned k capped by its ``max_k`` now; its carried k where the plan held it at its cap
+    (``caps``: the offers at the decide; an offer that grew since is taken, as without a budget) and
+    for a joined request (it took a kept request's k)."""
+    index = {rid: i for i, rid in enumerate(ids)}
+    out = []
+    for v, kk in zip(views, k):
+        i = index.get(v.request_id)
+        if i is None or planned[i] >= caps.get(v.request_id, planned[i] + 1):
+            out.append(kk)
+        else:
+            out.append(min(planned[i], v.max_k, kk))
+    return out
+
+
+def _trim_to_budget(k: list[int], floor: list[int], views: list, budget: int) -> list[int]:
+    """``k`` with drafts above ``floor`` dropped, the least valuable first (draft j of a request at
+    acceptance estimate a is worth a^j, so a request keeps a prefix), until the step's tokens (B + Σ k)
+    are within ``budget``, or every request is at its floor."""
+    k = list(k)
+    excess = len(k) + sum(k) - budget
+    heap = [(views[i].acceptance ** k[i], i) for i in range(len(k)) if k[i] > floor[i]]
+    heapq.heapify(heap)
+    while excess > 0 and heap:
+        _, i = heapq.heappop(heap)
+        k[i] -= 1
+        excess -= 1
+        if k[i] > floor[i]:
+            heapq.heappush(heap, (views[i].acceptance ** k[i], i))
+    return k
 
 
 class _Nearest:

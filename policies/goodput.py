@@ -272,6 +272,9 @@ class GoodputPolicy(Policy):
             intent = prob.intent(k, g_plan, chosen, cfg.max_k)  # what a carry offers more drafts
             if intent is not None:
                 info["k_intent"] = intent
+                budget = prob.token_budget(k, chosen)  # a carry of the intent stays in the plan's graph
+                if budget is not None:
+                    info["token_budget"] = budget
         # expected tokens at the posterior means, as every policy's plan reports them (make_plan)
         expected, total_ms = prob.expected_at_mean(k), cost["total_ms"]
         if run is not None:

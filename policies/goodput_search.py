@@ -254,23 +254,43 @@ class BatchProblem:
     def intent(self, k: np.ndarray, lam: float, s: int, max_k: int) -> list[int] | None:
         """``[B]``: the k each request would take were it offered ``max_k`` drafts, for the engine's
         carry of the plan to later steps (engine/planning.py ``carry_plan``), where a request's offer
-        (an n-gram match) moves from step to step. A request the plan left below its cap keeps its k
-        (the search chose it); one held at its cap takes the drafts that pay at the plan's goodput
-        ``lam`` under scorer ``s`` — draft j while E[a^j] > λ·δ, as in :func:`improve`, and only if
-        they pay for its share of the draft model — or its k, whichever is more. None when no
-        request was held at a cap below ``max_k`` (the plan is its own intent)."""
-        capped = (k >= self.cap) & (self.cap < max_k)
+        (an n-gram match) moves from step to step: the drafts that pay at the plan's goodput ``lam``
+        under scorer ``s`` — draft j while E[a^j] > λ·δ, as in :func:`improve`, and only if they pay
+        for its share of the draft model — or its k, whichever is more. On an eager scorer only for a
+        request held at its cap below ``max_k`` (one the plan left below its cap keeps its k: the
+        search chose it). On a graph scorer (the plan in one of its graphs) for every request: there
+        the plan's k also fit the batch's tokens into a graph bucket (at N = 4, offered every draft,
+        (7, 7, 7, 7) in 32 tokens rather than (8, 8, 8, 8) in 36), a fit the carry redoes for the
+        offers it meets, within the plan's graph (:meth:`token_budget`; ``carry_plan`` drops the
+        least valuable drafts above the plan's k beyond it), so a request alone with an offer takes
+        its 8th draft. None when the intent is the plan."""
+        is_graph = self.token_budget(k, s) is not None
+        capped = (k < max_k) if is_graph else (k >= self.cap) & (self.cap < max_k)
         if not capped.any():
             return None
         idx = np.flatnonzero(capped)
-        powers = acceptance_powers(self.mean[idx], self.std[idx], max_k)  # [C, max_k]
         delta = self.table.delta[s, idx]  # [C]
-        kstar = (powers > lam * delta[:, None]).sum(-1)  # a prefix: E[a^j] falls with j
-        gain = np.take_along_axis(np.cumsum(powers, axis=1), np.maximum(kstar - 1, 0)[:, None], 1)[:, 0]
+        if self.powers.shape[1] >= max_k:  # the search's own (every offer max_k: a decide ahead)
+            powers = self.powers[idx, :max_k]  # [C, max_k]
+            kstar = (powers > lam * delta[:, None]).sum(-1)  # a prefix: E[a^j] falls with j
+            gain = self.ecum[idx, np.maximum(kstar, 1)] - 1.0  # Σ_{j <= kstar} E[a^j]
+        else:
+            powers = acceptance_powers(self.mean[idx], self.std[idx], max_k)
+            kstar = (powers > lam * delta[:, None]).sum(-1)
+            gain = np.take_along_axis(np.cumsum(powers, axis=1), np.maximum(kstar - 1, 0)[:, None], 1)[:, 0]
         pays = gain - lam * (delta * kstar + self.table.spec_request_ms * max_k) > 0
         out = k.copy()
         out[idx] = np.maximum(k[idx], np.where(pays, kstar, 0))
-        return out.tolist()
+        return None if is_graph and np.array_equal(out, k) else out.tolist()
+
+    def token_budget(self, k: np.ndarray, s: int) -> int | None:
+        """The token count of graph scorer ``s``'s bucket that plan ``k`` runs in (B + Σ k padded up);
+        None for a scorer without graphs or a plan past its largest bucket (eager)."""
+        b = self.buckets[s]
+        if b is None:
+            return None
+        i = int(np.searchsorted(b, len(k) + int(k.sum())))
+        return int(b[i]) if i < len(b) else None
 
     def can_probe(self, k) -> bool:
         """Whether the plan leaves at k = 0 a request that could draft."""

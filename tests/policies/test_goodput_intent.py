@@ -83,3 +83,55 @@ def test_a_joined_request_takes_the_intent_of_its_nearest_kept_request():
     )  # fmt: skip
     got = carry_plan(["a", "b"], plan, view, 1.0, {"a": 2, "b": 0})
     assert got.k == [6, 0, 6] and got.info["num_reopened"] == 0  # b's intent 0: not reopened
+
+
+GRAPH = ["mqa_graph"]
+
+
+def graph_costs() -> CostModels:
+    """An MQA graph scorer whose 64-token graph costs 0.32 ms more than its 32-token one (1 ms a
+    step, 0.01 ms a padded token): four requests offered 8 drafts each (36 tokens) plan 7 each."""
+    costs = CostModels({"mqa_graph": [4, 8, 16, 32, 64]}, device="cuda")
+    for key in [("score", "mqa_graph"), ("propose", "ngram"), ("verify",), ("overhead",)]:
+        costs.model(*key).coef = np.zeros(costs.model(*key).num_features)
+    score = costs.model("score", "mqa_graph").coef
+    score[0], score[2] = 1.0, 0.01
+    return costs
+
+
+def graph_view(caps, step=0, acceptance=0.95) -> BatchView:
+    reqs = [RequestView(f"r{i}", 100 + step, "ngram", c, acceptance, 0.01) for i, c in enumerate(caps)]
+    return BatchView(reqs, 1 << 20, 16, GRAPH, step)
+
+
+def test_a_graph_plan_carries_the_drafts_its_bucket_fit_cut_within_its_graph():
+    """A plan decided ahead (every request offered max_k) fits the batch's tokens into a graph; at the
+    step only some requests have an offer, and each of those takes the draft the fit cut (the H100
+    serve log of 2026-12-06 at N = 4: (7, 7, 7, 7) carried to one offer ran k = 7 where k = 8 ran 8)."""
+    plan = GoodputPolicy().decide(graph_view([8, 8, 8, 8]), graph_costs())
+    assert plan.k == [7, 7, 7, 7], plan.k  # 32 tokens, not 36 in the 64-token graph
+    assert plan.info["k_intent"] == [8, 8, 8, 8] and plan.info["token_budget"] == 32
+    ids, caps = [f"r{i}" for i in range(4)], dict.fromkeys([f"r{i}" for i in range(4)], 8)
+    carry = lambda offers: carry_plan(ids, plan, graph_view(offers, 1), None, caps).k  # noqa: E731
+    assert carry([0, 0, 0, 8]) == [0, 0, 0, 8]
+    assert carry([8, 0, 8, 8]) == [8, 0, 8, 8]  # 28 tokens
+    assert carry([8, 8, 8, 8]) == [7, 7, 7, 7]  # the same offers: the plan, in its graph
+    assert carry([8, 8, 3, 8]) == [8, 8, 3, 8]  # 31 tokens
+    assert carry([8, 8, 6, 8]) == [7, 7, 6, 8]  # 34: two 8th drafts over (equal value: the first go)
+    bare = Plan(plan.k, plan.scorer, plan.policy, info={})
+    assert carry_plan(ids, bare, graph_view([0, 0, 0, 8], 1), None, caps).k == [0, 0, 0, 7]
+
+
+def test_the_token_budget_trims_the_least_valuable_drafts_and_not_a_capped_request_s_growth():
+    # r0 was held at its offer 2 (its intent 6 is an offer growing, taken as without a budget); r1-r3
+    # were fit into the 24-token graph; carried, they are trimmed back to it, least valuable first
+    plan = Plan([2, 3, 4, 4], "mqa_graph", "goodput", info={"k_intent": [6, 6, 6, 6], "token_budget": 24})
+    reqs = [RequestView(f"r{i}", 100, "ngram", 8, a, 0.01) for i, a in enumerate([0.9, 0.5, 0.95, 0.9])]
+    view = BatchView(reqs, 1 << 20, 16, GRAPH, 1)
+    ids = [r.request_id for r in reqs]
+    got = carry_plan(ids, plan, view, None, {"r0": 2, "r1": 8, "r2": 8, "r3": 8})
+    # 4 + 6 + 6 + 6 + 6 = 28 tokens, 4 over: r1's drafts 6, 5, 4 (0.5^j) go first, then r3's 6th (0.9^6)
+    assert got.k == [6, 3, 6, 5] and "token_budget" not in got.info
+    # a budget below the floors: every trimmable request at its floor, r0's growth kept
+    tight = Plan(plan.k, plan.scorer, plan.policy, info={**plan.info, "token_budget": 16})
+    assert carry_plan(ids, tight, view, None, {"r0": 2, "r1": 8, "r2": 8, "r3": 8}).k == [6, 3, 4, 4]
