@@ -258,14 +258,16 @@ class BatchProblem:
         under scorer ``s`` — draft j while E[a^j] > λ·δ, as in :func:`improve`, and only if they pay
         for its share of the draft model — or its k, whichever is more. On an eager scorer only for a
         request held at its cap below ``max_k`` (one the plan left below its cap keeps its k: the
-        search chose it). On a graph scorer (the plan in one of its graphs) for every request: there
-        the plan's k also fit the batch's tokens into a graph bucket (at N = 4, offered every draft,
-        (7, 7, 7, 7) in 32 tokens rather than (8, 8, 8, 8) in 36), a fit the carry redoes for the
-        offers it meets, within the plan's graph (:meth:`token_budget`; ``carry_plan`` drops the
-        least valuable drafts above the plan's k beyond it), so a request alone with an offer takes
-        its 8th draft. None when the intent is the plan."""
+        search chose it). On a graph scorer (the plan in one of its graphs) for every request it
+        drafts for: there the plan's k also fit the batch's tokens into a graph bucket (at N = 4,
+        offered every draft, (7, 7, 7, 7) in 32 tokens rather than (8, 8, 8, 8) in 36), a fit the
+        carry redoes for the offers it meets, within the plan's graph (:meth:`token_budget`;
+        ``carry_plan`` drops the least valuable drafts above the plan's k beyond it), so a request
+        alone with an offer takes its 8th draft. None when the intent is the plan."""
         is_graph = self.token_budget(k, s) is not None
-        capped = (k < max_k) if is_graph else (k >= self.cap) & (self.cap < max_k)
+        capped = (k >= self.cap) & (self.cap < max_k)
+        if is_graph:  # a request the plan drafts for (one at k = 0 did not pay at all: it stays so)
+            capped |= (k > 0) & (k < max_k)
         if not capped.any():
             return None
         idx = np.flatnonzero(capped)

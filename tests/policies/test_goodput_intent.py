@@ -8,7 +8,7 @@ import numpy as np
 from specsched.engine.planning import carry_plan
 from specsched.policies.base import BatchView, Plan, RequestView
 from specsched.policies.cost_model import CostModels
-from specsched.policies.goodput import GoodputPolicy
+from specsched.policies.goodput import GoodputConfig, GoodputPolicy
 from specsched.policies.goodput_search import BatchProblem, acceptance_powers
 
 SCORERS = ["mqa"]
@@ -99,8 +99,11 @@ def graph_costs() -> CostModels:
     return costs
 
 
-def graph_view(caps, step=0, acceptance=0.95) -> BatchView:
-    reqs = [RequestView(f"r{i}", 100 + step, "ngram", c, acceptance, 0.01) for i, c in enumerate(caps)]
+def graph_view(caps, step=0, acceptance=(0.95, 0.95, 0.95, 0.95)) -> BatchView:
+    reqs = [
+        RequestView(f"r{i}", 100 + step, "ngram", c, a, 0.01)
+        for i, (c, a) in enumerate(zip(caps, acceptance))
+    ]
     return BatchView(reqs, 1 << 20, 16, GRAPH, step)
 
 
@@ -135,3 +138,14 @@ def test_the_token_budget_trims_the_least_valuable_drafts_and_not_a_capped_reque
     # a budget below the floors: every trimmable request at its floor, r0's growth kept
     tight = Plan(plan.k, plan.scorer, plan.policy, info={**plan.info, "token_budget": 16})
     assert carry_plan(ids, tight, view, None, {"r0": 2, "r1": 8, "r2": 8, "r3": 8}).k == [6, 3, 4, 4]
+
+
+def test_a_graph_plan_that_drafts_nothing_has_no_intent():
+    """Two graphs, 4 and 64 tokens: one draft would move the step to the 64-token graph, which no
+    draft at a = 0.3 pays for; linearised (0.01 ms a token) two drafts each would, so an intent
+    there would stand in for drafts the plan's exact search refused."""
+    costs = graph_costs()
+    costs.graph_buckets["mqa_graph"] = np.array([4, 64])
+    no_probe = GoodputPolicy(GoodputConfig(acceptance_z=0.0))  # a probe would try them
+    plan = no_probe.decide(graph_view([8, 8, 8, 8], acceptance=(0.3,) * 4), costs)
+    assert plan.k == [0, 0, 0, 0] and "k_intent" not in plan.info and "token_budget" not in plan.info
