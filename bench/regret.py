@@ -61,28 +61,36 @@ __all__ = ["NON_SPEC", "Cell", "Sample", "run_regret", "summarize"]
 
 
 class ProfilePolicy(Policy):
-    """Warm-up only: step i takes the i-th (k, scorer) of the grid, round robin."""
+    """Warm-up only: steps take the (k, scorer) pairs of the grid round robin, each for ``hold``
+    steps in a row (``bench.regret.profile_hold``; 1: a new pair every step). Held, each pair's
+    steps after the first run as a fixed config's do, on the graph the step before ran (the H100 cell
+    of 2026-12-06 10:23, batch 4 a = 0.3: the round robin's steps on the 8-row expansion graph took
+    6.35 ms, fixed k = 1's on it 6.02; whether the switching is why is what a held profile tells)."""
 
     name = "profile"
 
-    def __init__(self, ks: list[int], scorers: list[str]) -> None:
-        self.grid, self.num = [(k, s) for k in ks for s in scorers], 0
+    def __init__(self, ks: list[int], scorers: list[str], hold: int = 1) -> None:
+        if hold < 1:
+            raise ValueError(f"bench.regret.profile_hold must be >= 1, got {hold}")
+        self.grid, self.num, self.hold = [(k, s) for k in ks for s in scorers], 0, hold
 
     def decide(self, view: BatchView, costs) -> Plan:
-        k, s = self.grid[self.num % len(self.grid)]
+        k, s = self.grid[(self.num // self.hold) % len(self.grid)]
         self.num += 1
         return Plan(capped_k(view, k), s if s in view.scorers else view.scorers[0], self.name)
 
 
 def profile_state(cell: Cell, cfg):
     """The shared warm-up: (cost models, acceptance estimator) after >= ``cfg.warmup_steps`` decode
-    steps over the cell's prompts that cycle k in {0, fixed k, max k} x every scorer, run twice: the
+    steps over the cell's prompts that cycle k in {0, fixed k, max k} x every scorer (each pair for
+    ``cfg.profile_hold`` steps: :class:`ProfilePolicy`), run twice: the
     first run compiles and warms caches (its cold steps, up to 100x slow, would skew the fit), the
     second fits fresh cost models."""
     ks = sorted({0, *cfg.fixed_k, cell.spec.max_k})
     run = cell.runs[-1]  # a config of the cell's proposer: its proposer set and default
+    hold = int(cfg.get("profile_hold") or 1)
     make = lambda: make_engine(
-        cell.spec, run.proposers, run.proposer, ProfilePolicy(ks, list(cell.spec.scorers))
+        cell.spec, run.proposers, run.proposer, ProfilePolicy(ks, list(cell.spec.scorers), hold)
     )
     engine = make()
     closed_window(engine, cell, cfg.warmup_steps)

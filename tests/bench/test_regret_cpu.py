@@ -321,3 +321,19 @@ def test_the_tables_say_which_window_shape_ran():
     assert "refilled windows (" in regret_markdown({**res, "refill": True})
     assert "first requests cut short" in regret_markdown({**res, "refill": True, "stagger": True})
     assert "first requests cut short" not in regret_markdown({**res, "refill": True})
+
+
+def test_the_warm_up_profile_holds_each_pair_for_profile_hold_steps():
+    from specsched.bench.regret import ProfilePolicy
+    from specsched.policies.base import BatchView, RequestView
+
+    view = BatchView([RequestView("r", 10, "synthetic", 8, 0.5, 0.1)], 100, 16, ["be", "mqa"])
+
+    def picks(hold: int) -> list[tuple[int, str]]:
+        policy = ProfilePolicy([0, 3], ["be", "mqa"], hold)
+        return [(p.k[0], p.scorer) for p in (policy.decide(view, None) for _ in range(8))]
+
+    assert picks(1) == [(0, "be"), (0, "mqa"), (3, "be"), (3, "mqa")] * 2
+    assert picks(3) == [(0, "be")] * 3 + [(0, "mqa")] * 3 + [(3, "be")] * 2
+    with pytest.raises(ValueError, match="profile_hold"):
+        ProfilePolicy([0], ["be"], 0)
