@@ -1,6 +1,6 @@
 """How much does carrying a plan cost? Replay a decision log under goodput deciding every step, and
 under the engine's planner: a decide every ``interval`` steps (or when the batch changed too much to
-carry), its plan carried in between by :func:`specsched.engine.planning.carry_plan`, decided either
+carry), its plan carried in between by :func:`specsched.engine.carry.carry_plan`, decided either
 ahead (every request offered ``max_k``, as ``scheduler.plan_ahead`` does) or on the step's own offers.
 
 ``python -m specsched.bench.carry_replay LOG [--intervals 1 6] [--offers ahead step] [--max-joined 0.125]
@@ -24,7 +24,8 @@ import sys
 from collections.abc import Sequence
 
 from specsched.bench.markdown import fmt, table
-from specsched.engine.planning import MAX_JOINED, carry_plan
+from specsched.engine.carry import carry_plan
+from specsched.engine.planning import MAX_JOINED
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.registry import build_policy
 from specsched.policies.replay import refit_costs, simulate

@@ -263,7 +263,7 @@ class Engine(PrefillStep, DecodeSteps):
         view of a plan decided during this step's scoring, for the next step; this step's tokens are
         not committed yet, so a proposer's peek would be a step old (an n-gram match they bring would
         be missed): every request is offered the full ``spec.max_k``, and carrying the plan to the
-        next step caps each k by that step's own peek (:func:`~specsched.engine.planning.carry_plan`)."""
+        next step caps each k by that step's own peek (:func:`~specsched.engine.carry.carry_plan`)."""
         spec = self.cfg.spec
         peek = [spec.max_k] * len(reqs) if is_ahead else peek_caps(self.proposers, reqs, names)
         views = request_views(reqs, names, peek, self.acceptance, spec.max_k, self.max_model_len)

@@ -263,7 +263,7 @@ class GoodputPolicy(Policy):
             "explore_error": error,
             "is_decode_scorer": is_decode,
             "is_decode_try": is_decode_try,
-            "k0_scorer": k0_scorer,  # engine/planning.carry_plan: the scorer if a carry drafts nothing
+            "k0_scorer": k0_scorer,  # engine/carry.carry_plan: the scorer if a carry drafts nothing
             "num_scorers_searched": len(scorers),
         }
         for name in ("propose_ms", "score_ms", "verify_ms", "overhead_ms"):

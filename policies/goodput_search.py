@@ -253,7 +253,7 @@ class BatchProblem:
 
     def intent(self, k: np.ndarray, lam: float, s: int, max_k: int) -> list[int] | None:
         """``[B]``: the k each request would take were it offered ``max_k`` drafts, for the engine's
-        carry of the plan to later steps (engine/planning.py ``carry_plan``), where a request's offer
+        carry of the plan to later steps (engine/carry.py ``carry_plan``), where a request's offer
         (an n-gram match) moves from step to step: the drafts that pay at the plan's goodput ``lam``
         under scorer ``s`` — draft j while E[a^j] > λ·δ, as in :func:`improve`, and only if they pay
         for its share of the draft model — or its k, whichever is more. On an eager scorer only for a

@@ -97,7 +97,7 @@ def reference_carry(ids, plan, view, max_joined, caps=None):
 
 
 def test_carry_plan_equals_the_reference():
-    from specsched.engine.planning import carry_plan
+    from specsched.engine.carry import carry_plan
     from specsched.policies.base import BatchView, Plan, RequestView
 
     rng = random.Random(7)

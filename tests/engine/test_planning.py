@@ -6,9 +6,10 @@ import random
 
 import pytest
 
+from specsched.engine.carry import carry_plan
 from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specsched.engine.engine import Engine
-from specsched.engine.planning import Planner, PlanReuse, carry_plan
+from specsched.engine.planning import Planner, PlanReuse
 from specsched.engine.records import StepRecord
 from specsched.engine.request import SamplingParams
 from specsched.policies.base import BatchView, Plan, Policy, RequestView

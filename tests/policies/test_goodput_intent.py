@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specsched.engine.planning import carry_plan
+from specsched.engine.carry import carry_plan
 from specsched.policies.base import BatchView, Plan, RequestView
 from specsched.policies.cost_model import CostModels
 from specsched.policies.goodput import GoodputConfig, GoodputPolicy
