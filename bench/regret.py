@@ -88,7 +88,8 @@ def profile_state(cell: Cell, cfg):
     second fits fresh cost models."""
     ks = sorted({0, *cfg.fixed_k, cell.spec.max_k})
     run = cell.runs[-1]  # a config of the cell's proposer: its proposer set and default
-    hold = int(cfg.get("profile_hold") or 1)
+    hold = cfg.get("profile_hold")
+    hold = 1 if hold is None else int(hold)  # an older config has none: the round robin
     make = lambda: make_engine(
         cell.spec, run.proposers, run.proposer, ProfilePolicy(ks, list(cell.spec.scorers), hold)
     )
@@ -225,6 +226,7 @@ def run_regret(
             "min_steps_by_batch": by_batch,
             "refill": bool(plain.get("refill")),
             "stagger": bool(plain.get("refill") and plain.get("stagger")),
+            "profile_hold": int(plain.get("profile_hold") or 1),
         }
         out["markdown"] = regret_markdown(out)
         return out
@@ -255,8 +257,11 @@ def _by_batch(res: dict) -> str:
 def _shape(res: dict) -> str:
     if res.get("refill"):
         firsts = ", the first requests cut short to finish spread over one request" * bool(res.get("stagger"))
-        return f"refilled windows (the batch kept full, a finished request replaced at once{firsts})"
-    return "closed groups (each window whole passes of groups of the batch size)"
+        shape = f"refilled windows (the batch kept full, a finished request replaced at once{firsts})"
+    else:
+        shape = "closed groups (each window whole passes of groups of the batch size)"
+    hold = res.get("profile_hold") or 1
+    return shape + (f"; the warm-up profile held each (k, scorer) {hold} steps" if hold > 1 else "")
 
 
 def regret_markdown(res: dict) -> str:

@@ -321,6 +321,8 @@ def test_the_tables_say_which_window_shape_ran():
     assert "refilled windows (" in regret_markdown({**res, "refill": True})
     assert "first requests cut short" in regret_markdown({**res, "refill": True, "stagger": True})
     assert "first requests cut short" not in regret_markdown({**res, "refill": True})
+    assert "held each (k, scorer) 4 steps" in regret_markdown({**res, "profile_hold": 4})
+    assert "held each" not in regret_markdown(res)
 
 
 def test_the_warm_up_profile_holds_each_pair_for_profile_hold_steps():
