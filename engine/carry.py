@@ -25,18 +25,18 @@ def carry_plan(
     estimate is nearest its own (``view``'s estimates: a fresh request's is its proposer's pooled prior),
     so a carried plan drafts for it about as the policy drafts for requests like it. A plan whose
     ``info["k_intent"]`` gives each request's k had it been offered every draft (goodput's, when the
-    decide saw a request's offer cut short) carries that instead of its k, capped as above: an offer that
+    decide saw a request's offer cut short or the plan fit a graph) carries that instead of its k,
+    capped as above: an offer that
     grew since is taken (replaying the 2026-12-06 H100 serve log of k = 8, a plan decided on the step's
     offers and carried by its k for 6 steps drafted 2-5 % fewer tokens per request-step than deciding
     every step at N = 4-64, by its intent 0-0.7 %); reopening does not apply. With the intent, a plan's
     ``info["token_budget"]`` (goodput's on a graph scorer: the bucket the plan runs in) bounds the
     carry's tokens: past it, the least valuable drafts above each kept request's planned k (capped by
     its offer) go, while a request the plan held at its offer keeps its intent (docs/policies.md,
-    *token budget*). A carry that leaves every k
-    at 0 runs on the plan's ``info["k0_scorer"]`` when it names one of the run's scorers (the policy's
-    scorer for a plain decode step: the decode graph, not the MQA graph the speculative plan chose). The
-    plan's ``info`` is copied with ``num_joined`` / ``num_left`` / ``num_reopened`` added (the original is
-    not changed)."""
+    *token budget*). A carry that leaves every k at 0 runs on the plan's ``info["k0_scorer"]`` when it
+    names one of the run's scorers (the policy's scorer for a plain decode step: the decode graph, not
+    the MQA graph the speculative plan chose). The plan's ``info`` is copied with ``num_joined`` /
+    ``num_left`` / ``num_reopened`` added (the original is not changed)."""
     old_k, caps, views = plan.k, caps or {}, view.requests
     decided_caps = caps
     intent = plan.info.get("k_intent")
