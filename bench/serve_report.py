@@ -9,6 +9,7 @@ from collections import defaultdict
 
 from specsched.bench.markdown import fmt, table
 from specsched.bench.serve_host import host_note, host_table, step_mix_table
+from specsched.bench.serve_shapes import shape_table
 
 SPREAD_GOAL = 0.05  # the two passes of a row within 5%
 LEAD_GOAL = 0.03  # goodput >= the best fixed row - 3%
@@ -278,6 +279,11 @@ def serve_section(res: dict) -> str:
         *([host_note(), "", host_table(res["host_phases"]), ""] if res.get("host_phases") else []),
         *(["Where each daemon's time went (decision logs, every pass and N; step wall ms + the loop's "
            "time before it):", "", step_mix_table(mix), ""] if (mix := _step_mix(res)) else []),
+        *(["The same step shape in each daemon (decode steps of batch size N at the shapes most configs "
+           "share; medians of the scoring forward's CUDA-event ms and the step's wall ms: a config slower "
+           "at the same shape pays host time its choices do not explain; bench/serve_shapes.py):", "",
+           shapes, ""] if (shapes := shape_table([r for c in res["configs"] for r in c.get("shapes") or []]))
+          else []),
     ])  # fmt: skip
 
 
