@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from specsched.bench.regret import ProfilePolicy
 from specsched.policies.acceptance import AcceptanceEstimator
-from specsched.policies.base import Plan, Policy
 from specsched.policies.bucket_bias import BucketBias
 from specsched.policies.cost_model import CostModels
 from specsched.policies.goodput import GoodputConfig, GoodputPolicy
@@ -65,25 +65,12 @@ def machine(surcharge_ms: float = 0.0) -> H100Batch4:
     )
 
 
-class Cycle(Policy):
-    """The regret bench's profile: step i takes the i-th (k, scorer), round robin."""
-
-    name = "profile"
-
-    def __init__(self, ks: list[int], scorers: list[str]) -> None:
-        self.grid, self.num = [(k, s) for k in ks for s in scorers], 0
-
-    def decide(self, view, costs) -> Plan:
-        k, s = self.grid[self.num % len(self.grid)]
-        self.num += 1
-        return Plan([min(k, r.max_k) for r in view.requests], s, self.name)
-
-
 def profiled(surcharge_ms: float, seed: int) -> tuple[CostModels, AcceptanceEstimator]:
     """Cost models and acceptance estimates after 300 profile steps on ``machine(surcharge_ms)``."""
     costs, est = CostModels(machine().graph_buckets, device="cuda"), AcceptanceEstimator()
     sc = Scenario(machine(surcharge_ms), 0.3, batch=4, num_steps=300, output_len=64)
-    simulate(Cycle([0, 1, 3, 5, 8], ["batch_expansion", "mqa_graph"]), sc, 100 + seed, costs, est)
+    profile = ProfilePolicy([0, 1, 3, 5, 8], ["batch_expansion", "mqa_graph"])  # the regret bench's
+    simulate(profile, sc, 100 + seed, costs, est)
     return costs, est
 
 
