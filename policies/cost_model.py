@@ -21,6 +21,7 @@ from specsched.engine.records import StepRecord
 from specsched.policies.bucket_bias import BucketBias, bucket_key
 from specsched.policies.cost_priors import FLOOR, PRIORS, seed_coefficients
 from specsched.policies.cost_store import load_models, save_models
+from specsched.policies.launch_guard import LaunchGuard
 from specsched.policies.rls import OnlineLinearModel
 from specsched.policies.run_cost import CatchUpCost, RunRatio, run_ms
 from specsched.policies.running_error import RunningError
@@ -115,6 +116,7 @@ class CostModels:
         # proposer -> what its catch-up after plain steps adds to a step's propose ms (run_cost.py)
         self.catchups: dict[str, CatchUpCost] = {}
         self.num_stalls = 0  # steps skipped as stalls (STALL_RATIO)
+        self.launch_guard = LaunchGuard()  # steps skipped as disturbed: a slow scoring launch
         self.seed_defaults(device)
 
     # ---- models and priors ----
@@ -223,7 +225,8 @@ class CostModels:
 
     def observe(self, record: StepRecord) -> bool:
         """Update from a decode step's measured times; returns False for records it skips (prefill,
-        empty, a run of plain steps: its own ratio, a stall: :data:`STALL_RATIO`). Overhead =
+        empty, a run of plain steps: its own ratio, a stall: :data:`STALL_RATIO`, a slow scoring launch:
+        policies/launch_guard.py). Overhead =
         ``total_ms`` minus propose + score + verify (skipped when total is 0), plus
         (``count_between``, the default) the caller's time before the step (``host_ms["between"]``:
         the daemon streaming the last step's outputs), which every step pays too: a policy that
@@ -284,6 +287,8 @@ class CostModels:
         if is_stall and measured > STALL_RATIO * predicted > 0:
             self.num_stalls += 1  # the host stalled (a collection, the OS): not what the step costs
             return False
+        if self.launch_guard.is_disturbed(scorer, s.batch_size, record.host_ms.get("score")):
+            return False  # the host was slow to launch the scoring: its score ms carries the delay
 
         if m_propose is None:
             self.num_decodes[scorer] = self.num_decodes.get(scorer, 0) + 1
