@@ -14,6 +14,9 @@ class Admit:
     msg: Generate
     arrival_time: float  # time.time() when the IO thread received it
     received: float = field(default_factory=time.monotonic)  # the same moment; deadlines count from it
+    # the prompt's token ids when the IO thread tokenized it (admission.tokenize_prompt); None: the
+    # engine thread does (build_request)
+    prompt_ids: list[int] | None = None
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Protocol
 import msgpack
 import zmq
 
-from specsched.daemon.admission import early_rejection
+from specsched.daemon.admission import early_rejection, tokenize_prompt
 from specsched.daemon.commands import Admit, CancelRequest, DropClient
 from specsched.daemon.limits import DaemonConfig
 from specsched.daemon.log import LogWriter
@@ -108,8 +108,12 @@ class IOThread:
         inbox: queue.Queue,
         outbox: queue.Queue,
         engine_done: threading.Event,
+        tokenizer=None,
     ) -> None:
+        """``tokenizer``: the model's; when it may encode beside the engine thread
+        (``Tokenizer.is_thread_safe``) this thread tokenizes each generate's prompt (:meth:`_tokenize`)."""
         self.server, self.cfg = server, server.cfg
+        self._tokenizer = tokenizer if getattr(tokenizer, "is_thread_safe", False) else None
         self._router, self._wake_rx = router, wake_rx
         self._inbox, self._outbox, self._engine_done = inbox, outbox, engine_done
         self._inflight: dict[bytes, set[str]] = {}  # client -> its request ids the engine holds
@@ -256,9 +260,29 @@ class IOThread:
         if rejection is not None:
             self.num_rejected += 1
             return self._error(client, msg.id, *rejection)
+        arrival = time.time()
+        try:
+            ids = self._tokenize(msg)
+        except ProtocolError as e:
+            self.num_rejected += 1
+            return self._error(client, msg.id, e.code, e.message)
         self._inflight.setdefault(client, set()).add(msg.id)
         self._num_inflight += 1
-        self._inbox.put(Admit(client, msg, time.time()))
+        self._inbox.put(Admit(client, msg, arrival, prompt_ids=ids))
+
+    def _tokenize(self, msg: Generate) -> list[int] | None:
+        """The prompt's ids, tokenized here (the Rust encode runs without the interpreter lock, beside
+        the engine thread's steps), or None: the engine thread tokenizes (no tokenizer that may run here,
+        ids sent, or an unexpected failure, which the engine thread's admission then reports)."""
+        if self._tokenizer is None or msg.prompt_ids is not None:
+            return None
+        try:
+            return tokenize_prompt(msg, self._tokenizer)
+        except ProtocolError:
+            raise
+        except Exception:  # noqa: BLE001 -- this thread must keep serving: the engine thread answers
+            logger.exception("tokenizing %r on the IO thread failed; the engine thread tries", msg.id)
+            return None
 
     def _stats_reply(self, request_id: str | None) -> StatsReply:
         """The engine thread's latest snapshot, completed with what the IO thread and the server count."""

@@ -135,7 +135,10 @@ class Server:
         self._wake_tx.connect(wake_addr)
         self.started_at = time.monotonic()
         self._serving.publish()  # a first stats snapshot (the engine thread refreshes it every iteration)
-        io = IOThread(self, self._router, self._wake_rx, self._inbox, self._outbox, self._engine_done)
+        io = IOThread(
+            self, self._router, self._wake_rx, self._inbox, self._outbox, self._engine_done,
+            tokenizer=getattr(self._serving.engine, "tokenizer", None),
+        )  # fmt: skip
         self._threads = [
             threading.Thread(target=self._engine_main, name="specsched-engine", daemon=True),
             threading.Thread(target=io.run, name="specsched-io", daemon=True),

@@ -97,6 +97,14 @@ class Tokenizer:
         return str(getattr(self.hf, "name_or_path", "") or type(self.hf).__name__)
 
     @property
+    def is_thread_safe(self) -> bool:
+        """Whether :meth:`encode` and :meth:`apply_chat_template` may run on one thread while another
+        decodes: a :class:`FileTokenizer` calls the Rust tokenizer's read-only methods and a compiled
+        template; a transformers tokenizer may reconfigure its Rust tokenizer (truncation, padding)
+        inside an encode, which then fails beside a decode ("Already borrowed")."""
+        return isinstance(self.hf, FileTokenizer)
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
