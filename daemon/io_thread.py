@@ -5,7 +5,8 @@ engine), rejects at once what its own counters can judge (admission.py: :func:`e
 answers ``stats`` / ``health`` from the engine thread's latest snapshot, forwards ``generate`` /
 ``cancel`` to the engine thread through the inbox, and sends what the engine thread puts in the outbox
 (lists of ``(client, message)``, one per step; it is woken through an inproc PAIR socket after every
-step, so replies leave as soon as a step ends).
+step, so replies leave as soon as a step ends), detokenizing the chunks of requests without stop strings
+on the way (request_stream.py: :class:`LateText`).
 
 A client is considered gone when a send to its identity fails (``ROUTER_MANDATORY``: the peer's
 connection is closed, or its send queue is full); its requests are then aborted (:class:`DropClient`).
@@ -46,6 +47,7 @@ from specsched.daemon.protocol import (
     decode,
     encode,
 )
+from specsched.daemon.request_stream import LateText
 from specsched.engine.stats import rss_bytes
 from specsched.kernels.compile_watch import compile_watch
 
@@ -176,9 +178,23 @@ class IOThread:
             except queue.Empty:
                 return
             for client, msg in batch:
-                if isinstance(msg, (Done, Error)):  # the request's last message
+                if type(msg) is LateText:  # a chunk whose text is detokenized here (request_stream.py)
+                    msg = self._resolve(msg)
+                    if msg is None:
+                        continue
+                elif isinstance(msg, (Done, Error)):  # the request's last message
                     self._forget(client, msg.id)
                 self._send(client, msg)
+
+    def _resolve(self, late: LateText) -> Chunk | None:
+        """``late``'s chunk with its text; None for a final flush that had nothing held back. A
+        detokenizer that fails sends the ids without text (logged): the ``done`` still follows."""
+        try:
+            chunk = late.resolve()
+        except Exception:  # noqa: BLE001 -- this thread must keep serving
+            logger.exception("detokenizing a chunk of %r failed", late.chunk.id)
+            chunk = late.chunk
+        return chunk if chunk.token_ids or chunk.text else None
 
     def _forget(self, client: bytes, request_id: str | None) -> None:
         ids = self._inflight.get(client)

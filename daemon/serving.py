@@ -29,7 +29,7 @@ from collections.abc import Callable
 from specsched.daemon.admission import build_request, engine_error, request_key
 from specsched.daemon.commands import Admit, CancelRequest, Command, DropClient, Shutdown
 from specsched.daemon.messages import Chunk, Error, ErrorCode, Message, ProtocolError, StatsReply
-from specsched.daemon.request_stream import RequestStream
+from specsched.daemon.request_stream import LateText, RequestStream
 from specsched.daemon.stats_reply import SnapshotBuilder
 from specsched.engine.records import RequestOutput, StepRecord
 from specsched.engine.request import FinishReason
@@ -300,7 +300,11 @@ class Serving:
         if reason is not None:
             reason = str(getattr(reason, "value", reason))
         new_ids = out.new_token_ids  # advance copies what it keeps
-        text, is_hit = st.advance(new_ids, finishing=reason is not None)
+        if st.is_text_deferred:  # the IO thread detokenizes (request_stream.py)
+            st.token_ids.extend(new_ids)
+            text, is_hit = "", False
+        else:
+            text, is_hit = st.advance(new_ids, finishing=reason is not None)
         if new_ids:
             st.steps += 1
             if not st.first_token_time:
@@ -312,18 +316,28 @@ class Serving:
                 self.engine.abort_request(st.key, FinishReason.STOP)
             reason = FinishReason.STOP.value
         if st.is_streaming and (new_ids or text):
-            self.send(st.client, Chunk(st.id, list(new_ids), text, out.num_proposed, out.num_accepted))
+            chunk = Chunk(st.id, list(new_ids), text, out.num_proposed, out.num_accepted)
+            if st.is_text_deferred:
+                st.is_flushed = reason is not None
+                self.send(st.client, LateText(chunk, st.detok, st.is_flushed))
+            else:
+                self.send(st.client, chunk)
         if reason is not None:
             self._finish(st, reason)
 
     def _finish(self, st: RequestStream, reason: str, reply: bool = True, error: str | None = None) -> None:
-        text, _ = st.advance([], finishing=True)  # what was held back (nothing after a normal finish)
         last: Message | None = None  # the request's last message: sent once its log row is settled
         if reply and error is not None:
             last = Error(st.id, ErrorCode.INTERNAL.value, error)
         elif reply:
-            if st.is_streaming and text:
-                self.send(st.client, Chunk(st.id, [], text))
+            if not st.is_text_deferred:
+                text, _ = st.advance([], finishing=True)  # what was held back (nothing after a normal finish)
+                if st.is_streaming and text:
+                    self.send(st.client, Chunk(st.id, [], text))
+            elif st.is_streaming and not st.is_flushed:  # the IO thread drops it when nothing was held
+                self.send(st.client, LateText(Chunk(st.id, [], ""), st.detok, True))
+            elif not st.is_streaming:
+                st.deferred_text()
             last = st.done(reason)
         kinds = {"stop": "done", "length": "done", "abort": "aborted", "timeout": "timed_out"}
         self.counts[kinds.get(reason, "errored")] += 1

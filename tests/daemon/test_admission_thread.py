@@ -92,3 +92,31 @@ def test_an_unexpected_failure_on_the_io_thread_leaves_the_request_to_the_engine
         assert c.generate(messages=CHAT, max_tokens=6).token_ids == want
         assert failures == ["specsched-io", "specsched-engine"]
         assert c.generate("still serving", max_tokens=4).finish_reason == "length"
+
+
+def test_text_without_stop_strings_is_detokenized_off_the_engine_thread(server, monkeypatch):
+    """Streamed: each chunk's text on the IO thread; not streamed: once, at the end (one push);
+    with stop strings: on the engine thread, which must match them. The texts are the same."""
+    from specsched.models.tokenizer import IncrementalDetokenizer
+
+    pushes: list[tuple[str, int]] = []
+    inner = IncrementalDetokenizer.push
+
+    def push(self, ids):
+        ids = list(ids)
+        pushes.append((threading.current_thread().name, len(ids)))
+        return inner(self, ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "push", push)
+    with Client(server.bound_endpoint, timeout_s=60) as c:
+        full = c.generate("The quick brown fox", max_tokens=16)
+        assert pushes == [("specsched-engine", 16)]  # one push of all 16 ids, at the end
+        assert full.text == server.tok.decode(full.token_ids)
+        pushes.clear()
+        stream = c.stream("The quick brown fox", max_tokens=16)
+        assert "".join(ch.text for ch in stream) == full.text
+        assert pushes and {name for name, _ in pushes} == {"specsched-io"}
+        pushes.clear()
+        stop = c.generate("The quick brown fox", max_tokens=16, stop=["\x00never"])
+        assert stop.text == full.text
+        assert len(pushes) >= 8 and {name for name, _ in pushes} == {"specsched-engine"}  # step by step
