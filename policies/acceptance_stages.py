@@ -67,6 +67,13 @@ class StagedAcceptance:
                 rest.observe(rid, proposer, k - 1, n - 1)
         self.pending.clear()
 
+    def mean_std(self, request_id: str, proposer: str) -> tuple[float, float, float, float]:
+        """:meth:`mean_std_many` of one request, as floats."""
+        self.flush()
+        m1, s1 = self.first.mean_std(request_id, proposer)
+        m2, s2 = self.rest.mean_std(request_id, proposer)
+        return m1, s1, m2, s2
+
     def mean_std_many(
         self, request_ids: Iterable[str], proposer: str
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -77,6 +84,19 @@ class StagedAcceptance:
         m1, s1 = np.array(self.first.mean_std_many(ids, proposer), dtype=np.float64).reshape(-1, 2).T
         m2, s2 = np.array(self.rest.mean_std_many(ids, proposer), dtype=np.float64).reshape(-1, 2).T
         return m1, s1, m2, s2
+
+
+def staged_survival(first_mean: float, rest_mean: float, rest_std: float, num: int) -> list[float]:
+    """One request's row of :func:`staged_powers` in plain Python (batch 1, where numpy's per-call
+    overhead was most of goodput's decide with two rates: 0.30 against 0.12 ms on the dev CPU)."""
+    m = min(max(rest_mean, 0.0), 1.0)
+    strength = min(max(m * (1.0 - m) / max(rest_std * rest_std, 1e-300) - 1.0, 1.0), 1e9)  # alpha + beta
+    a1 = min(max(first_mean, 0.0), 1.0)
+    out, p = [a1], a1
+    for j in range(num - 1):
+        p *= (m * strength + j) / (strength + j)
+        out.append(p)
+    return out
 
 
 def staged_powers(

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from specsched.policies.acceptance_stages import staged_powers, stages_of
+from specsched.policies.acceptance_stages import staged_powers, staged_survival, stages_of
 from specsched.policies.base import BatchView
 from specsched.policies.cost_model import CostModels
 from specsched.policies.fixed import step_proposer
@@ -87,13 +87,12 @@ class SearchScope:
         at batch 1, else ``[B]`` int) and the posterior sds of those that could draft."""
         reqs, cfg = view.requests, self.config
         proposer = step_proposer(view)
-        staged = self._staged_powers(view) if cfg.staged_acceptance else None
         if len(reqs) == 1:
             r = reqs[0]
             cap = max(min(r.max_k, cfg.max_k), 0)
             prob = SingleProblem(
                 costs, scorers, proposer, r.acceptance, r.acceptance_std, r.context_len, cap, cfg.optimism,
-                survival=None if staged is None else staged[0].tolist(),
+                survival=self._staged_survival(view) if cfg.staged_acceptance else None,
             )  # fmt: skip
             return prob, [r.last_k], [r.acceptance_std] if r.max_k > 0 else []
         accs, stds, ctxs, max_k, lasts = zip(*map(_REQUEST_FIELDS, reqs))  # one pass over the views
@@ -104,11 +103,20 @@ class SearchScope:
         np.minimum(cap, cfg.max_k, out=cap)
         np.maximum(cap, 0, out=cap)
         last = np.array(lasts, dtype=np.int64)  # [B]
+        staged = self._staged_powers(view) if cfg.staged_acceptance else None
         prob = BatchProblem(
             costs, scorers, proposer, mean, std, ctx, cap, cfg.max_iters, cfg.scorer_margin, cfg.optimism,
             powers=staged,
         )  # fmt: skip
         return prob, last, [sd for sd, m in zip(stds, max_k) if m > 0]
+
+    def _staged_survival(self, view: BatchView) -> list[float] | None:
+        """:meth:`_staged_powers` of a batch of one request, in plain Python."""
+        if view.acceptance is None:
+            return None
+        r = view.requests[0]
+        m1, _, m2, s2 = stages_of(view.acceptance).mean_std(r.request_id, r.proposer)
+        return staged_survival(m1, m2, s2, max(self.config.max_k, 1))
 
     def _staged_powers(self, view: BatchView) -> np.ndarray | None:
         """``[B, max_k]`` survival of each request's drafts under its two acceptance rates

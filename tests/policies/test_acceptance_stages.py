@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specsched.policies.acceptance import AcceptanceEstimator
-from specsched.policies.acceptance_stages import staged_powers, stages_of
+from specsched.policies.acceptance_stages import staged_powers, staged_survival, stages_of
 from specsched.policies.base import BatchView, RequestView
 from specsched.policies.cost_model import CostModels
 from specsched.policies.goodput import GoodputConfig, GoodputPolicy
@@ -54,6 +54,22 @@ def test_staged_survival_is_a1_times_a2_to_the_j_minus_1():
     p = staged_powers(np.array([0.5, 0.7]), np.array([0.9, 0.7]), np.array([0.0, 0.0]), 4)
     np.testing.assert_allclose(p[0], [0.5, 0.45, 0.405, 0.3645])
     np.testing.assert_allclose(p[1], 0.7 ** np.arange(1, 5))  # a1 = a2: the single-rate model
+
+
+def test_the_batch_1_survival_in_python_is_the_numpy_row():
+    """The single-request path (plain Python) gives each request's row of the batch path, for fresh
+    random posteriors (sd 0 and sds too wide for a Beta of that mean included)."""
+    rng = np.random.default_rng(0)
+    m1, m2 = rng.uniform(0, 1, 200), rng.uniform(0, 1, 200)
+    s2 = np.concatenate([rng.uniform(0, 0.3, 180), np.zeros(10), np.full(10, 0.9)])
+    rows = staged_powers(m1, m2, s2, 8)
+    for i in range(200):
+        got = staged_survival(float(m1[i]), float(m2[i]), float(s2[i]), 8)
+        assert got == pytest.approx(rows[i], rel=1e-12)
+    assert staged_survival(0.5, 0.9, 0.0, 1) == [0.5]
+    est = fed()
+    m1, s1, m2, s2 = est.stages.mean_std_many(["r0"], "ngram")
+    assert est.stages.mean_std("r0", "ngram") == pytest.approx((m1[0], s1[0], m2[0], s2[0]))
 
 
 def view(acc, est: AcceptanceEstimator | None, max_k=8) -> BatchView:
