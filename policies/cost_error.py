@@ -20,7 +20,14 @@ from specsched.policies.cost_model import CostModels
 from specsched.policies.running_error import RunningError
 from specsched.policies.shapes import StepShape
 
-__all__ = ["HeldOutError", "RunningError", "held_out_error", "is_scored_step", "prequential_error"]
+__all__ = [
+    "HeldOutError",
+    "RunningError",
+    "held_out_error",
+    "is_scored_step",
+    "prequential_error",
+    "score_error",
+]
 
 
 def is_scored_step(rec: StepRecord) -> bool:
@@ -73,7 +80,7 @@ def held_out_error(
         costs.observe(rec)
     out = []
     for (scorer, batch), (num_fit, recs) in sorted(held.items()):
-        errors = [_score_error(costs, r) for r in recs if r.score_ms > 0]
+        errors = [score_error(costs, r) for r in recs if r.score_ms > 0]
         if errors:
             out.append(HeldOutError(scorer, batch, num_fit, len(errors), float(np.median(errors)),
                                     float(np.percentile(errors, 90))))  # fmt: skip
@@ -98,12 +105,13 @@ def prequential_error(
         if not is_scored_step(rec):
             continue
         if rec.score_ms > 0:
-            errors[key(rec)].append(_score_error(costs, rec))
+            errors[key(rec)].append(score_error(costs, rec))
         costs.observe(rec)
     return {k: float(np.median(v)) for k, v in errors.items()}
 
 
-def _score_error(costs, rec: StepRecord) -> float:
+def score_error(costs, rec: StepRecord) -> float:
+    """|predicted - measured| / measured score ms of ``rec`` under ``costs`` as they are now."""
     shape = StepShape([r.k for r in rec.requests], [r.context_len + 1 for r in rec.requests])
     predicted = costs.predict(rec.scorer, rec.proposer or "none", shape).score_ms
     return abs(predicted - rec.score_ms) / rec.score_ms

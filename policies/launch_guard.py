@@ -13,8 +13,8 @@ residual (policies/bucket_bias.py) rose to 1.78 ms and goodput drafted 3 or 7 of
 the rest of the run, into graphs it had happened to see at quiet times, though the 9-token graph
 costs the same step there. Replayed through the cost models (dev CPU, the log's 16,476 decode steps),
 the predicted score gap between k = 8 and k = 3 at batch 1 averaged 0.55 ms over the run; skipping
-the steps whose launch took over twice its running typical value (2.6 % of them) brought it to 0.11,
-and with the residual winsorized, to 0.03 (measured: ~0.01).
+the steps whose launch took over twice its running typical value (2.8 % of them) brought it to 0.07,
+and with the residual winsorized, to 0.02 (measured: ~0.01; ``python -m specsched.bench.cost_replay``).
 
 :class:`LaunchGuard` keeps, per (scorer, batch size), an exponential mean of the launch's host ms over
 every step (disturbed ones too, slowly: a host that became slower for good moves it past half the new
