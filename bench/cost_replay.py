@@ -80,7 +80,7 @@ def replay_costs(
         "errors": {key: statistics.median(v) for key, v in errors.items()},
         "gap_ms": statistics.fmean(gaps) if gaps else None,
         "num_steps": len(records),
-        "num_disturbed": costs.launch_guard.num_disturbed if records else 0,
+        "num_disturbed": costs.launch_guard.num_disturbed,
     }
 
 

@@ -40,7 +40,8 @@ def carry_plan(
     old_k, caps, views = plan.k, caps or {}, view.requests
     decided_caps = caps
     intent = plan.info.get("k_intent")
-    if intent is not None and len(intent) == len(old_k):  # the k each would take if offered more
+    is_intent = intent is not None and len(intent) == len(old_k)
+    if is_intent:  # the k each would take if offered more
         old_k, caps = intent, {}  # a request held at its cap carries its intent: no reopening
     if ids and len(ids) == len(views) and ids == [v.request_id for v in views]:  # the same batch
         k, num_reopened = _carry_same(old_k, views, caps)
@@ -71,7 +72,7 @@ def carry_plan(
             for j in fill:
                 k[j] = nearest.k(views[j])
         num_left = len(ids) - len(kept)
-    budget = plan.info.get("token_budget") if old_k is not plan.k else None
+    budget = plan.info.get("token_budget") if is_intent else None
     if budget is not None and len(k) + sum(k) > budget:
         k = _trim_to_budget(k, _floors(ids, plan.k, decided_caps, views, k), views, budget)
     info = {**plan.info, "num_joined": num_joined, "num_left": num_left, "num_reopened": num_reopened}
