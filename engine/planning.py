@@ -19,7 +19,13 @@ cost as part of the step's cost and decides only as often as that cost allows:
   baseline). The scoring forward's own event time is no baseline: on a GPU that waits for the host to
   pack and launch it, it spans the packing too (H200, 2026-12-04, N = 64: deciding steps ran 0.4-1 ms
   longer than the others while that measure called them hidden, so a decide ran every 1-3 steps
-  against a 5 % budget: goodput 0.90x hf_heuristic).
+  against a 5 % budget: goodput 0.90x hf_heuristic). The next step pays for it too: the decide
+  fills the device wait in which the daemon's IO and log threads do their work, which then runs at
+  that step's releases of the interpreter lock (the loop between the steps, its first event record,
+  the scoring's CUDA calls). So the exposed ms also counts that step's ``SPILL_PHASES`` beyond
+  their EMA over steps that did not follow a decide ahead (H100 serve log, 2026-12-06 17:29, goodput
+  at N = 4 / 16: the deciding step +0.08 / +0.09 ms, the next +0.12 / +0.14, of which the old
+  measure saw the first).
 - **Carried over** (``scheduler.decide_budget``): a plan is used again for up to
   ``interval - 1`` more steps, ``interval = ceil(exposed / (budget · step ms))``, so that deciding
   costs about ``budget`` of the step time on average (1 = decide every step, which is what a cheap
@@ -61,6 +67,10 @@ MAX_JOINED = SchedulerConfig.max_joined_share
 OFFER_CUT_SHARE = 0.25
 BASELINE_EVERY = 32  # steps: a decide ahead is skipped (the held plan runs one step more) when the
 # post-launch time of a step without one is older than this (with interval 1 there is no other)
+# the phases of the step after a decide ahead in which the daemon's other threads run the work that
+# decide kept from them (the device wait it filled): the loop before the step, its first event
+# record, the scoring's input build and launch
+SPILL_PHASES = ("between", "first_event", "score")
 
 
 class PlanReuse:
@@ -140,6 +150,9 @@ class Planner:
         self.held_caps: dict[str, int] | None = None  # the held plan's requests' max_k when decided
         self._ahead_ms: float | None = None  # the host ms of this step's decide ahead (view + decide)
         self._post_ms: float | None = None  # EMA: overlap + verify ms of steps that did not decide ahead
+        self._spill_base_ms: float | None = None  # EMA: SPILL_PHASES ms of steps not after a decide ahead
+        # (exposed ms, cap) of the last decide ahead, recorded once the step after it adds its spill
+        self._pending: tuple[float, float] | None = None
         self._since_post = BASELINE_EVERY  # steps since the last one that did not decide ahead
         self._is_grace = False  # the held plan runs the next step even if due (a skipped decide ahead)
 
@@ -221,10 +234,21 @@ class Planner:
     def observe(self, score_ms: float, host_ms: dict[str, float]) -> None:
         """A decode step's wall ms (its host phases, the loop's ``between`` included) and, when it
         decided ahead, the ms of that decide it waited for: its host time after the scoring launch
-        (``overlap`` + ``verify``) beyond the EMA of the steps that did not decide ahead. Until such
-        a step is seen: the launch and that time beyond the forward's event time (``score_ms``), the
-        old measure (on the CPU path, where nothing overlaps, that sum is the decide)."""
+        (``overlap`` + ``verify``) beyond the EMA of the steps that did not decide ahead, plus what
+        the next step's ``SPILL_PHASES`` take beyond theirs (recorded at that step: module
+        docstring). Until a step without a decide ahead is seen: the launch and that time beyond the
+        forward's event time (``score_ms``), the old measure (on the CPU path, where nothing
+        overlaps, that sum is the decide)."""
         self.reuse.observe_step(sum(host_ms.values()))
+        spill = sum(host_ms.get(p, 0.0) for p in SPILL_PHASES)
+        if self._pending is not None:  # this step ran the plan decided during the last one's scoring
+            exposed, cap = self._pending
+            self._pending = None
+            if self._spill_base_ms is not None:
+                exposed += spill - self._spill_base_ms
+            self.reuse.record_decide(min(max(exposed, 0.0), cap))
+        else:
+            self._spill_base_ms = self.reuse.ema(self._spill_base_ms, spill)
         if self.is_host_cost and self._ahead_ms is not None:
             self.reuse.record_decide(self._ahead_ms)
             self._ahead_ms = None
@@ -238,5 +262,5 @@ class Planner:
             excess = post - self._post_ms
         else:
             excess = host_ms.get("score", 0.0) + host_ms.get("overlap", 0.0) - score_ms
-        self.reuse.record_decide(min(max(excess, 0.0), self._ahead_ms))
+        self._pending = excess, self._ahead_ms
         self._ahead_ms = None
