@@ -156,11 +156,12 @@ class SchedulerConfig:
     # drafting like their nearest kept requests. At N = 16 on the H200 (2026-12-04 21:20) 0.125 made
     # goodput decide every ~5 steps whatever the budget and cap (2 joins), ~1.2 ms of host time each.
     max_joined_share: float = 0.5
-    # What a decide ahead costs in that budget: "exposed" = the part of it the step waited for (its
-    # host time after the scoring launch beyond that of steps that decided nothing); "host" = all of
-    # its host ms (view + decide): on a host-bound loop (the GPU idles between steps) the host time a
-    # decide takes while the GPU scores is taken from the daemon's other work (streaming, the log's
-    # writer, the next launch), which then runs later (engine/planning.py).
+    # What a decide ahead costs in that budget: "exposed" = the part of it the steps waited for (its
+    # step's host time after the scoring launch beyond that of steps that decided nothing, and the
+    # next step's loop, first event record and scoring launch beyond those of steps not after a
+    # decide ahead: the daemon's other threads' work the decide kept out of the device wait);
+    # "step" = its own step's part alone (the measure before 2026-12-06, for A/B runs); "host" = all
+    # of its host ms (view + decide) (engine/planning.py).
     decide_cost: str = "exposed"
     # Plain decode steps run back to back on the device when a step drafts nothing and every request
     # is greedy (engine/multi_step.py; vLLM's num_scheduler_steps): each step's argmax feeds the next
@@ -170,8 +171,8 @@ class SchedulerConfig:
     decode_steps: int = 1
 
     def __post_init__(self) -> None:
-        if self.decide_cost not in ("exposed", "host"):
-            raise ValueError(f"scheduler.decide_cost must be exposed or host, got {self.decide_cost!r}")
+        if self.decide_cost not in ("exposed", "step", "host"):
+            raise ValueError(f"scheduler.decide_cost must be exposed, step or host, got {self.decide_cost!r}")
         if self.decide_budget is not None and not self.decide_budget > 0:
             raise ValueError(f"scheduler.decide_budget must be > 0 or null, got {self.decide_budget}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "max_plan_age", "decode_steps"):

@@ -138,10 +138,12 @@ class Planner:
         max_joined: float = MAX_JOINED,
         is_host_cost: bool = False,
         ahead_max_batch: int | None = None,
+        is_spill_counted: bool = True,
     ) -> None:
         self.reuse = PlanReuse(budget, max_age)
         self.ahead_max_batch = ahead_max_batch  # plan ahead only at batches this small (None: any)
         self.is_host_cost = is_host_cost  # a decide ahead costs all its host ms (scheduler.decide_cost)
+        self.is_spill_counted = is_spill_counted  # and the next step's SPILL_PHASES (decide_cost=exposed)
         self.is_plan_ahead = is_plan_ahead
         self.max_joined = max_joined  # a held plan is due once more than this share of the batch joined
         # the plan steps run now: (request ids it was decided for, plan, is it the one decided ahead
@@ -244,7 +246,7 @@ class Planner:
         if self._pending is not None:  # this step ran the plan decided during the last one's scoring
             exposed, cap = self._pending
             self._pending = None
-            if self._spill_base_ms is not None:
+            if self._spill_base_ms is not None and self.is_spill_counted:
                 exposed += spill - self._spill_base_ms
             self.reuse.record_decide(min(max(exposed, 0.0), cap))
         else:

@@ -326,6 +326,9 @@ def test_a_decide_ahead_also_costs_the_next_step_the_work_it_pushed_there():
     alone = Planner(budget=0.05, max_age=8, is_plan_ahead=True)
     gpu_like_steps(alone, SafeStatic(), 120, late_ms=0.1)
     assert alone.reuse.exposed_ms == pytest.approx(0.1, abs=0.02) and alone.reuse.interval == 1
+    step = Planner(budget=0.05, max_age=8, is_plan_ahead=True, is_spill_counted=False)  # decide_cost=step
+    gpu_like_steps(step, SafeStatic(), 120, late_ms=0.1, spill_ms=0.3)
+    assert step.reuse.exposed_ms == pytest.approx(0.1, abs=0.02) and step.reuse.interval == 1
     assert policy.num_decides < 0.6 * 120
 
 
@@ -341,8 +344,9 @@ def test_decide_cost_host_counts_every_host_ms_of_a_decide_ahead():
     assert 1.5 <= planner.reuse.exposed_ms <= 2.0 + 1e-9  # an EMA from the first decide's ~0 toward 2 ms
     assert planner.reuse.interval >= 8
     assert policy.num_decides <= 80 // 6
-    with pytest.raises(ValueError, match="decide_cost must be exposed or host"):
+    with pytest.raises(ValueError, match="decide_cost must be exposed, step or host"):
         SchedulerConfig(decide_cost="all")
+    SchedulerConfig(decide_cost="step")  # the deciding step's exposed ms alone (A/B runs)
 
 
 def test_with_every_step_deciding_ahead_one_is_skipped_now_and_then_for_the_baseline():
