@@ -39,6 +39,7 @@ from specsched.bench.serve_daemon import (
 from specsched.bench.serve_host import host_phase_rows, step_mix_row
 from specsched.bench.serve_load import cycle_length, load_procs, run_pass
 from specsched.bench.serve_outputs import add_references, pass_row
+from specsched.bench.serve_plans import plan_rows
 from specsched.bench.serve_results import PassResult, same_mix_rates, split_interleaved
 from specsched.bench.serve_shapes import shape_rows
 from specsched.client.sync_client import Client
@@ -204,6 +205,7 @@ def _run_all(cfg: ServeConfig, prompts, out: Path, log_dir, reference, configs: 
                 host += host_phase_rows(path, run.name, cfg.concurrency)
                 info["step_mix"] = step_mix_row(path, run.name)
                 info["shapes"] = shape_rows(path, run.name, cfg.concurrency)
+                info["plans"] = plan_rows(path, run.name, cfg.concurrency)
             bar.n = (len(configs)) * cfg.passes  # a failed config skips its passes
             bar.refresh()
             # what is done so far, for a run stopped at a time limit before the part's results are written
@@ -233,6 +235,7 @@ def _run_in_rounds(cfg: ServeConfig, prompts, out: Path, log_dir, reference, con
             host += host_phase_rows(path, info["name"], cfg.concurrency)
             info["step_mix"] = step_mix_row(path, info["name"])
             info["shapes"] = shape_rows(path, info["name"], cfg.concurrency)
+            info["plans"] = plan_rows(path, info["name"], cfg.concurrency)
     (out / "partial.json").write_text(json.dumps({"configs": configs, "rows": rows}, default=str))
 
 

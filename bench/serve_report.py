@@ -9,6 +9,7 @@ from collections import defaultdict
 
 from specsched.bench.markdown import fmt, table
 from specsched.bench.serve_host import host_note, host_table, step_mix_table
+from specsched.bench.serve_plans import plan_table
 from specsched.bench.serve_shapes import shape_table
 
 SPREAD_GOAL = 0.05  # the two passes of a row within 5%
@@ -284,6 +285,14 @@ def serve_section(res: dict) -> str:
            "at the same shape pays host time its choices do not explain; bench/serve_shapes.py):", "",
            shapes, ""] if (shapes := shape_table([r for c in res["configs"] for r in c.get("shapes") or []]))
           else []),
+        *(["What a decide costs the steps (decode steps of batch size N by where their plan came from: "
+           "carried from an earlier step, carried while the step's scoring window held a decide ahead "
+           "(deciding), decided ahead during the last step (ahead), decided on the step; each kind's "
+           "share and median step ms / spill ms (between + first event + score: where the IO and log "
+           "threads' work lands when a decide ahead filled the device wait) / post-launch ms (overlap + "
+           "verify); a decide ahead's cost: the deciding steps' post-launch and the ahead steps' spill "
+           "beyond the carried steps'; bench/serve_plans.py):", "", plans, ""]
+          if (plans := plan_table([r for c in res["configs"] for r in c.get("plans") or []])) else []),
     ])  # fmt: skip
 
 
