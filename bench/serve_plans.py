@@ -25,7 +25,7 @@ from specsched.bench.markdown import fmt, table
 from specsched.engine.log_schema import LogFormatError, open_log
 from specsched.engine.planning import SPILL_PHASES
 
-__all__ = ["KINDS", "plan_rows", "plan_table", "plan_kind"]
+__all__ = ["KINDS", "decide_cost_ms", "plan_kind", "plan_rows", "plan_table"]
 
 KINDS = ("carried", "deciding", "ahead", "on step")
 POST_PHASES = ("overlap", "verify")
