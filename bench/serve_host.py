@@ -14,24 +14,37 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specsched.bench.markdown import fmt, table
 from specsched.engine.log_schema import LogFormatError, open_log
+
+if TYPE_CHECKING:
+    from sqlite_utils import Database
 
 PHASES = ("between", "schedule", "view", "decide", "reserve", "propose", "score", "overlap", "verify",
           "commit", "record", "observe", "stats", "first_event", "events", "other")  # fmt: skip
 HOST_GOAL_MS = {1: 0.2, 64: 0.6}  # issue 17: the GPU-idle host time per step at these batch sizes
 
 
-def host_phase_rows(log_path: str | Path, config: str, concurrency: list[int]) -> list[dict]:
-    """One row per N with decode steps of batch size N in the log's last run: medians in ms."""
+def last_run_with_host_ms(log_path: str | Path) -> tuple[Database, int] | None:
+    """The log and its last run's id, or None when it is no decision log or predates ``steps.host_ms``
+    (schema 3)."""
     try:
         db = open_log(log_path)
     except LogFormatError:
-        return []
+        return None
     if "host_ms" not in db["steps"].columns_dict:
+        return None
+    return db, db.execute("select max(id) from runs").fetchone()[0]
+
+
+def host_phase_rows(log_path: str | Path, config: str, concurrency: list[int]) -> list[dict]:
+    """One row per N with decode steps of batch size N in the log's last run: medians in ms."""
+    found = last_run_with_host_ms(log_path)
+    if found is None:
         return []
-    run = db.execute("select max(id) from runs").fetchone()[0]
+    db, run = found
     out = []
     for n in concurrency:
         steps = list(db.query(

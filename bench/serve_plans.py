@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from specsched.bench.markdown import fmt, table
-from specsched.engine.log_schema import LogFormatError, open_log
+from specsched.bench.serve_host import last_run_with_host_ms
 from specsched.engine.planning import SPILL_PHASES
 
 __all__ = ["KINDS", "decide_cost_ms", "plan_kind", "plan_rows", "plan_table"]
@@ -44,13 +44,10 @@ def plan_kind(info: dict, is_next_ahead: bool) -> str:
 def plan_rows(log_path: str | Path, config: str, concurrency: list[int]) -> list[dict]:
     """Per N and plan kind, over the log's last run's decode steps of batch size N: the number of
     steps, their share, and the medians of step ms, spill ms and post-launch ms."""
-    try:
-        db = open_log(log_path)
-    except LogFormatError:
+    found = last_run_with_host_ms(log_path)
+    if found is None:
         return []
-    if "host_ms" not in db["steps"].columns_dict:
-        return []
-    run = db.execute("select max(id) from runs").fetchone()[0]
+    db, run = found
     steps = list(db.execute(
         "select step, batch_size, total_ms, host_ms, plan_info from steps where run_id = ? "
         "and kind = 'decode' and host_ms is not null order by step", [run],
