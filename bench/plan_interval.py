@@ -15,12 +15,11 @@ its own ms under every measure): batches up to ``scheduler.plan_ahead_max_batch`
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 from specsched.bench.markdown import fmt, table
-from specsched.bench.serve_host import last_run_with_host_ms
+from specsched.bench.serve_plans import decode_steps
 from specsched.engine.planning import Planner
 
 MEASURES = {"step": False, "exposed": True}  # decide_cost -> is the next step's spill counted
@@ -28,27 +27,20 @@ MEASURES = {"step": False, "exposed": True}  # decide_cost -> is the next step's
 
 def interval_rows(log_path: str | Path, concurrency: list[int], budget: float, max_age: int) -> list[dict]:
     """Per N and measure: the median exposed ms and the median / mean interval over the steps."""
-    found = last_run_with_host_ms(log_path)
-    if found is None:
-        return []
-    db, run = found
-    steps = list(db.execute(
-        "select step, batch_size, score_ms, host_ms, plan_info from steps where run_id = ? "
-        "and kind = 'decode' and host_ms is not null order by step", [run],
-    ))  # fmt: skip
-    infos = [json.loads(s[4]) if s[4] else {} for s in steps]
+    steps = decode_steps(log_path)
     out = []
     for n in concurrency:
         for measure, is_spill in MEASURES.items():
             planner = Planner(budget, max_age, is_plan_ahead=True, is_spill_counted=is_spill)
             exposed, intervals = [], []
-            for i, (num, batch, score, host, _) in enumerate(steps):
-                if batch != n:
+            for s in steps:
+                if s.batch_size != n:
                     continue
-                nxt = infos[i + 1] if i + 1 < len(steps) and steps[i + 1][0] == num + 1 else {}
-                if nxt.get("is_planned_ahead"):
-                    planner._ahead_ms = float(nxt.get("decide_ms") or 0.0)  # the decide this step held
-                planner.observe(score or 0.0, json.loads(host))
+                if s.is_next_ahead:
+                    planner._ahead_ms = float(
+                        s.next_info.get("decide_ms") or 0.0
+                    )  # the decide this step held
+                planner.observe(s.score_ms, s.host_ms)
                 if planner.reuse.exposed_ms is not None:
                     exposed.append(planner.reuse.exposed_ms)
                     intervals.append(planner.reuse.interval)

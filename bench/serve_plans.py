@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from specsched.bench.markdown import fmt, table
 from specsched.bench.serve_host import last_run_with_host_ms
 from specsched.engine.planning import SPILL_PHASES
 
-__all__ = ["KINDS", "decide_cost_ms", "plan_kind", "plan_rows", "plan_table"]
+__all__ = ["KINDS", "DecodeStep", "decide_cost_ms", "decode_steps", "plan_kind", "plan_rows", "plan_table"]
 
 KINDS = ("carried", "deciding", "ahead", "on step")
 POST_PHASES = ("overlap", "verify")
@@ -41,26 +42,51 @@ def plan_kind(info: dict, is_next_ahead: bool) -> str:
     return "deciding" if is_next_ahead else "carried"
 
 
-def plan_rows(log_path: str | Path, config: str, concurrency: list[int]) -> list[dict]:
-    """Per N and plan kind, over the log's last run's decode steps of batch size N: the number of
-    steps, their share, and the medians of step ms, spill ms and post-launch ms."""
+@dataclass
+class DecodeStep:
+    """One decode step of a log, as the plan tables read it."""
+
+    batch_size: int
+    total_ms: float
+    score_ms: float
+    host_ms: dict[str, float]
+    plan_info: dict
+    next_info: dict  # the next step's plan_info when it is the next decode step by number, else {}
+
+    @property
+    def is_next_ahead(self) -> bool:
+        """The next step ran a plan decided ahead: this step's scoring window held that decide."""
+        return bool(self.next_info.get("is_planned_ahead"))
+
+
+def decode_steps(log_path: str | Path) -> list[DecodeStep]:
+    """The decode steps with host times of the log's last run, in order ([] for no such log)."""
     found = last_run_with_host_ms(log_path)
     if found is None:
         return []
     db, run = found
-    steps = list(db.execute(
-        "select step, batch_size, total_ms, host_ms, plan_info from steps where run_id = ? "
+    rows = list(db.execute(
+        "select step, batch_size, total_ms, score_ms, host_ms, plan_info from steps where run_id = ? "
         "and kind = 'decode' and host_ms is not null order by step", [run],
     ))  # fmt: skip
-    infos = [json.loads(s[4]) if s[4] else {} for s in steps]
+    infos = [json.loads(r[5]) if r[5] else {} for r in rows]
+    return [
+        DecodeStep(batch, total or 0.0, score or 0.0, json.loads(host), infos[i],
+                   infos[i + 1] if i + 1 < len(rows) and rows[i + 1][0] == num + 1 else {})
+        for i, (num, batch, total, score, host, _) in enumerate(rows)
+    ]  # fmt: skip
+
+
+def plan_rows(log_path: str | Path, config: str, concurrency: list[int]) -> list[dict]:
+    """Per N and plan kind, over the log's last run's decode steps of batch size N: the number of
+    steps, their share, and the medians of step ms, spill ms and post-launch ms."""
     by = defaultdict(list)  # (N, kind) -> [(step ms, spill ms, post ms)]
-    for i, (num, batch, total, host, _) in enumerate(steps):
-        if batch not in concurrency:
+    for s in decode_steps(log_path):
+        if s.batch_size not in concurrency:
             continue
-        nxt = i + 1 < len(steps) and steps[i + 1][0] == num + 1 and infos[i + 1].get("is_planned_ahead")
-        h = json.loads(host)
-        by[(batch, plan_kind(infos[i], bool(nxt)))].append(
-            (total or 0.0, sum(h.get(p, 0.0) for p in SPILL_PHASES), sum(h.get(p, 0.0) for p in POST_PHASES))
+        h = s.host_ms
+        by[(s.batch_size, plan_kind(s.plan_info, s.is_next_ahead))].append(
+            (s.total_ms, sum(h.get(p, 0.0) for p in SPILL_PHASES), sum(h.get(p, 0.0) for p in POST_PHASES))
         )
     out = []
     for n in concurrency:
