@@ -16,9 +16,8 @@ from specsched.bench.pdl_probe import gemv
 
 def test_the_chain_matches_torch_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "specsched.bench.pdl_probe"], env=env, capture_output=True, text=True, timeout=300
-    )
+    cmd = [sys.executable, "-m", "specsched.bench.pdl_probe"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     m = re.search(r"max \|diff\| ([0-9.e+-]+)", out.stdout)
     assert m, out.stdout
