@@ -14,6 +14,9 @@ This probe times a chain of GEMV kernels with SmolLM2's widths (576 → 1536 →
 - ``pdl``: PDL launches, each kernel waits before any load
 - ``pdl_prefetch``: PDL, each kernel loads its weight tile before the wait
 - ``pdl_prefetch_trigger``: as above, and each kernel lets its dependent launch at its start
+- ``pdl_l2_trigger``: PDL and the early trigger, the weight tile prefetched into L2 (``prefetch.global.L2``,
+  one per 128-byte line) before the wait and loaded after it: what a GEMM whose weight slice does not
+  fit in registers can do
 - ``cublas_mix``: every other link a cuBLAS GEMM (``F.linear``), the Triton links plain
 - ``cublas_mix_pdl``: the same, the Triton links ``pdl_prefetch_trigger`` (PDL behind cuBLAS)
 
@@ -39,14 +42,30 @@ from specsched.bench.markdown import fmt, table
 
 WIDTHS = (576, 1536)  # SmolLM2-135M: hidden, intermediate
 BLOCK_N = 8
-VARIANTS = ("off", "pdl", "pdl_prefetch", "pdl_prefetch_trigger", "cublas_mix", "cublas_mix_pdl")
+VARIANTS = (
+    "off",
+    "pdl",
+    "pdl_prefetch",
+    "pdl_prefetch_trigger",
+    "pdl_l2_trigger",
+    "cublas_mix",
+    "cublas_mix_pdl",
+)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """One ``prefetch.global.L2`` per element of ``ptrs`` (a hint: nothing waits for it)."""
+    return tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, N, K,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    TRIGGER: tl.constexpr, L2: tl.constexpr,
 ):  # fmt: skip
     """y[n] = Σ_k W[n, k] x[k] for this program's BLOCK_N rows (one tile: K <= BLOCK_K)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -55,7 +74,12 @@ def _gemv_kernel(
     if USE_PDL:
         if TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH:
+        if L2:  # a pointer per 128-byte line (64 bf16), clamped inside the tile
+            lines = tl.minimum(tl.arange(0, BLOCK_K // 64) * 64, K - 1)
+            _prefetch_l2(w_ptr + tl.minimum(rows, N - 1)[:, None] * K + lines[None, :])
+            tl.extra.cuda.gdc_wait()
+            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=w_mask, other=0.0)
+        elif PREFETCH:
             w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=w_mask, other=0.0)
             tl.extra.cuda.gdc_wait()
         else:
@@ -77,7 +101,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, variant: str = "of
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
         x, w, out, n, k, BLOCK_N=BLOCK_N, BLOCK_K=triton.next_power_of_2(k), USE_PDL=use_pdl,
         PREFETCH="prefetch" in variant or variant == "cublas_mix_pdl",
-        TRIGGER="trigger" in variant or variant == "cublas_mix_pdl", num_warps=4,
+        TRIGGER="trigger" in variant or variant == "cublas_mix_pdl", L2="l2" in variant, num_warps=4,
         **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     return out

@@ -90,6 +90,7 @@ def build_parts(
                 attn_backend=cfg.model.attn_backend,
                 seed=cfg.spec.draft.seed,
                 cache_dir=cfg.model.cache_dir,
+                pdl=cfg.model.pdl,  # process-wide: the draft's load sets it again
             ),
             with_tokenizer=False,  # the target's tokenizer serves; the draft's would be loaded for nothing
         ).model

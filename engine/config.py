@@ -34,6 +34,10 @@ class ModelConfig:
     # small-M Triton kernel instead of cuBLAS (kernels/small_linear.py: no split-K second launch).
     # Off until bench.fused_linear measures it on the H200.
     fused_linear_gemms: bool = False
+    # Programmatic dependent launch (kernels/pdl.py) for our Triton kernels on Hopper and later: each
+    # may start while the kernel before it runs, fetching its weights first and waiting before it
+    # reads that kernel's output. Process-wide (the draft shares it). Off until measured in serving.
+    pdl: bool = False
     # Prefill chunks of up to this many tokens and prompts run on CUDA graphs (each row's last
     # token's logits; tokens capped by scheduler.max_num_batched_tokens, prompts by max_num_seqs).
     # With the graphs captured, the scheduler keeps every prefill step within them: an eager
@@ -62,6 +66,8 @@ class ModelConfig:
         if not isinstance(self.fused_linear_gemms, bool):
             got = self.fused_linear_gemms
             raise ValueError(f"model.fused_linear_gemms must be true or false, got {got!r}")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"model.pdl must be true or false, got {self.pdl!r}")
         if self.fused_linear_gemms and not self.fused_linear:
             raise ValueError("model.fused_linear_gemms=true needs model.fused_linear=true")
         if self.fused_linear and self.deterministic:

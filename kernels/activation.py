@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from specsched.kernels.pdl import pdl_args, pdl_start
 from specsched.kernels.triton_utils import (
     NO_FP_FUSION,
     cdiv,
@@ -42,7 +43,9 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2*I] -> [T, 
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o,
     INTER: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -75,7 +78,7 @@ def _launch(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(t, cdiv(inter, block))](
         x, out, x.stride(0), out.stride(0),
         INTER=inter, BLOCK=block, LIBDEVICE_EXP=not is_interpreted(), EMULATE_BF16=emulate_bf16(x.dtype),
-        num_warps=4 if block >= 512 else 1, **NO_FP_FUSION,
+        num_warps=4 if block >= 512 else 1, **NO_FP_FUSION, **pdl_args(x.device),
     )  # fmt: skip
     return out
 

@@ -6,6 +6,9 @@ output columns j*BLOCK_N.., and reduces them over the whole of K in BLOCK_K chun
 ``_norm_swiglu_kernel`` N is the intermediate size and program j reduces two column blocks, j of the
 gate and j of the up projection, so that its epilogue has both halves of its SwiGLU outputs.
 ``_small_linear_kernel`` is the same GEMM with no prologue.
+
+``USE_PDL`` (:mod:`specsched.kernels.pdl`): each program first prefetches its weight rows (and the
+norm's weight) into L2, then lets the next kernel start and waits for the one before.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from specsched.kernels.pdl import pdl_start, prefetch_rows_l2
 from specsched.kernels.triton_utils import round_to, runtime_args
 
 
@@ -88,13 +92,17 @@ def _norm_linear_kernel(
     stride_x, stride_r, stride_w, stride_y, stride_ro, eps, inv_k,
     N: tl.constexpr, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_valid, n_valid = offs_m < M, offs_n < N
     dtype = y_ptr.dtype.element_ty
+    if USE_PDL:  # the weights first: no kernel writes them
+        prefetch_rows_l2(w_ptr, offs_n, N, stride_w, K)
+        prefetch_rows_l2(nw_ptr, tl.arange(0, 1), 1, K, K)
+    pdl_start(USE_PDL)
     rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_valid, stride_x, stride_r, stride_ro, eps,
                      inv_k, K, BLOCK_M, BLOCK_K, dtype, HAS_RESIDUAL, EMULATE_BF16)  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -113,13 +121,18 @@ def _norm_swiglu_kernel(
     stride_x, stride_r, stride_w, stride_y, stride_ro, eps, inv_k,
     INTER: tl.constexpr, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_valid, n_valid = offs_m < M, offs_n < INTER
     dtype = y_ptr.dtype.element_ty
+    if USE_PDL:  # the weights first (gate rows, up rows, the norm's): no kernel writes them
+        prefetch_rows_l2(w_ptr, offs_n, INTER, stride_w, K)
+        prefetch_rows_l2(w_ptr, INTER + tl.minimum(offs_n, INTER - 1), 2 * INTER, stride_w, K)
+        prefetch_rows_l2(nw_ptr, tl.arange(0, 1), 1, K, K)
+    pdl_start(USE_PDL)
     rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_valid, stride_x, stride_r, stride_ro, eps,
                      inv_k, K, BLOCK_M, BLOCK_K, dtype, HAS_RESIDUAL, EMULATE_BF16)  # fmt: skip
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -153,12 +166,15 @@ def _small_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, stride_x, stride_w, stride_y,
     N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_valid, n_valid = offs_m < M, offs_n < N
+    if USE_PDL:  # the weights first: no kernel writes them
+        prefetch_rows_l2(w_ptr, offs_n, N, stride_w, K)
+    pdl_start(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # no prologue: x's chunk as it is
         kk = k0 + offs_k

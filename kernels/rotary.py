@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from specsched.kernels.attention import store_kv
+from specsched.kernels.pdl import pdl_args, pdl_start
 from specsched.kernels.triton_utils import (
     NO_FP_FUSION,
     check_float,
@@ -94,8 +95,9 @@ def _rotary_store_kv_kernel(
     stride_qkv, stride_cos, stride_sin, stride_q, stride_slot,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_V: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
     d_mask = offs_d < HEAD_DIM // 2
@@ -205,7 +207,7 @@ def _launch(
         qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, HALF_PAD=half_pad, BLOCK_HQ=block_hq,
         BLOCK_HKV=block_hkv, BLOCK_V=block_v, EMULATE_BF16=emulate_bf16(qkv.dtype),
-        num_warps=8 if block_hq * half_pad >= 2048 else 4, **NO_FP_FUSION,
+        num_warps=8 if block_hq * half_pad >= 2048 else 4, **NO_FP_FUSION, **pdl_args(qkv.device),
     )  # fmt: skip
     return q
 

@@ -24,6 +24,7 @@ from specsched.kernels.fused_linear import (
     fused_linear_config,
 )
 from specsched.kernels.fused_linear_kernels import _small_linear_kernel
+from specsched.kernels.pdl import pdl_args
 from specsched.kernels.triton_utils import (
     NO_FP_FUSION,
     cdiv,
@@ -58,6 +59,7 @@ def _launch(x, weight, bias, config: FusedLinearConfig | None) -> torch.Tensor:
         x, weight, bias if bias is not None else y, y, m, _row_stride(x), weight.stride(0), y.stride(0),
         N=n, K=k, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         **_dot_options(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **NO_FP_FUSION,
+        **pdl_args(x.device),
     )  # fmt: skip
     return y
 

@@ -1,4 +1,5 @@
-"""What the kernel tests share: running Triton kernels under the interpreter in a subprocess.
+"""What the kernel tests share: running Triton kernels under the interpreter in a subprocess, and
+compiling them for the H200 (sm_90) without a device (:func:`compile_sm90`).
 
 ``TRITON_INTERPRET`` is read when triton is imported, so a test module that also runs compiled
 kernels on the GPU re-runs itself as ``python <test file> --interpreted`` with the variable set:
@@ -8,6 +9,7 @@ reads them back with :func:`interpreted_results` (a pytest fixture per module, o
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -51,3 +53,23 @@ def interpreted_results(test_file: str, timeout_s: float = 300.0) -> dict[str, d
     if not results["_interpreted"]["value"]:
         raise AssertionError("the subprocess did not run Triton in interpreter mode")
     return results
+
+
+H200_TARGET = ("cuda", 90, 32)
+
+
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict, **options) -> dict:
+    """``kernel`` compiled for sm_90 here (Triton's frontend and ptxas need no device): its ``asm``
+    dict (``ptx``, ``cubin``, ...). Parameters not in ``types`` or ``constexprs`` are i32 (strides,
+    counts); a ``USE_PDL`` constexpr not given is False. Raises ``ImportError`` / ``TypeError`` when
+    this Triton lays the API out differently (callers skip on those)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = inspect.signature(kernel.fn).parameters
+    if "USE_PDL" in names:
+        constexprs = {"USE_PDL": False, **constexprs}
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget(*H200_TARGET), options=options).asm

@@ -56,6 +56,7 @@ from specsched.kernels.attention_config import (  # noqa: F401 -- importers reac
     launch_config,
 )
 from specsched.kernels.metadata import AttentionMetadata, check_attention_args
+from specsched.kernels.pdl import pdl_args
 from specsched.kernels.triton_attention_kernels import (  # noqa: F401 -- the compile tests reach them here
     _attn_tile,
     _combine_fixed_splits_kernel,
@@ -172,7 +173,7 @@ def paged_attention_triton(
         NUM_SPLITS=min(splits, 2) if fixed else splits,
         NUM_HEADS=num_heads, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast, SPLIT_KEYS=cfg.split_keys, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **FP_FUSION,
+        **FP_FUSION, **pdl_args(q.device),
     )  # fmt: skip
     if splits > 1 and fixed:
         _combine_fixed_splits_kernel[(num_tokens, num_heads)](
@@ -183,7 +184,7 @@ def paged_attention_triton(
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, meta.cu_seqlens_q, ws_ml, ws_acc, meta.num_rows, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits),
-            HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, **FP_FUSION,
+            HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, **FP_FUSION, **pdl_args(q.device),
         )  # fmt: skip
     return out
 

@@ -5,36 +5,30 @@ cannot place it, a loop bound of the wrong kind); this compiles them as the GPU 
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
 from specsched.kernels import batch_invariant_matmul as mm  # noqa: E402
+from specsched.kernels import testing  # noqa: E402
 from specsched.kernels import triton_attention as ta  # noqa: E402
 from specsched.kernels.triton_utils import FP_FUSION  # noqa: E402
 
 try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget  # noqa: F401
+    from triton.compiler import ASTSource  # noqa: F401
 except ImportError:  # another Triton layout: nothing to check against here
     pytest.skip("this Triton has no ASTSource / GPUTarget", allow_module_level=True)
 
-H200 = ("cuda", 90, 32)
-
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, **options) -> int:
-    """Compile ``kernel`` for sm_90; returns the cubin's size. Parameters not in ``types`` or
-    ``constexprs`` are i32 (strides, counts)."""
-    names = inspect.signature(kernel.fn).parameters
-    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    """Compile ``kernel`` for sm_90 (:func:`specsched.kernels.testing.compile_sm90`); returns the
+    cubin's size."""
     try:
-        src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+        return len(testing.compile_sm90(kernel, types, constexprs, **options)["cubin"])
     except TypeError as e:  # the API moved (not a kernel error)
         pytest.skip(f"ASTSource API differs in Triton {triton.__version__}: {e}")
-    return len(triton.compile(src, target=GPUTarget(*H200), options=options).asm["cubin"])
 
 
 ATTN_TYPES = {

@@ -1,0 +1,93 @@
+"""What ``model.pdl`` buys on the GPU: whole decode forwards as CUDA graph replays, each layer path
+(unfused, fused, fused + own GEMMs: bench/fused_linear.py) captured with and without programmatic
+dependent launch (kernels/pdl.py), at the row counts decode and verify steps run.
+
+    python -m specsched.bench.pdl_forward [--models smollm2 7b] [--rows 1 4 16] [--repeats 7]
+        [--replays 200] [--ctx 512]
+
+CUDA with compute capability >= 9.0 only (exits 2 with a message elsewhere). Random bf16 weights in
+the models' shapes, each of M rows decoding one token over ``--ctx`` cached tokens. Prints a markdown
+table: µs per replay, median (min-max) over ``--repeats`` interleaved runs of ``--replays`` replays;
+each PDL graph's ratio to the same path without PDL, and whether its logits equal that graph's bit
+for bit (the kernels compute the same thing; only when they start differs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+from specsched.bench.fused_linear import MODELS, compare, decode_batch, fmt_runs, graph_of
+from specsched.kernels.pdl import pdl_enabled
+
+PATHS = ("unfused", "fused", "gemms")  # gemms: fused, the output / down projections in small_linear
+
+
+def bench_rows(key: str, model, m: int, args) -> list[list[str]]:
+    """One table row per layer path at M = ``m``."""
+    ids, pos, meta, kv = decode_batch(model, m, args.ctx)
+    graphs, logits = {}, {}
+    for path in PATHS:
+        model.set_fused_linear(path != "unfused", gemms=path == "gemms")
+        for on in (False, True):
+            name = f"{path}{'+pdl' if on else ''}"
+            with pdl_enabled(on):
+                graphs[name] = graph_of(lambda n=name: logits.__setitem__(n, model(ids, pos, meta, kv)))
+    model.set_fused_linear(False)
+    for g in graphs.values():
+        g.replay()
+    torch.cuda.synchronize()
+    runs = compare(graphs, args.repeats, args.replays)
+    base = statistics.median(runs["unfused"])
+    rows = []
+    for path in PATHS:
+        off, on = statistics.median(runs[path]), statistics.median(runs[f"{path}+pdl"])
+        same = torch.equal(logits[path], logits[f"{path}+pdl"])
+        rows.append([key, str(m), path, fmt_runs(runs[path]), fmt_runs(runs[f"{path}+pdl"]),
+                     f"{on / off:.3f}", f"{on / base:.3f}", "yes" if same else "**no**"])  # fmt: skip
+        print("| " + " | ".join(rows[-1]) + " |", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=["smollm2"])
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--replays", type=int, default=200)
+    p.add_argument("--ctx", type=int, default=512, help="cached tokens per row (the attention's length)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        print(
+            "bench.pdl_forward needs a CUDA device of compute capability >= 9.0; none here", file=sys.stderr
+        )
+        return 2
+    if args.repeats < 1 or args.replays < 1:
+        p.error("--repeats and --replays must be >= 1")
+    from specsched.bench.common import random_model
+    from specsched.bench.markdown import table
+    from specsched.kernels.fused_linear import FUSED_MAX_ROWS
+
+    rows = []
+    for key in args.models:
+        model = random_model(MODELS[key], torch.device("cuda"), torch.bfloat16, is_decisive=False)
+        with torch.inference_mode():
+            for m in args.rows:
+                if m > FUSED_MAX_ROWS:
+                    print(f"skipping M = {m}: the model fuses forwards of at most {FUSED_MAX_ROWS} rows")
+                    continue
+                rows += bench_rows(key, model, m, args)
+        del model
+        torch.cuda.empty_cache()
+    head = ["model", "M", "path", "µs", "µs with PDL", "PDL / without", "PDL / unfused", "logits equal"]
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, ctx {args.ctx}, "
+          f"median (min-max) of {args.repeats} runs x {args.replays} replays\n")  # fmt: skip
+    print(table(head, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
