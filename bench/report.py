@@ -50,6 +50,7 @@ def scorer_table(res: dict) -> str:
         if fused
         else ""
     )
+    fused += ", programmatic dependent launch" if res.get("pdl") else ""
     note = (
         f"{res['model']} ({res['dtype']}, random weights{fused}) on {res['device']}: floor = "
         f"{res['weight_bytes'] / 1e9:.2f} GB streamed weights / {res['copy_bandwidth'] / 1e12:.2f} TB/s "

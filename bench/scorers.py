@@ -26,6 +26,7 @@ from specsched.bench.common import (
 )
 from specsched.engine.request import Request, SamplingParams
 from specsched.kernels.metadata import build_metadata
+from specsched.kernels.pdl import pdl_args, pdl_enabled
 from specsched.models.cuda_graphs import GraphRunner
 from specsched.models.graph_buckets import decode_buckets
 from specsched.proposers.base import Proposals
@@ -85,15 +86,20 @@ def run_scorer_bench(
     cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_size: int, seed: int
 ) -> dict:
     """Rows of :class:`ScorerRow` (and draft-step rows) plus the floor; ``cfg`` is ``bench.scorers``."""
-    shapes = [(b, k, c) for c in cfg.context for b in cfg.batch for k in cfg.k]
-    shapes += [tuple(s) for s in (cfg.extra_shapes or []) if tuple(s) not in shapes]
-    max_b, max_k = max(s[0] for s in shapes), max(s[1] for s in shapes)
-    max_ctx = max(s[2] for s in shapes)
     model = random_model(cfg.model, device, dtype, seed)
     fused = bool(cfg.fused_linear)
     gemms = fused and bool(cfg.fused_linear_gemms)
     if fused:  # forwards of <= 16 rows take the fused small-M kernels (graphs capture them)
         model.set_fused_linear(True, gemms=gemms)
+    with pdl_enabled(bool(cfg.get("pdl", False))):  # graphs keep the launch mode they were captured in
+        return _run(cfg, graphs_cfg, model, device, dtype, block_size, seed, fused, gemms)
+
+
+def _run(cfg, graphs_cfg, model, device, dtype, block_size, seed, fused: bool, gemms: bool) -> dict:
+    shapes = [(b, k, c) for c in cfg.context for b in cfg.batch for k in cfg.k]
+    shapes += [tuple(s) for s in (cfg.extra_shapes or []) if tuple(s) not in shapes]
+    max_b, max_k = max(s[0] for s in shapes), max(s[1] for s in shapes)
+    max_ctx = max(s[2] for s in shapes)
     weight_bytes = streamed_weight_bytes(model)
     bw = copy_bandwidth(device, cfg.copy_mib)
     floor_ms = weight_bytes / bw * 1e3
@@ -150,6 +156,7 @@ def run_scorer_bench(
         "device": device_name(device),
         "model": cfg.model,
         "fused_linear": "with its output / down GEMMs" if gemms else fused,
+        "pdl": pdl_args(device)["USE_PDL"],  # on and effective here
         "dtype": str(dtype).replace("torch.", ""),
         "weight_bytes": weight_bytes,
         "copy_bandwidth": bw,

@@ -241,6 +241,30 @@ def test_the_scorer_bench_can_run_the_fused_linear_layers_and_says_so():
     assert res["fused_linear"] is False and "fused small-M" not in scorer_table(res)
 
 
+def test_the_scorer_bench_builds_its_graphs_with_pdl_on_and_turns_it_off_after():
+    """``bench.scorers.pdl`` holds ``model.pdl``'s switch on while the scorers (their graphs) are
+    built and timed, and restores it; the result says whether it took effect (never on the CPU)."""
+    import torch
+
+    import specsched.bench.scorers as scorer_bench
+    from specsched.kernels.pdl import is_pdl_enabled
+
+    seen = []
+    real = scorer_bench.build_scorers
+
+    def spy(*args, **kwargs):
+        seen.append(is_pdl_enabled())
+        return real(*args, **kwargs)
+
+    cfg = smoke_cfg("bench.scorers.pdl=true", "bench.scorers.draft_model=null")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scorer_bench, "build_scorers", spy)
+        cpu = torch.device("cpu")
+        res = scorer_bench.run_scorer_bench(cfg.scorers, cfg.graphs, cpu, torch.float32, 16, 0)
+    assert seen == [True] and not is_pdl_enabled()
+    assert res["pdl"] is False and res["rows"]  # the CPU launches no PDL
+
+
 def test_a_failing_piecewise_capture_leaves_the_other_scorer_rows():
     """The piecewise row is built apart: when its capture fails, its rows say why and every other
     scorer's rows are still measured."""
