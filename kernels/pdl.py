@@ -6,7 +6,7 @@ Two PTX instructions govern it (``griddepcontrol``): ``wait`` blocks until the k
 completed and its writes are visible, and ``launch_dependents`` lets the next kernel be scheduled
 once every program of this one has executed it (or exited). A kernel here, launched with PDL:
 
-1. loads (or prefetches into L2) what no kernel writes — its weights — first;
+1. prefetches into L2 what no kernel writes — the start of its weight rows — first;
 2. lets its dependent start (``launch_dependents``);
 3. waits (``wait``) before it reads or writes anything else.
 
@@ -87,13 +87,13 @@ def prefetch_l2(ptrs):
 
 @triton.jit
 def prefetch_rows_l2(w_ptr, rows, num_rows, stride_w, K: tl.constexpr):
-    """Prefetch rows ``rows`` ``[R]`` (clamped to ``num_rows``) of a row-major ``[num_rows, K]``
-    matrix into L2: one prefetch per 128-byte line, 16 lines a row at a time."""
+    """Prefetch into L2 the start of rows ``rows`` ``[R]`` (clamped to ``num_rows``) of a row-major
+    ``[num_rows, K]`` matrix: its first 16 lines of 128 bytes (all of a bf16 row of K <= 1024), one
+    prefetch a line. Only the start: what hides the stream's first latency, while the prefetches of
+    every resident program together stay well inside L2 (a 7B GEMM's whole weight would not)."""
     LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a line
     base = w_ptr + tl.minimum(rows, num_rows - 1)[:, None].to(tl.int64) * stride_w
-    for l0 in tl.static_range(0, K, 16 * LINE):
-        cols = tl.minimum(l0 + tl.arange(0, 16) * LINE, K - 1)
-        prefetch_l2(base + cols[None, :])
+    prefetch_l2(base + tl.minimum(tl.arange(0, 16) * LINE, K - 1)[None, :])
 
 
 @triton.jit
