@@ -3,13 +3,16 @@
 dependent launch (kernels/pdl.py), at the row counts decode and verify steps run.
 
     python -m specsched.bench.pdl_forward [--models smollm2 7b] [--rows 1 4 16] [--repeats 7]
-        [--replays 200] [--ctx 512]
+        [--replays 200] [--ctx 512] [--modes after before before_all] [--prefetch-max-mb 8]
 
 CUDA with compute capability >= 9.0 only (exits 2 with a message elsewhere). Random bf16 weights in
 the models' shapes, each of M rows decoding one token over ``--ctx`` cached tokens. Prints a markdown
-table: µs per replay, median (min-max) over ``--repeats`` interleaved runs of ``--replays`` replays;
-each PDL graph's ratio to the same path without PDL, and whether its logits equal that graph's bit
-for bit (the kernels compute the same thing; only when they start differs).
+table: µs per replay, median (min-max) over ``--repeats`` interleaved runs of ``--replays`` replays,
+without PDL and in each mode (kernels/pdl.py ``PdlMode``): ``after`` / ``before`` = the dependent
+triggered after / before the wait, weights prefetched up to ``--prefetch-max-mb``; ``before_all`` =
+triggered before the wait, every weight prefetched (the first version). Each mode's ratio to the
+same path without PDL, and whether all modes' logits equal that graph's bit for bit (the kernels
+compute the same thing; only when they start differs).
 """
 
 from __future__ import annotations
@@ -21,33 +24,47 @@ import sys
 import torch
 
 from specsched.bench.fused_linear import MODELS, compare, decode_batch, fmt_runs, graph_of
-from specsched.kernels.pdl import pdl_enabled
+from specsched.kernels.pdl import PdlMode, pdl_enabled
 
 PATHS = ("unfused", "fused", "gemms")  # gemms: fused, the output / down projections in small_linear
+MODES = ("after", "before", "before_all")
+
+
+def mode_of(name: str, prefetch_max_mb: float) -> PdlMode:
+    if name not in MODES:
+        raise ValueError(f"unknown PDL mode {name!r}; known: {', '.join(MODES)}")
+    trigger = "after" if name == "after" else "before"
+    return PdlMode(
+        on=True, trigger=trigger, prefetch_max_mb=float("inf") if name == "before_all" else prefetch_max_mb
+    )
 
 
 def bench_rows(key: str, model, m: int, args) -> list[list[str]]:
     """One table row per layer path at M = ``m``."""
     ids, pos, meta, kv = decode_batch(model, m, args.ctx)
     graphs, logits = {}, {}
+    modes = {"off": PdlMode()} | {name: mode_of(name, args.prefetch_max_mb) for name in args.modes}
     for path in PATHS:
         model.set_fused_linear(path != "unfused", gemms=path == "gemms")
-        for on in (False, True):
-            name = f"{path}{'+pdl' if on else ''}"
-            with pdl_enabled(on):
+        for mode_name, mode in modes.items():
+            name = f"{path}/{mode_name}"
+            with pdl_enabled(mode):
                 graphs[name] = graph_of(lambda n=name: logits.__setitem__(n, model(ids, pos, meta, kv)))
     model.set_fused_linear(False)
     for g in graphs.values():
         g.replay()
     torch.cuda.synchronize()
     runs = compare(graphs, args.repeats, args.replays)
-    base = statistics.median(runs["unfused"])
+    base = statistics.median(runs["unfused/off"])
     rows = []
     for path in PATHS:
-        off, on = statistics.median(runs[path]), statistics.median(runs[f"{path}+pdl"])
-        same = torch.equal(logits[path], logits[f"{path}+pdl"])
-        rows.append([key, str(m), path, fmt_runs(runs[path]), fmt_runs(runs[f"{path}+pdl"]),
-                     f"{on / off:.3f}", f"{on / base:.3f}", "yes" if same else "**no**"])  # fmt: skip
+        off = statistics.median(runs[f"{path}/off"])
+        cells = [key, str(m), path, fmt_runs(runs[f"{path}/off"]), f"{off / base:.3f}"]
+        for mode_name in args.modes:
+            t = runs[f"{path}/{mode_name}"]
+            cells += [fmt_runs(t), f"{statistics.median(t) / off:.3f}"]
+        same = all(torch.equal(logits[f"{path}/off"], logits[f"{path}/{n}"]) for n in args.modes)
+        rows.append([*cells, "yes" if same else "**no**"])
         print("| " + " | ".join(rows[-1]) + " |", flush=True)
     return rows
 
@@ -59,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--ctx", type=int, default=512, help="cached tokens per row (the attention's length)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--prefetch-max-mb", type=float, default=PdlMode().prefetch_max_mb)
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         print(
@@ -82,9 +101,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows += bench_rows(key, model, m, args)
         del model
         torch.cuda.empty_cache()
-    head = ["model", "M", "path", "µs", "µs with PDL", "PDL / without", "PDL / unfused", "logits equal"]
+    head = ["model", "M", "path", "µs, no PDL", "/ unfused"]
+    for name in args.modes:
+        head += [f"µs, {name}", f"{name} / no PDL"]
+    head.append("logits equal")
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, ctx {args.ctx}, "
-          f"median (min-max) of {args.repeats} runs x {args.replays} replays\n")  # fmt: skip
+          f"median (min-max) of {args.repeats} runs x {args.replays} replays, prefetch <= "
+          f"{args.prefetch_max_mb:g} MB in after / before\n")  # fmt: skip
     print(table(head, rows))
     return 0
 

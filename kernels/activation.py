@@ -43,9 +43,9 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2*I] -> [T, 
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o,
     INTER: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, TRIGGER_FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_start(USE_PDL)
+    pdl_start(USE_PDL, TRIGGER_FIRST)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER

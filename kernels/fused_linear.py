@@ -166,7 +166,7 @@ def _launch_norm(kernel, x, residual, norm_weight, eps, weight, bias_ptrs: tuple
         _row_stride(x), _row_stride(res), weight.stride(0), y.stride(0), k, float(eps), 1.0 / k,
         K=k, HAS_RESIDUAL=residual is not None, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         **constexprs, **_dot_options(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **NO_FP_FUSION, **pdl_args(x.device),
+        **NO_FP_FUSION, **pdl_args(x.device, weight),
     )  # fmt: skip
     return y, new_res
 

@@ -7,8 +7,9 @@ output columns j*BLOCK_N.., and reduces them over the whole of K in BLOCK_K chun
 gate and j of the up projection, so that its epilogue has both halves of its SwiGLU outputs.
 ``_small_linear_kernel`` is the same GEMM with no prologue.
 
-``USE_PDL`` (:mod:`specsched.kernels.pdl`): each program first prefetches its weight rows (and the
-norm's weight) into L2, then lets the next kernel start and waits for the one before.
+``USE_PDL`` (:mod:`specsched.kernels.pdl`): each program first prefetches the start of its weight
+rows (and the norm's weight) into L2 (with ``PREFETCH``), then waits for the kernel before and lets
+the next one start (in ``TRIGGER_FIRST``'s order).
 """
 
 from __future__ import annotations
@@ -93,16 +94,17 @@ def _norm_linear_kernel(
     N: tl.constexpr, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr, USE_PDL: tl.constexpr = False,
+    TRIGGER_FIRST: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_valid, n_valid = offs_m < M, offs_n < N
     dtype = y_ptr.dtype.element_ty
-    if USE_PDL:  # the weights first: no kernel writes them
+    if USE_PDL and PREFETCH:  # the weights first: no kernel writes them
         prefetch_rows_l2(w_ptr, offs_n, N, stride_w, K)
         prefetch_rows_l2(nw_ptr, tl.arange(0, 1), 1, K, K)
-    pdl_start(USE_PDL)
+    pdl_start(USE_PDL, TRIGGER_FIRST)
     rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_valid, stride_x, stride_r, stride_ro, eps,
                      inv_k, K, BLOCK_M, BLOCK_K, dtype, HAS_RESIDUAL, EMULATE_BF16)  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -122,17 +124,18 @@ def _norm_swiglu_kernel(
     INTER: tl.constexpr, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr, USE_PDL: tl.constexpr = False,
+    TRIGGER_FIRST: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_valid, n_valid = offs_m < M, offs_n < INTER
     dtype = y_ptr.dtype.element_ty
-    if USE_PDL:  # the weights first (gate rows, up rows, the norm's): no kernel writes them
+    if USE_PDL and PREFETCH:  # the weights first (gate rows, up rows, the norm's): no kernel writes them
         prefetch_rows_l2(w_ptr, offs_n, INTER, stride_w, K)
         prefetch_rows_l2(w_ptr, INTER + tl.minimum(offs_n, INTER - 1), 2 * INTER, stride_w, K)
         prefetch_rows_l2(nw_ptr, tl.arange(0, 1), 1, K, K)
-    pdl_start(USE_PDL)
+    pdl_start(USE_PDL, TRIGGER_FIRST)
     rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_valid, stride_x, stride_r, stride_ro, eps,
                      inv_k, K, BLOCK_M, BLOCK_K, dtype, HAS_RESIDUAL, EMULATE_BF16)  # fmt: skip
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -167,14 +170,15 @@ def _small_linear_kernel(
     N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr, USE_PDL: tl.constexpr = False,
+    TRIGGER_FIRST: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_valid, n_valid = offs_m < M, offs_n < N
-    if USE_PDL:  # the weights first: no kernel writes them
+    if USE_PDL and PREFETCH:  # the weights first: no kernel writes them
         prefetch_rows_l2(w_ptr, offs_n, N, stride_w, K)
-    pdl_start(USE_PDL)
+    pdl_start(USE_PDL, TRIGGER_FIRST)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # no prologue: x's chunk as it is
         kk = k0 + offs_k

@@ -57,15 +57,15 @@ def add_rms_norm_ref(
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, eps, inv_h,
     H: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, TRIGGER_FIRST: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     dtype = out_ptr.dtype.element_ty
-    if USE_PDL:  # the weight first: no kernel writes it
+    if USE_PDL and PREFETCH:  # the weight first: no kernel writes it
         prefetch_rows_l2(w_ptr, tl.arange(0, 1), 1, H, H)
-    pdl_start(USE_PDL)
+    pdl_start(USE_PDL, TRIGGER_FIRST)
     x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -101,7 +101,7 @@ def _launch(
         x, res, weight.contiguous(), out, ro, x.stride(0), res.stride(0), out.stride(0), ro.stride(0),
         float(eps), 1.0 / hidden,
         H=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, EMULATE_BF16=emulate_bf16(x.dtype),
-        num_warps=num_warps_for(block), **NO_FP_FUSION, **pdl_args(x.device),
+        num_warps=num_warps_for(block), **NO_FP_FUSION, **pdl_args(x.device, weight),
     )  # fmt: skip
     return out, res_out
 

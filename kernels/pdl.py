@@ -6,14 +6,22 @@ Two PTX instructions govern it (``griddepcontrol``): ``wait`` blocks until the k
 completed and its writes are visible, and ``launch_dependents`` lets the next kernel be scheduled
 once every program of this one has executed it (or exited). A kernel here, launched with PDL:
 
-1. prefetches into L2 what no kernel writes — the start of its weight rows — first;
-2. lets its dependent start (``launch_dependents``);
-3. waits (``wait``) before it reads or writes anything else.
+1. prefetches into L2 what no kernel writes — the start of its weight rows — first, when its whole
+   weight is small (at most ``prefetch_max_mb``: the latency-bound regime; a large GEMM streams at
+   bandwidth anyway, and its prefetches would evict each other and the running kernel's data);
+2. waits (``wait``) before it reads or writes anything else;
+3. lets its dependent start (``launch_dependents``): after the wait by default (``trigger="after"``),
+   so at most the next kernel is scheduled early, prefetching while this one runs; ``"before"``
+   triggers ahead of the wait, which lets a chain of waiting kernels cascade onto the SMs.
 
 So a launch-bound forward (SmolLM2 at batch 1: ~300 kernels of ~3 µs in one CUDA graph) fetches each
 kernel's weights while the kernel before it runs. ``python -m specsched.bench.pdl_probe`` measured the
 primitive on an H100 (2026-12-06): a 300-GEMV chain in a graph, 4.25 µs a kernel plain, 4.06 with PDL
-and the wait first, 2.29 with the weights loaded before the wait (docs/benchmarks.md).
+and the wait first, 2.29 with the weights loaded before the wait (docs/benchmarks.md). On whole
+forwards (``python -m specsched.bench.pdl_forward``, H100, same day, trigger before the wait, every
+weight prefetched) SmolLM2's fused layers gained 9 % (998 -> 904 µs at M = 1), while the layers with
+our own output / down GEMMs lost 7-25 % and every 7B path but the unfused one lost 12-52 %: the
+cascade and the prefetches of large weights — what the defaults above leave out.
 
 Safety: a kernel waits before touching anything a kernel before it in the stream may write or read,
 so it neither reads early nor overwrites a buffer still being read; since each kernel's ``wait``
@@ -25,6 +33,8 @@ the CPU or before compute capability 9.0.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -32,34 +42,61 @@ import triton.language as tl
 from specsched.kernels.triton_utils import is_interpreted
 
 __all__ = [
-    "is_pdl_enabled", "pdl_args", "pdl_enabled", "pdl_start", "prefetch_l2", "prefetch_rows_l2", "set_pdl",
+    "PdlMode", "is_pdl_enabled", "pdl_args", "pdl_enabled", "pdl_mode", "pdl_start", "prefetch_l2",
+    "prefetch_rows_l2", "set_pdl",
 ]  # fmt: skip
-_state = {"on": False}
+TRIGGERS = ("after", "before")
+
+
+@dataclass(frozen=True)
+class PdlMode:
+    """How the kernels launch: ``on`` (PDL at all), where each lets its dependent start (``trigger``:
+    after or before its wait), and the largest whole weight (MB) whose rows it prefetches."""
+
+    on: bool = False
+    trigger: str = "after"
+    prefetch_max_mb: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.trigger not in TRIGGERS:
+            raise ValueError(f"PDL trigger must be one of {TRIGGERS}, got {self.trigger!r}")
+        if self.prefetch_max_mb < 0:
+            raise ValueError(f"PDL prefetch_max_mb must be >= 0, got {self.prefetch_max_mb}")
+
+
+_state = {"mode": PdlMode()}
 _capable: dict[int, bool] = {}
 
 
-def set_pdl(on: bool) -> None:
-    """Switch PDL launches on or off for the whole process (the model's loader does, from
-    ``model.pdl``); kernels captured into a CUDA graph keep the mode they were captured with."""
-    _state["on"] = bool(on)
+def set_pdl(on: bool | PdlMode) -> None:
+    """Set the launch mode for the whole process (the model's loader does, from ``model.pdl``): a
+    :class:`PdlMode`, or a bool for the default mode on / off. Kernels captured into a CUDA graph
+    keep the mode they were captured with."""
+    _state["mode"] = on if isinstance(on, PdlMode) else PdlMode(on=bool(on))
+
+
+def pdl_mode() -> PdlMode:
+    return _state["mode"]
 
 
 def is_pdl_enabled() -> bool:
-    return _state["on"]
+    return _state["mode"].on
 
 
 class pdl_enabled:  # noqa: N801 (a context manager named like the setting it scopes)
-    """``with pdl_enabled(True): ...``: the mode inside, the previous one restored after."""
+    """``with pdl_enabled(True): ...`` (or a :class:`PdlMode`): that mode inside, the previous one
+    restored after."""
 
-    def __init__(self, on: bool) -> None:
-        self.on, self.prev = bool(on), False
+    def __init__(self, on: bool | PdlMode) -> None:
+        self.mode = on if isinstance(on, PdlMode) else PdlMode(on=bool(on))
+        self.prev = PdlMode()
 
     def __enter__(self) -> None:
-        self.prev = _state["on"]
-        _state["on"] = self.on
+        self.prev = _state["mode"]
+        _state["mode"] = self.mode
 
     def __exit__(self, *exc) -> None:
-        _state["on"] = self.prev
+        _state["mode"] = self.prev
 
 
 def _is_capable(device: torch.device) -> bool:
@@ -69,11 +106,17 @@ def _is_capable(device: torch.device) -> bool:
     return _capable[index]
 
 
-def pdl_args(device: torch.device) -> dict:
-    """Launch kwargs for a kernel with a ``USE_PDL`` constexpr: ``USE_PDL=True`` and ``launch_pdl``
-    when PDL is on and ``device`` can run it, else ``USE_PDL=False`` (the kernel as before)."""
-    on = _state["on"] and device.type == "cuda" and not is_interpreted() and _is_capable(device)
-    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+def pdl_args(device: torch.device, weight: torch.Tensor | None = None) -> dict:
+    """Launch kwargs for a kernel with ``USE_PDL`` and ``TRIGGER_FIRST`` constexprs (and, given its
+    ``weight``, ``PREFETCH``): PDL when the mode is on and ``device`` can run it, else
+    ``USE_PDL=False`` (the kernel as before)."""
+    mode = _state["mode"]
+    if not (mode.on and device.type == "cuda" and not is_interpreted() and _is_capable(device)):
+        return {"USE_PDL": False} if weight is None else {"USE_PDL": False, "PREFETCH": False}
+    out = {"USE_PDL": True, "TRIGGER_FIRST": mode.trigger == "before", "launch_pdl": True}
+    if weight is not None:
+        out["PREFETCH"] = weight.numel() * weight.element_size() <= mode.prefetch_max_mb * 2**20
+    return out
 
 
 @triton.jit
@@ -89,17 +132,20 @@ def prefetch_l2(ptrs):
 def prefetch_rows_l2(w_ptr, rows, num_rows, stride_w, K: tl.constexpr):
     """Prefetch into L2 the start of rows ``rows`` ``[R]`` (clamped to ``num_rows``) of a row-major
     ``[num_rows, K]`` matrix: its first 16 lines of 128 bytes (all of a bf16 row of K <= 1024), one
-    prefetch a line. Only the start: what hides the stream's first latency, while the prefetches of
-    every resident program together stay well inside L2 (a 7B GEMM's whole weight would not)."""
+    prefetch a line."""
     LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a line
     base = w_ptr + tl.minimum(rows, num_rows - 1)[:, None].to(tl.int64) * stride_w
     prefetch_l2(base + tl.minimum(tl.arange(0, 16) * LINE, K - 1)[None, :])
 
 
 @triton.jit
-def pdl_start(USE_PDL: tl.constexpr):
-    """Steps 2 and 3 of the module docstring: let the next kernel start, then wait for the one before.
-    Call it after the weights' loads or prefetches and before any other memory access."""
+def pdl_start(USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr):
+    """Steps 2 and 3 of the module docstring, in the mode's order. Call it after the weights'
+    prefetches and before any other memory access."""
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        if TRIGGER_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        else:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

@@ -95,9 +95,9 @@ def _rotary_store_kv_kernel(
     stride_qkv, stride_cos, stride_sin, stride_q, stride_slot,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_V: tl.constexpr,
-    EMULATE_BF16: tl.constexpr, USE_PDL: tl.constexpr = False,
+    EMULATE_BF16: tl.constexpr, USE_PDL: tl.constexpr = False, TRIGGER_FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_start(USE_PDL)
+    pdl_start(USE_PDL, TRIGGER_FIRST)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
     d_mask = offs_d < HEAD_DIM // 2

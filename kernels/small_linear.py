@@ -59,7 +59,7 @@ def _launch(x, weight, bias, config: FusedLinearConfig | None) -> torch.Tensor:
         x, weight, bias if bias is not None else y, y, m, _row_stride(x), weight.stride(0), y.stride(0),
         N=n, K=k, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         **_dot_options(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **NO_FP_FUSION,
-        **pdl_args(x.device),
+        **pdl_args(x.device, weight),
     )  # fmt: skip
     return y
 

@@ -61,15 +61,15 @@ H200_TARGET = ("cuda", 90, 32)
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, **options) -> dict:
     """``kernel`` compiled for sm_90 here (Triton's frontend and ptxas need no device): its ``asm``
     dict (``ptx``, ``cubin``, ...). Parameters not in ``types`` or ``constexprs`` are i32 (strides,
-    counts); a ``USE_PDL`` constexpr not given is False. Raises ``ImportError`` / ``TypeError`` when
-    this Triton lays the API out differently (callers skip on those)."""
+    counts); a PDL constexpr (``USE_PDL``, ``TRIGGER_FIRST``, ``PREFETCH``) not given is False.
+    Raises ``ImportError`` / ``TypeError`` when this Triton lays the API out differently (callers
+    skip on those)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = inspect.signature(kernel.fn).parameters
-    if "USE_PDL" in names:
-        constexprs = {"USE_PDL": False, **constexprs}
+    constexprs = {**{c: False for c in ("USE_PDL", "TRIGGER_FIRST", "PREFETCH") if c in names}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget(*H200_TARGET), options=options).asm

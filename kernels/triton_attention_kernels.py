@@ -57,9 +57,9 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     NUM_HEADS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, TRIGGER_FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_start(USE_PDL)
+    pdl_start(USE_PDL, TRIGGER_FIRST)
     # SPLIT_KEYS > 0: deterministic mode, keys split at multiples of SPLIT_KEYS; NUM_SPLITS is then
     # 1 (unsplit) or 2 (split; the count is the runtime num_splits). SPLIT_KEYS == 0: NUM_SPLITS
     # chunks sized from the tile's keys (num_splits unused).
@@ -158,10 +158,11 @@ def _paged_attn_kernel(
 def _combine_splits_kernel(
     o_ptr, cu_q_ptr, ws_ml_ptr, ws_acc_ptr, num_rows, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False, TRIGGER_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s, per (token, head)."""
-    pdl_start(USE_PDL)
+    pdl_start(USE_PDL, TRIGGER_FIRST)
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(cu_q_ptr + num_rows):  # padding token past the last row

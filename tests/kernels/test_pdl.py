@@ -10,11 +10,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from specsched.kernels import activation, norm, rotary, testing  # noqa: E402
+from specsched.kernels import activation, norm, pdl, rotary, testing  # noqa: E402
 from specsched.kernels import fused_linear as fl  # noqa: E402
 from specsched.kernels import fused_linear_kernels as flk  # noqa: E402
 from specsched.kernels import triton_attention as ta  # noqa: E402
-from specsched.kernels.pdl import is_pdl_enabled, pdl_args, pdl_enabled, set_pdl  # noqa: E402
+from specsched.kernels.pdl import PdlMode, is_pdl_enabled, pdl_args, pdl_enabled, set_pdl  # noqa: E402
 from specsched.kernels.triton_utils import FP_FUSION, NO_FP_FUSION  # noqa: E402
 
 BF = "*bf16"
@@ -77,11 +77,14 @@ KERNELS = {
 PREFETCHES = ("norm_linear", "norm_swiglu", "small_linear", "rms_norm")  # weights prefetched into L2
 
 
-def _ptx(name: str, use_pdl: bool) -> list[str]:
+def _ptx(name: str, use_pdl: bool, trigger_first: bool = False, prefetch: bool = True) -> list[str]:
     kernel, types, constexprs, opts = KERNELS[name]
     extra = {"launch_pdl": True} if use_pdl else {}
+    pdl_constexprs = {"USE_PDL": use_pdl, "TRIGGER_FIRST": trigger_first}
+    if name in PREFETCHES:
+        pdl_constexprs["PREFETCH"] = prefetch
     try:
-        asm = testing.compile_sm90(kernel, types, {**constexprs, "USE_PDL": use_pdl}, **opts, **extra)
+        asm = testing.compile_sm90(kernel, types, {**constexprs, **pdl_constexprs}, **opts, **extra)
     except (ImportError, TypeError) as e:  # another Triton layout: nothing to check against here
         pytest.skip(f"cannot compile for sm_90 with Triton {triton.__version__}: {e}")
     return asm["ptx"].splitlines()
@@ -91,12 +94,13 @@ def _first(lines: list[str], needle: str) -> int | None:
     return next((i for i, line in enumerate(lines) if needle in line), None)
 
 
+@pytest.mark.parametrize("trigger_first", [False, True], ids=["trigger_after", "trigger_before"])
 @pytest.mark.parametrize("name", list(KERNELS))
-def test_a_pdl_kernel_neither_stores_nor_reads_activations_before_its_wait(name: str) -> None:
-    lines = _ptx(name, use_pdl=True)
+def test_a_pdl_kernel_neither_stores_nor_reads_activations_before_its_wait(name: str, trigger_first: bool):
+    lines = _ptx(name, use_pdl=True, trigger_first=trigger_first)
     wait, trigger = _first(lines, "griddepcontrol.wait"), _first(lines, "griddepcontrol.launch_dependents")
     assert wait is not None and trigger is not None, "PDL instructions missing"
-    assert trigger < wait  # the next kernel may be scheduled while this one waits
+    assert (trigger < wait) == trigger_first  # the mode's order
     before = lines[:wait]
     writes = [x for x in before if "st.global" in x or "atom." in x or "red." in x]
     assert not writes, f"writes before the wait: {writes}"
@@ -109,15 +113,41 @@ def test_a_pdl_kernel_neither_stores_nor_reads_activations_before_its_wait(name:
         assert not prefetches
 
 
+@pytest.mark.parametrize("name", PREFETCHES)
+def test_a_kernel_told_not_to_prefetch_does_not(name: str) -> None:
+    lines = _ptx(name, use_pdl=True, prefetch=False)
+    assert _first(lines, "griddepcontrol.wait") is not None and _first(lines, "prefetch.global") is None
+
+
 @pytest.mark.parametrize("name", ["norm_swiglu", "rms_norm", "paged_attention"])
 def test_without_pdl_a_kernel_compiles_as_before(name: str) -> None:
     lines = _ptx(name, use_pdl=False)
     assert _first(lines, "griddepcontrol") is None and _first(lines, "prefetch.global") is None
 
 
+def test_the_mode_decides_the_launch_arguments(monkeypatch) -> None:
+    """On a capable GPU (faked here): the trigger's place, and a prefetch only for a small weight."""
+    monkeypatch.setattr(pdl, "_is_capable", lambda device: True)
+    cuda = torch.device("cuda")
+    small = torch.empty((512, 1024), dtype=torch.bfloat16, device="meta")  # 1 MB
+    large = torch.empty((2048, 1024), dtype=torch.bfloat16, device="meta")  # 4 MB
+    with pdl_enabled(PdlMode(on=True, trigger="after", prefetch_max_mb=2.0)):
+        assert pdl_args(cuda) == {"USE_PDL": True, "TRIGGER_FIRST": False, "launch_pdl": True}
+        assert pdl_args(cuda, small)["PREFETCH"] is True
+        assert pdl_args(cuda, large)["PREFETCH"] is False
+    with pdl_enabled(PdlMode(on=True, trigger="before")):
+        assert pdl_args(cuda)["TRIGGER_FIRST"] is True
+    assert pdl_args(cuda, small) == {"USE_PDL": False, "PREFETCH": False}  # off again
+    with pytest.raises(ValueError, match="trigger must be one of"):
+        PdlMode(on=True, trigger="middle")
+    with pytest.raises(ValueError, match="prefetch_max_mb must be >= 0"):
+        PdlMode(on=True, prefetch_max_mb=-1)
+
+
 def test_the_switch_and_where_it_applies() -> None:
     assert not is_pdl_enabled()  # off by default (model.pdl)
     assert pdl_args(torch.device("cpu")) == {"USE_PDL": False}
+    assert pdl_args(torch.device("cpu"), torch.zeros(4)) == {"USE_PDL": False, "PREFETCH": False}
     with pdl_enabled(True):
         assert is_pdl_enabled()
         assert pdl_args(torch.device("cpu")) == {"USE_PDL": False}  # never off CUDA
