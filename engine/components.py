@@ -91,6 +91,8 @@ def build_parts(
                 seed=cfg.spec.draft.seed,
                 cache_dir=cfg.model.cache_dir,
                 pdl=cfg.model.pdl,  # process-wide: the draft's load sets it again
+                pdl_trigger=cfg.model.pdl_trigger,
+                pdl_prefetch_max_mb=cfg.model.pdl_prefetch_max_mb,
             ),
             with_tokenizer=False,  # the target's tokenizer serves; the draft's would be loaded for nothing
         ).model

@@ -38,6 +38,8 @@ class ModelConfig:
     # may start while the kernel before it runs, fetching its weights first and waiting before it
     # reads that kernel's output. Process-wide (the draft shares it). Off until measured in serving.
     pdl: bool = False
+    pdl_trigger: str = "after"  # a kernel lets the next start after (or before) its own wait
+    pdl_prefetch_max_mb: float = 8.0  # a kernel prefetches its weight rows if its weight is this small
     # Prefill chunks of up to this many tokens and prompts run on CUDA graphs (each row's last
     # token's logits; tokens capped by scheduler.max_num_batched_tokens, prompts by max_num_seqs).
     # With the graphs captured, the scheduler keeps every prefill step within them: an eager
@@ -68,6 +70,10 @@ class ModelConfig:
             raise ValueError(f"model.fused_linear_gemms must be true or false, got {got!r}")
         if not isinstance(self.pdl, bool):
             raise ValueError(f"model.pdl must be true or false, got {self.pdl!r}")
+        if self.pdl_trigger not in ("after", "before"):
+            raise ValueError(f"model.pdl_trigger must be after or before, got {self.pdl_trigger!r}")
+        if not self.pdl_prefetch_max_mb >= 0:
+            raise ValueError(f"model.pdl_prefetch_max_mb must be >= 0, got {self.pdl_prefetch_max_mb}")
         if self.fused_linear_gemms and not self.fused_linear:
             raise ValueError("model.fused_linear_gemms=true needs model.fused_linear=true")
         if self.fused_linear and self.deterministic:

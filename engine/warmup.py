@@ -204,7 +204,7 @@ def prebuild_attention(
     """Compile the attention variants of each model's serving domain in ``num_workers`` processes
     (CUDA, Triton backend, warm-up on, ``num_workers`` > 1; else None), before graph capture."""
     from specsched.kernels.parallel_build import CacheShape, ParallelBuildReport, build_in_workers
-    from specsched.kernels.pdl import is_pdl_enabled
+    from specsched.kernels.pdl import is_pdl_enabled, pdl_mode
 
     jobs = []
     for model in models:
@@ -215,7 +215,7 @@ def prebuild_attention(
         mc = model.cfg
         shape = CacheShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, cfg.cache.block_size,
                            str(model.lm_head.weight.dtype).removeprefix("torch."), str(dev),
-                           is_pdl_enabled())  # fmt: skip
+                           is_pdl_enabled(), pdl_mode().trigger == "before")  # fmt: skip
         if configs:
             jobs.append((shape, configs))
     if not jobs:

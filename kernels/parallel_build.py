@@ -45,6 +45,7 @@ class CacheShape:
     dtype: str  # torch dtype name: "bfloat16", "float16", "float32"
     device: str = "cuda"  # "cuda", "cuda:1", or "cpu" (under TRITON_INTERPRET=1)
     pdl: bool = False  # the kernels' launch mode (kernels/pdl.py): another variant
+    pdl_trigger_first: bool = False  # ... and its trigger's place (PdlMode.trigger == "before")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -176,10 +177,10 @@ def _worker(spec: dict) -> None:
 
     from specsched.kernels.attention_config import LaunchConfig
     from specsched.kernels.attention_variants import warm_up_attention
-    from specsched.kernels.pdl import set_pdl
+    from specsched.kernels.pdl import PdlMode, set_pdl
 
     shape = CacheShape(**spec["shape"])
-    set_pdl(shape.pdl)
+    set_pdl(PdlMode(on=shape.pdl, trigger="before" if shape.pdl_trigger_first else "after"))
     configs = [LaunchConfig(**c) for c in spec["configs"]]
     dev = torch.device(shape.device)
     dims = (2, shape.block_size, shape.kv_heads, shape.head_dim)  # as LlamaForCausalLM.allocate_kv_cache

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from specsched.engine.config import ModelConfig
-from specsched.kernels.pdl import set_pdl
+from specsched.kernels.pdl import PdlMode, set_pdl
 from specsched.models.config import PRESETS, LlamaConfig, get_preset
 from specsched.models.convert import (
     META_FILE,
@@ -152,7 +152,8 @@ def load_model(
         model.set_deterministic(True)
     if cfg.fused_linear:
         model.set_fused_linear(True, gemms=cfg.fused_linear_gemms)
-    set_pdl(cfg.pdl)  # process-wide: before any CUDA graph of this model is captured
+    # process-wide: before any CUDA graph of this model is captured
+    set_pdl(PdlMode(on=cfg.pdl, trigger=cfg.pdl_trigger, prefetch_max_mb=cfg.pdl_prefetch_max_mb))
     max_len = cfg.max_model_len or lcfg.max_position
     return LoadedModel(model, tokenizer, lcfg, name, desc, max_len, entry, conversion)
 

@@ -14,7 +14,7 @@ from specsched.kernels import activation, norm, pdl, rotary, testing  # noqa: E4
 from specsched.kernels import fused_linear as fl  # noqa: E402
 from specsched.kernels import fused_linear_kernels as flk  # noqa: E402
 from specsched.kernels import triton_attention as ta  # noqa: E402
-from specsched.kernels.pdl import PdlMode, is_pdl_enabled, pdl_args, pdl_enabled, set_pdl  # noqa: E402
+from specsched.kernels.pdl import PdlMode, is_pdl_enabled, pdl_args, pdl_enabled, pdl_mode, set_pdl  # noqa: E402
 from specsched.kernels.triton_utils import FP_FUSION, NO_FP_FUSION  # noqa: E402
 
 BF = "*bf16"
@@ -164,19 +164,25 @@ def test_loading_a_model_sets_the_mode_from_its_config() -> None:
     from specsched.models.loader import load_model
 
     try:
-        load_model(ModelConfig(source="tiny", device="cpu", dtype="float32", pdl=True), with_tokenizer=False)
-        assert is_pdl_enabled()
+        cfg = ModelConfig(source="tiny", device="cpu", dtype="float32", pdl=True, pdl_trigger="before",
+                          pdl_prefetch_max_mb=2.0)  # fmt: skip
+        load_model(cfg, with_tokenizer=False)
+        assert pdl_mode() == PdlMode(on=True, trigger="before", prefetch_max_mb=2.0)
         load_model(ModelConfig(source="tiny", device="cpu", dtype="float32"), with_tokenizer=False)
         assert not is_pdl_enabled()
     finally:
         set_pdl(False)
 
 
-def test_model_pdl_must_be_a_bool() -> None:
+def test_the_model_config_names_a_bad_pdl_setting() -> None:
     from specsched.engine.config import ModelConfig
 
     with pytest.raises(ValueError, match="model.pdl must be true or false"):
         ModelConfig(source="tiny", pdl="yes")
+    with pytest.raises(ValueError, match="model.pdl_trigger must be after or before"):
+        ModelConfig(source="tiny", pdl_trigger="first")
+    with pytest.raises(ValueError, match="model.pdl_prefetch_max_mb must be >= 0"):
+        ModelConfig(source="tiny", pdl_prefetch_max_mb=-1.0)
 
 
 @pytest.mark.gpu
