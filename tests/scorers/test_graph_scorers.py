@@ -332,6 +332,21 @@ def test_cuda_graphs_greedy_equals_non_speculative(scorer, proposer):
 
 @gpu
 @no_cuda
+@pytest.mark.parametrize("scorer", ["batch_expansion", "mqa_graph"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_cuda_graphs_with_pdl_greedy_equals_non_speculative(scorer, proposer):
+    """model.pdl's launches (kernels/pdl.py) in every graph and eager forward: still lossless."""
+    from specsched.kernels.pdl import pdl_enabled
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    with pdl_enabled(True):
+        engine = check_greedy_equality("cuda", scorer, proposer)
+    assert engine.scorers[scorer].runner.num_replays > 0
+
+
+@gpu
+@no_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_piecewise_mqa_vs_eager_mqa(dtype, decoding_batch):
     """Real piecewise graphs on the GPU against the eager MQA scorer, ragged k, two batches."""
