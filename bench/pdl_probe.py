@@ -38,7 +38,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specsched.bench.fused_linear import graph_of, time_run
 from specsched.bench.markdown import fmt, table
+from specsched.kernels.pdl import prefetch_l2
 
 WIDTHS = (576, 1536)  # SmolLM2-135M: hidden, intermediate
 BLOCK_N = 8
@@ -51,14 +53,6 @@ VARIANTS = (
     "cublas_mix",
     "cublas_mix_pdl",
 )
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """One ``prefetch.global.L2`` per element of ``ptrs`` (a hint: nothing waits for it)."""
-    return tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
 
 
 @triton.jit
@@ -76,7 +70,7 @@ def _gemv_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         if L2:  # a pointer per 128-byte line (64 bf16), clamped inside the tile
             lines = tl.minimum(tl.arange(0, BLOCK_K // 64) * 64, K - 1)
-            _prefetch_l2(w_ptr + tl.minimum(rows, N - 1)[:, None] * K + lines[None, :])
+            prefetch_l2(w_ptr + tl.minimum(rows, N - 1)[:, None] * K + lines[None, :])
             tl.extra.cuda.gdc_wait()
             w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=w_mask, other=0.0)
         elif PREFETCH:
@@ -131,23 +125,11 @@ class Chain:
 
 
 def time_variant(chain: Chain, variant: str, replays: int, repeats: int) -> tuple[float, torch.Tensor]:
-    """Median µs of one graph replay of the chain, and its output."""
-    chain.run(variant)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain.run(variant)
+    """Median µs of one graph replay of the chain (``repeats`` runs of ``replays``), and its output."""
+    graph = graph_of(lambda: chain.run(variant))
+    times = [time_run(graph, replays) for _ in range(repeats)]
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays)
     return statistics.median(times), chain.bufs[-1].clone()
 
 

@@ -66,6 +66,7 @@ class PdlMode:
 
 
 _state = {"mode": PdlMode()}
+_OFF, _OFF_WEIGHTED = {"USE_PDL": False}, {"USE_PDL": False, "PREFETCH": False}
 _capable: dict[int, bool] = {}
 
 
@@ -113,7 +114,7 @@ def pdl_args(device: torch.device, weight: torch.Tensor | None = None) -> dict:
     ``USE_PDL=False`` (the kernel as before)."""
     mode = _state["mode"]
     if not (mode.on and device.type == "cuda" and not is_interpreted() and _is_capable(device)):
-        return {"USE_PDL": False} if weight is None else {"USE_PDL": False, "PREFETCH": False}
+        return _OFF if weight is None else _OFF_WEIGHTED  # shared: callers only unpack them
     out = {"USE_PDL": True, "TRIGGER_FIRST": mode.trigger == "before", "launch_pdl": True}
     if weight is not None:
         out["PREFETCH"] = weight.numel() * weight.element_size() <= mode.prefetch_max_mb * 2**20
