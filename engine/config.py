@@ -175,6 +175,11 @@ class SchedulerConfig:
     # "step" = its own step's part alone (the measure before 2026-12-06, for A/B runs); "host" = all
     # of its host ms (view + decide) (engine/planning.py).
     decide_cost: str = "exposed"
+    # The decide interval doubles with each decide in a row that gave the plan it replaced (the same
+    # scorer and k for every request both were decided for), up to max_plan_age; a changed plan
+    # resets it (engine/planning.py). On the H100 on 2026-12-06 at N = 4, 76 % of goodput's decides
+    # returned the plan held. Off until measured (bench=serve_spill_ab).
+    decide_backoff: bool = False
     # Plain decode steps run back to back on the device when a step drafts nothing and every request
     # is greedy (engine/multi_step.py; vLLM's num_scheduler_steps): each step's argmax feeds the next
     # without a host read, and the host's per-step work is paid once per this many tokens. A request

@@ -79,18 +79,32 @@ class PlanReuse:
     decide's exposed ms and :meth:`observe_step` with each decode step's wall ms; ``is_due`` says
     whether the held plan has been used ``interval`` times. ``budget`` None: decide every step."""
 
-    def __init__(self, budget: float | None, max_age: int, smoothing: float = 0.2) -> None:
+    def __init__(
+        self, budget: float | None, max_age: int, smoothing: float = 0.2, is_backoff: bool = False
+    ) -> None:
         self.budget, self.max_age, self.smoothing = budget, max_age, smoothing
         self.exposed_ms: float | None = None  # EMA over decides: the ms of each that a step waited for
         self.step_ms: float | None = None  # EMA over decode steps: wall ms, the loop between included
         self.age = 0  # steps that have run the held plan
+        # scheduler.decide_backoff: the interval doubles with each decide in a row that gave the plan
+        # it replaced (:meth:`on_decided`), up to max_age; a changed plan resets it
+        self.is_backoff = is_backoff
+        self.num_unchanged = 0  # decides in a row whose plan equalled the one it replaced
 
     @property
     def interval(self) -> int:
-        """Steps per decide: 1 while a decide costs at most ``budget`` of a step, at most ``max_age``."""
+        """Steps per decide: 1 while a decide costs at most ``budget`` of a step, at most ``max_age``;
+        with backoff, that times 2 per decide in a row that changed nothing."""
         if self.budget is None or not self.step_ms or not self.exposed_ms:
             return 1
-        return max(1, min(self.max_age, math.ceil(self.exposed_ms / (self.budget * self.step_ms))))
+        base = math.ceil(self.exposed_ms / (self.budget * self.step_ms))
+        if self.is_backoff:
+            base <<= min(self.num_unchanged, 16)
+        return max(1, min(self.max_age, base))
+
+    def on_decided(self, is_changed: bool) -> None:
+        """A decide's plan did (not) differ from the plan it replaced (:func:`is_same_plan`)."""
+        self.num_unchanged = 0 if is_changed else self.num_unchanged + 1
 
     @property
     def is_due(self) -> bool:
@@ -118,6 +132,23 @@ class PlanReuse:
         return x if mean is None else (1.0 - self.smoothing) * mean + self.smoothing * x
 
 
+def is_same_plan(old: tuple[list[str], Plan, bool] | None, ids: list[str], plan: Plan) -> bool:
+    """Whether ``plan`` (decided for requests ``ids``) repeats the held plan ``old`` (its ids, plan,
+    is-ahead flag): the same scorer and, on every request both were decided for (at least one), the
+    same k — each plan's ``info["k_intent"]`` where it has one (the k had the request been offered every
+    draft), so an offer that moved is no change. An exploration probe is never the same."""
+    if old is None or plan.is_one_step or old[1].is_one_step or plan.scorer != old[1].scorer:
+        return False
+    old_k = dict(zip(old[0], _intent(old[1]), strict=True))
+    common = [(old_k[rid], k) for rid, k in zip(ids, _intent(plan), strict=True) if rid in old_k]
+    return bool(common) and all(a == b for a, b in common)
+
+
+def _intent(plan: Plan) -> list[int]:
+    intent = plan.info.get("k_intent")
+    return intent if intent is not None and len(intent) == len(plan.k) else plan.k
+
+
 def timed_decide(policy: Policy, costs, view: BatchView) -> Plan:
     """The policy's decide, its wall ms in ``plan.info["decide_ms"]`` (the log's plan_info)."""
     t0 = time.perf_counter()
@@ -139,8 +170,9 @@ class Planner:
         is_host_cost: bool = False,
         ahead_max_batch: int | None = None,
         is_spill_counted: bool = True,
+        is_backoff: bool = False,
     ) -> None:
-        self.reuse = PlanReuse(budget, max_age)
+        self.reuse = PlanReuse(budget, max_age, is_backoff=is_backoff)
         self.ahead_max_batch = ahead_max_batch  # plan ahead only at batches this small (None: any)
         self.is_host_cost = is_host_cost  # a decide ahead costs all its host ms (scheduler.decide_cost)
         self.is_spill_counted = is_spill_counted  # and the next step's SPILL_PHASES (decide_cost=exposed)
@@ -166,7 +198,9 @@ class Planner:
             self.reuse.record_decide(plan.info["decide_ms"])  # on the critical path: all of it
             self.reuse.on_new_plan()
             if policy.is_plan_ahead_safe:  # else never carried: no per-request copy of the plan's ids
-                self.held = [v.request_id for v in view.requests], plan, False
+                ids = [v.request_id for v in view.requests]
+                self.reuse.on_decided(not is_same_plan(self.held, ids, plan))
+                self.held = ids, plan, False
                 self.held_caps = {v.request_id: v.max_k for v in view.requests}
             else:
                 self.held, self.held_caps = None, None
@@ -230,7 +264,9 @@ class Planner:
         ahead = timed_decide(policy, costs, view)
         self._ahead_ms = (time.perf_counter() - t0) * 1e3
         self.reuse.on_new_plan()
-        self.held = [v.request_id for v in view.requests], ahead, True
+        ids = [v.request_id for v in view.requests]
+        self.reuse.on_decided(not is_same_plan(self.held, ids, ahead))
+        self.held = ids, ahead, True
         self.held_caps = {v.request_id: v.max_k for v in view.requests}
 
     def observe(self, score_ms: float, host_ms: dict[str, float]) -> None:

@@ -448,3 +448,68 @@ def test_a_one_step_plan_runs_one_step_then_the_next_is_decided(is_plan_ahead):
         assert planner.plan(policy, None, view).k == [3] * 4
         planner.decide_ahead(policy, None, lambda: view, batch_size=4)
     assert policy.num_decides == 1
+
+
+def test_backoff_doubles_the_interval_per_unchanged_decide_and_resets_on_a_change():
+    r = PlanReuse(budget=0.05, max_age=16, is_backoff=True)
+    r.observe_step(10.0)
+    r.record_decide(1.0)  # 2 steps a decide by the budget
+    seen = []
+    for is_changed in (False, False, False, False, True, False):
+        r.on_decided(is_changed)
+        seen.append(r.interval)
+    assert seen == [4, 8, 16, 16, 2, 4]  # capped at max_age; a changed plan: the budget's interval
+    off = PlanReuse(budget=0.05, max_age=16)
+    off.observe_step(10.0)
+    off.record_decide(1.0)
+    off.on_decided(False)
+    off.on_decided(False)
+    assert off.interval == 2
+    free = PlanReuse(budget=0.05, max_age=16, is_backoff=True)
+    free.observe_step(10.0)
+    free.record_decide(0.0)  # a hidden decide stays every step, unchanged or not
+    free.on_decided(False)
+    assert free.interval == 1
+
+
+def test_is_same_plan_compares_scorer_and_intent_on_the_requests_both_planned():
+    from specsched.engine.planning import is_same_plan
+
+    held = (["a", "b", "c"], Plan([3, 0, 5], "mqa_graph", "goodput"), True)
+    assert is_same_plan(held, ["b", "a", "d"], Plan([0, 3, 7], "mqa_graph", "goodput"))  # d joined, c left
+    assert not is_same_plan(held, ["a", "b"], Plan([3, 1], "mqa_graph", "goodput"))  # b's k moved
+    assert not is_same_plan(held, ["a", "b"], Plan([3, 0], "mqa", "goodput"))  # another scorer
+    assert not is_same_plan(held, ["x"], Plan([3], "mqa_graph", "goodput"))  # nobody in common
+    assert not is_same_plan(None, ["a"], Plan([3], "mqa_graph", "goodput"))
+    probe = Plan([3, 0, 5], "mqa_graph", "goodput", is_one_step=True)
+    assert not is_same_plan(held, ["a", "b", "c"], probe)
+    # an offer cut short: k 2 now, but the intent (what it would draft if offered) is unchanged
+    cut = Plan([2, 0, 5], "mqa_graph", "goodput", info={"k_intent": [3, 0, 5]})
+    assert is_same_plan(held, ["a", "b", "c"], cut)
+
+
+class SamePlan(Policy):
+    """A plan-ahead-safe policy that decides the same plan every time, and counts its decides."""
+
+    name = "same"
+    is_plan_ahead_safe = True
+
+    def __init__(self) -> None:
+        self.num_decides = 0
+
+    def decide(self, view, costs):
+        self.num_decides += 1
+        return Plan([2] * view.batch_size, "mqa", self.name)
+
+
+@pytest.mark.parametrize("is_backoff", [False, True])
+def test_planner_decides_less_often_while_decides_change_nothing(is_backoff: bool):
+    """On the critical path (no plan-ahead) a policy whose plan never changes: with the backoff the
+    decides thin out 1, 2, 4, 8, 16 steps apart; without it every `interval` steps."""
+    policy, ids = SamePlan(), ["r0", "r1", "r2", "r3"]
+    planner = Planner(budget=0.05, max_age=16, is_plan_ahead=False, is_backoff=is_backoff)
+    planner.reuse.observe_step(1e6)  # a step so long that any decide fits the budget: interval 1
+    for _ in range(64):
+        plan = planner.plan(policy, None, view_of(ids, [8] * 4))
+        assert plan.k == [2] * 4
+    assert policy.num_decides == (8 if is_backoff else 64)  # steps 0, 1, 3, 7, 15, 31, 47, 63
