@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 
 import torch
 
@@ -39,6 +40,24 @@ def mode_of(name: str, prefetch_max_mb: float) -> PdlMode:
     )
 
 
+def time_gapped(graph: torch.cuda.CUDAGraph, replays: int, gap_us: float) -> float:
+    """µs per replay, each replay alone on an idle device: synchronised, then ``gap_us`` of host spin
+    before the next (as the daemon's GPU waits for the host between steps); events around each."""
+    total = 0.0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(replays):
+        torch.cuda.synchronize()
+        until = time.perf_counter() + gap_us * 1e-6
+        while time.perf_counter() < until:
+            pass
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        total += start.elapsed_time(end) * 1e3
+    return total / replays
+
+
 def bench_rows(key: str, model, m: int, args) -> list[list[str]]:
     """One table row per layer path at M = ``m``."""
     ids, pos, meta, kv = decode_batch(model, m, args.ctx)
@@ -54,7 +73,13 @@ def bench_rows(key: str, model, m: int, args) -> list[list[str]]:
     for g in graphs.values():
         g.replay()
     torch.cuda.synchronize()
-    runs = compare(graphs, args.repeats, args.replays)
+    if args.gap_us > 0:
+        runs = {name: [] for name in graphs}
+        for _ in range(args.repeats):  # interleaved, as compare()
+            for name, g in graphs.items():
+                runs[name].append(time_gapped(g, args.replays, args.gap_us))
+    else:
+        runs = compare(graphs, args.repeats, args.replays)
     base = statistics.median(runs["unfused/off"])
     rows = []
     for path in PATHS:
@@ -77,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--ctx", type=int, default=512, help="cached tokens per row (the attention's length)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument(
+        "--gap-us",
+        type=float,
+        default=0.0,
+        help="> 0: time each replay alone, the device idle this long before it (as between steps)",
+    )
     p.add_argument("--prefetch-max-mb", type=float, default=PdlMode().prefetch_max_mb)
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:

@@ -43,11 +43,18 @@ def decode_step_inputs(sb: ScoringBatch, num_blocks: np.ndarray, step: int) -> H
 
 
 def greedy_decode_steps(
-    forward: HostForward, batch: list[Request], num_steps: int, block_size: int, device: torch.device
+    forward: HostForward,
+    batch: list[Request],
+    num_steps: int,
+    block_size: int,
+    device: torch.device,
+    on_first_launch: Callable[[], None] | None = None,
 ) -> torch.Tensor:  # [num_steps, B] int64 on device
     """Run ``num_steps`` greedy plain decode steps of ``batch`` with ``forward`` (a scorer's
     ``decode_forward``); returns each step's argmax token per request, on the device (no host read).
-    Every request's block table must already cover ``num_tokens + num_steps - 1`` positions."""
+    Every request's block table must already cover ``num_tokens + num_steps - 1`` positions.
+    ``on_first_launch`` is called once the first step is queued (with more than one step), while the
+    host still launches the others: from there on the device has work."""
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     b = len(batch)
@@ -60,4 +67,6 @@ def greedy_decode_steps(
         logits = forward(decode_step_inputs(sb, num_blocks, s), prev)  # [>= B, vocab]
         torch.argmax(logits[:b], dim=-1, out=out[s])  # the argmax verify_greedy takes
         prev = out[s]
+        if s == 0 and num_steps > 1 and on_first_launch is not None:
+            on_first_launch()
     return out

@@ -248,3 +248,32 @@ def test_runs_on_cuda_graphs_give_the_single_step_tokens(scorer):
     assert got == want
     assert any(r.num_decode_steps == 4 for r in recs)
     assert e.scorers[scorer].runner.num_eager_fallbacks == 0
+
+
+def test_a_run_wakes_the_device_wait_hook_after_its_first_forward_once():
+    """The hook (the daemon's IO thread: a new request's first token) goes after a run's first
+    forward is queued, not after the host has launched them all; still once per step."""
+    e = engine("batch_expansion", 4)
+    events: list[str] = []
+    scorer = e.scorers["batch_expansion"]
+    real_forward = scorer.decode_forward
+
+    def forward(x, ids):
+        events.append("forward")
+        return real_forward(x, ids)
+
+    scorer.decode_forward = forward
+    e.on_device_wait = lambda: events.append("wait")
+    e.on_step = lambda rec: events.append(f"{rec.kind}:{rec.num_decode_steps}")
+    e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=9, ignore_eos=True))
+    groups, cur = [], []  # each step's events, its record last
+    for ev in events:
+        cur.append(ev)
+        if ":" in ev:
+            groups.append(cur)
+            cur = []
+    runs = [g for g in groups if g[-1] == "decode:4"]
+    assert runs, events
+    for g in runs:  # the first forward, the hook, the other three, the record
+        assert g == ["forward", "wait", "forward", "forward", "forward", "decode:4"], g
+    assert all(g.count("wait") == 1 for g in groups)  # one a step, runs or not
