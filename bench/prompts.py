@@ -33,14 +33,30 @@ _QUESTIONS = [
     "List five tips for writing clear technical documentation.",
     "What are the main differences between a list and a tuple in Python?",
 ]
-PROMPTS: list[list[dict]] = [[{"role": "user", "content": q}] for q in _QUESTIONS]
+_TYPOS = (
+    "Our team will recieve the new equipmnet next week. Untill then, please keep using the old "
+    "printers on the secnd floor and report any problms to the help desk as soon as posible."
+)
+# input-grounded chat turns (issue 17's n-gram line): the answer repeats most of the text it is given.
+# Appended after the first eight, so that presets taking the first N prompts keep their set.
+_GROUNDED = [
+    f"Fix the spelling mistakes in this paragraph and give it back in full:\n\n{_TYPOS}",
+    f"Add a comment above each line of this Python function:\n\n{_CODE}",
+    f"Turn this paragraph into a bulleted list, one clause per bullet, keeping the wording:\n\n{_TEXT}",
+    f"Change this function so that it raises TypeError when `window` is not an int, and show the whole "
+    f"function:\n\n{_CODE}",
+]
+PROMPTS: list[list[dict]] = [[{"role": "user", "content": q}] for q in _QUESTIONS + _GROUNDED]
+NUM_GENERAL = len(_QUESTIONS)  # the first prompts, general and grounded mixed: the default sets
+# the indices of the prompts whose answer quotes their input (bench.serve.prompt_indices)
+GROUNDED = [0, 1, 3, 5, 8, 9, 10, 11]
 
 
 def chat_prompts(num: int) -> list[list[dict]]:
-    """The first ``num`` prompts (cycled when more are asked for)."""
+    """The first ``num`` of the eight general prompts (cycled when more are asked for)."""
     if num < 1:
         raise ValueError(f"number of prompts must be >= 1, got {num}")
-    return [PROMPTS[i % len(PROMPTS)] for i in range(num)]
+    return [PROMPTS[i % NUM_GENERAL] for i in range(num)]
 
 
 # 64 short chat requests (4 forms x 16 topics): the deterministic-mode tests' and probe's prompts

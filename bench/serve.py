@@ -23,7 +23,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from specsched.bench.common import random_prompts
-from specsched.bench.prompts import PROMPTS
+from specsched.bench.prompts import NUM_GENERAL, PROMPTS
 from specsched.bench.serve_config import DaemonRun, ServeConfig
 from specsched.bench.serve_daemon import (
     Daemon,
@@ -52,8 +52,12 @@ def make_prompts(cfg: ServeConfig) -> list[dict]:
     if cfg.prompts == "ids":
         ids = random_prompts(cfg.prompt_vocab, cfg.num_prompts, cfg.prompt_len, cfg.seed, motif=True)
         return [{"prompt_ids": p} for p in ids]
-    indices = cfg.prompt_indices if cfg.prompt_indices is not None else range(cfg.num_prompts)
-    return [{"messages": PROMPTS[i % len(PROMPTS)]} for i in indices]
+    indices = (
+        cfg.prompt_indices
+        if cfg.prompt_indices is not None
+        else [i % NUM_GENERAL for i in range(cfg.num_prompts)]
+    )
+    return [{"messages": PROMPTS[i]} for i in indices]
 
 
 def write_oracle(path: Path, prompts: list[dict], reference: dict[int, dict[int, list[int]]]) -> Path:
