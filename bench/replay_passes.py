@@ -98,6 +98,9 @@ class PassPart(NamedTuple):
     bits: MatchBits
     segments: list[int]  # per request: its busy period in the pass (``Pass.segments``)
     think_ms: list[float]  # per request: ms from its client's last request's finish to its arrival
+    # per busy period: the ms of its live steps (total_ms, prefills included) from its first arrival
+    # to its last, the time its clients were sending (policies/replay.py simulate's ``window_ms``)
+    window_ms: list[float]
 
 
 def sub_run(run: RecordedRun, bits: MatchBits, p: Pass, times: Sequence[RequestTimes]) -> PassPart:
@@ -122,7 +125,24 @@ def sub_run(run: RecordedRun, bits: MatchBits, p: Pass, times: Sequence[RequestT
     think = think_times([t for t in times if t.key in position])
     think_ms = [think.get(run.requests[i].key, 0.0) for i in index]
     pass_bits = MatchBits(pick[0], pick[1], bits.run_mean, draftable, num_imputed, bits.seed)
-    return PassPart(p, part, pass_bits, segments, think_ms)
+    return PassPart(p, part, pass_bits, segments, think_ms, window_times(p, times, steps))
+
+
+def window_times(p: Pass, times: Sequence[RequestTimes], steps) -> list[float]:
+    """Per busy period of ``p``: the summed ``total_ms`` of ``steps`` (the pass's) that started between
+    its first request's arrival and its last's (:class:`PassPart`'s ``window_ms``)."""
+    position = {k: i for i, k in enumerate(p.keys)}
+    spans: dict[int, tuple[float, float]] = {}
+    for t in times:
+        if t.key in position:
+            seg = p.segments[position[t.key]]
+            lo, hi = spans.get(seg, (t.arrival, t.arrival))
+            spans[seg] = (min(lo, t.arrival), max(hi, t.arrival))
+    num = max(p.segments, default=-1) + 1
+    return [
+        sum(s.total_ms for s in steps if seg in spans and spans[seg][0] <= s.start_time <= spans[seg][1])
+        for seg in range(num)
+    ]
 
 
 def think_times(times: Sequence[RequestTimes]) -> dict[str, float]:

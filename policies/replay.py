@@ -138,6 +138,7 @@ class PolicyResult:
     source: str  # "recorded" (the log as it is) | "replayed"
     num_steps: int = 0  # decode steps
     num_prefill_steps: int = 0
+    num_admitted: int = 0  # requests the replay ran (``simulate``'s ``window_ms``: sent again, or not sent)
     num_tokens: int = 0  # output tokens, the prefills' first tokens included
     num_decode_tokens: int = 0
     num_request_steps: int = 0  # (request, decode step) pairs
@@ -243,6 +244,7 @@ def simulate(
     closed_loop: bool = False,
     segments: Sequence[int] | None = None,
     think_ms: Sequence[float] | None = None,
+    window_ms: Sequence[float] | None = None,
 ) -> PolicyResult:
     """Replay the run's requests under ``policy`` (see the module docstring). ``closed_loop``: a
     client (``RecordedRequest.client``) has one request running at a time, its next one joining when
@@ -267,14 +269,44 @@ def simulate(
     segment = 0  # the busy period being served (``segments``)
     clock = 0.0  # predicted ms of the steps so far (the idle waits of ``think_ms`` added)
     ready_at: dict[int, float] = {}  # request index -> the clock it may join at (``think_ms``)
+    windows = window_ms if closed_loop else None
+    prefill_each, again = _window_setup(run, costs, segments, windows)
+    opened: float | None = None  # the clock at the period's first admission (``window_ms``)
+    turns: dict[tuple[str | None, int], int] = {}  # requests sent again per (client, period)
+    sent: set[str] = set()  # clients that sent a request in the period (``window_ms``: each sends one)
 
     def is_waiting(i: int) -> bool:
         return think_ms is not None and ready_at.get(i, 0.0) > clock
 
+    def period_of(i: int) -> int:
+        return segments[i] if segments is not None else 0
+
+    def is_open() -> bool:  # the period's clients still send (``window_ms``)
+        return windows is None or opened is None or clock - opened <= windows[segment]
+
     def admit() -> None:
-        nonlocal segment
-        if segments is not None and not running:  # drained: the next period may start
-            segment = min((segments[q[0]] for q in queues.values() if q), default=segment)
+        nonlocal segment, opened, clock
+        if not running:  # drained: the next period may start
+            if not is_open():  # its window closed: what its clients had not sent stays unsent
+                for client, q in queues.items():
+                    while client in sent and q and period_of(q[0]) == segment:
+                        q.popleft()
+            if segments is not None:
+                nxt = min((segments[q[0]] for q in queues.values() if q), default=segment)
+                if nxt != segment:
+                    opened, segment = None, nxt
+                    sent.clear()
+        is_open_now = is_open()
+        for client, queue in queues.items():  # a client done with its requests of an open window
+            key = (client, segment)
+            if not is_open_now or key not in again or client in busy:
+                continue
+            if not (queue and period_of(queue[0]) == segment):
+                n = turns[key] = turns.get(key, 0) + 1
+                i = again[key][(n - 1) % len(again[key])]
+                queue.appendleft(i)
+                if think_ms is not None:  # its client's round trip, as when it was sent live
+                    ready_at[i] = clock + think_ms[i]
         is_admitted = True
         while is_admitted and len(running) < st.max_num_seqs:
             is_admitted = False
@@ -285,7 +317,14 @@ def simulate(
                     continue
                 if is_waiting(queue[0]):
                     continue
+                if not is_open_now and client in sent:  # closed: only a client's first of the period
+                    continue
                 i = queue.popleft()
+                res.num_admitted += 1
+                opened = clock if opened is None else opened
+                clock += prefill_each
+                if client is not None:
+                    sent.add(client)
                 live = _Live(i, run.requests[i])
                 res.num_tokens += min(live.req.output_len, 1)
                 if live.req.output_len > 1:
@@ -361,7 +400,23 @@ def simulate(
                 nxt = queues[client][0]
                 ready_at[nxt] = clock + think_ms[nxt]
             acceptance.forget(live.req.key)
+    if windows is not None:  # the prefills of the requests it sent, not the run's
+        res.predicted_ms += prefill_each * res.num_admitted - sum(map(costs.step_ms, run.prefill_steps))
     return res
+
+
+def _window_setup(
+    run: RecordedRun, costs: CostModels, segments: Sequence[int] | None, windows: Sequence[float] | None
+) -> tuple[float, dict[tuple[str | None, int], list[int]]]:
+    """For ``simulate``'s ``window_ms``: each request's share of the measured prefill ms, and per
+    (client, period) its requests there, to send again."""
+    if windows is None or not run.requests:
+        return 0.0, {}
+    again: dict[tuple[str | None, int], list[int]] = {}
+    for i, r in enumerate(run.requests):
+        if r.client is not None and r.output_len > 1:  # one that takes decode steps (and clock)
+            again.setdefault((r.client, segments[i] if segments is not None else 0), []).append(i)
+    return sum(map(costs.step_ms, run.prefill_steps)) / len(run.requests), again
 
 
 @dataclass

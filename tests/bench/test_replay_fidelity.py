@@ -152,12 +152,18 @@ def test_passes_of_a_real_log_replay_at_their_own_concurrency(logs):
     assert sum(len(part.steps) for _, part, *_ in log.passes) == len(log.run.steps)  # every step in a pass
     # replayed pass by pass, the recorded policy takes the recorded number of steps (with the run's
     # max_num_seqs = 4 the replay would batch pass 1's three requests together: far fewer steps)
-    predicted, live = predicted_rates(log, K8), live_rates(log)
+    predicted, live = predicted_rates(log, K8, windowed=False), live_rates(log)
     assert [(predicted[n].steps, predicted[n].tokens) for n in (1, 2)] == [
         (live[n].steps, live[n].tokens) for n in (1, 2)
     ]
     assert predicted[0].steps == len(log.run.decode_steps)
     assert predicted[0].tokens == sum(r.output_len for r in log.run.requests)
+    # windowed (the default): each client's first request of a busy period always goes, and these
+    # periods are each client's one or two requests: the same tokens; the steps move by a client's
+    # round trip (the replay waits for it: a batch of one for a step)
+    windowed = predicted_rates(log, K8)
+    for n in (1, 2):
+        assert windowed[n].tokens == live[n].tokens and abs(windowed[n].steps - live[n].steps) <= 2
 
 
 def test_own_policy_predicts_its_own_tokens_per_s_and_a_wrong_one_does_not(logs):

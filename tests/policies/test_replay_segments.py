@@ -152,3 +152,35 @@ def test_a_client_s_round_trip_delays_its_next_request_in_the_replay_clock():
     assert sizes[:6] == [2, 1, 1, 1, 1, 2]
     assert late.num_decode_tokens == free_tokens(run)
     assert late.predicted_ms == pytest.approx(sum(t.predicted_ms for t in late.trace))  # no idle counted
+
+
+def test_a_windowed_replay_keeps_its_clients_sending_for_the_live_window_then_drains():
+    """window_ms: a's requests are 6 tokens, b's 2; replayed once each, b runs out early and a goes on
+    alone (the tail a slower policy makes). With a window the clients send for that long, going round
+    their requests again; past it each drains; a window of 0 lets each client send its first only."""
+    from specsched.policies.registry import build_policy
+    from specsched.policies.replay import refit_costs, simulate
+
+    run, bits = _two_clients({"a": 6, "b": 2}, n=3)
+    policy = build_policy({"name": "fixed", "k": 0, "scorer": "mqa"})
+    costs = refit_costs(run)
+    once = simulate(run, bits, policy, costs, "x", closed_loop=True)
+    step_ms = once.trace[0].predicted_ms
+    assert [t.batch_size for t in once.trace].count(1) >= 10  # a's last two requests alone
+    window = simulate(run, bits, policy, costs, "x", closed_loop=True, window_ms=[12 * step_ms])
+    sizes = [t.batch_size for t in window.trace]
+    assert window.num_admitted > len(run.requests)  # b went round its requests again
+    assert sizes[:12] == [2] * 12 and sizes.count(1) <= 5  # both busy through the window, then a drains
+    assert window.predicted_ms == pytest.approx(sum(t.predicted_ms for t in window.trace))  # no prefills
+    first_only = simulate(run, bits, policy, costs, "x", closed_loop=True, window_ms=[0.0])
+    assert first_only.num_admitted == 2 and first_only.num_decode_tokens == 5 + 1
+
+
+def test_a_windowed_replay_never_loops_on_requests_without_decode_steps():
+    from specsched.policies.registry import build_policy
+    from specsched.policies.replay import refit_costs, simulate
+
+    run, bits = _two_clients({"a": 1, "b": 1}, n=2)  # each request is its prefill token alone
+    res = simulate(run, bits, build_policy({"name": "fixed", "k": 0, "scorer": "mqa"}), refit_costs(run),
+                   "x", closed_loop=True, window_ms=[5.0])  # fmt: skip
+    assert res.num_admitted == 4 and res.num_steps == 0 and res.num_tokens == 4
