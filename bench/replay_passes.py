@@ -130,19 +130,25 @@ def sub_run(run: RecordedRun, bits: MatchBits, p: Pass, times: Sequence[RequestT
 
 def window_times(p: Pass, times: Sequence[RequestTimes], steps) -> list[float]:
     """Per busy period of ``p``: the summed ``total_ms`` of ``steps`` (the pass's) that started between
-    its first request's arrival and its last's (:class:`PassPart`'s ``window_ms``)."""
+    its first request's arrival and its last's, plus half the mean gap between its arrivals (the live
+    clients stopped sending somewhere before the next would have come; a replay at the live speed
+    then sends the last request inside its window, not on its edge) (:class:`PassPart`'s
+    ``window_ms``)."""
     position = {k: i for i, k in enumerate(p.keys)}
-    spans: dict[int, tuple[float, float]] = {}
+    arrivals: dict[int, list[float]] = {}
     for t in times:
         if t.key in position:
-            seg = p.segments[position[t.key]]
-            lo, hi = spans.get(seg, (t.arrival, t.arrival))
-            spans[seg] = (min(lo, t.arrival), max(hi, t.arrival))
-    num = max(p.segments, default=-1) + 1
-    return [
-        sum(s.total_ms for s in steps if seg in spans and spans[seg][0] <= s.start_time <= spans[seg][1])
-        for seg in range(num)
-    ]
+            arrivals.setdefault(p.segments[position[t.key]], []).append(t.arrival)
+    out = []
+    for seg in range(max(p.segments, default=-1) + 1):
+        got = arrivals.get(seg, [])
+        if not got:
+            out.append(0.0)
+            continue
+        lo, hi = min(got), max(got)
+        span = sum(s.total_ms for s in steps if lo <= s.start_time <= hi)
+        out.append(span + (span / (len(got) - 1) / 2 if len(got) > 1 else 0.0))
+    return out
 
 
 def think_times(times: Sequence[RequestTimes]) -> dict[str, float]:

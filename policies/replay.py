@@ -14,7 +14,7 @@ with their measured time, for every policy alike.
 from __future__ import annotations
 
 import statistics
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -24,6 +24,7 @@ from specsched.policies.base import BatchView, Policy, RequestView
 from specsched.policies.cost_model import CostModels
 from specsched.policies.registry import POLICIES, build_policy
 from specsched.policies.replay_churn import ChurnResidual
+from specsched.policies.replay_clients import Arrivals
 from specsched.policies.replay_log import (
     MatchBits,
     RecordedRequest,
@@ -246,101 +247,31 @@ def simulate(
     think_ms: Sequence[float] | None = None,
     window_ms: Sequence[float] | None = None,
 ) -> PolicyResult:
-    """Replay the run's requests under ``policy`` (see the module docstring). ``closed_loop``: a
-    client (``RecordedRequest.client``) has one request running at a time, its next one joining when
-    the last finished, as the clients of ``bench=serve`` send them (requests without a client join in
-    order, as always). ``segments``: per request (``run.requests`` order, non-decreasing) the busy
-    period of the live run it came in; a request joins only once every request of earlier periods
-    has finished (the live batch drained there: e.g. ``bench=serve``'s rounds, each ending with its
-    last request). ``think_ms`` (with ``closed_loop``): per request, the ms from its client's last
-    request's finish to its arrival, live (the client's round trip); it joins that long after its
-    client's last request finished in the replay's clock (the predicted ms of the steps so far; a
-    batch with nobody ready waits, time that counts on neither side, as the idle time live). Raises
-    ``ValueError`` when the policy cannot run here (e.g. it names a scorer that ``scorers`` lacks)."""
+    """Replay the run's requests under ``policy`` (see the module docstring). Who joins when —
+    ``closed_loop`` (each client one request at a time), ``segments`` (busy periods), ``think_ms``
+    (each client's round trips) and ``window_ms`` (each period's clients send for as long as they did
+    live, their requests sent again or not at all): :mod:`specsched.policies.replay_clients`. With
+    windows each request sent costs its share of the run's measured prefill ms, in the clock and in
+    the result, in place of the run's prefills. Raises ``ValueError`` when the policy cannot run here
+    (e.g. it names a scorer that ``scorers`` lacks)."""
     st = run.settings
     scorers = list(scorers or st.scorers)
     res = _base_result(run, label, "replayed", costs)
     acceptance = AcceptanceEstimator()
-    queues: dict[str | None, deque[int]] = {}  # by client (closed loop), else one queue
-    for i, r in enumerate(run.requests):
-        queues.setdefault(r.client if closed_loop else None, deque()).append(i)
+    prefill = sum(map(costs.step_ms, run.prefill_steps))
+    each = prefill / len(run.requests) if window_ms is not None and run.requests else 0.0
+    arrivals = Arrivals(run.requests, closed_loop, segments, think_ms, window_ms, each)
     running: list[_Live] = []
-    busy: set[str] = set()  # clients with a request running
-    segment = 0  # the busy period being served (``segments``)
-    clock = 0.0  # predicted ms of the steps so far (the idle waits of ``think_ms`` added)
-    ready_at: dict[int, float] = {}  # request index -> the clock it may join at (``think_ms``)
-    windows = window_ms if closed_loop else None
-    prefill_each, again = _window_setup(run, costs, segments, windows)
-    opened: float | None = None  # the clock at the period's first admission (``window_ms``)
-    turns: dict[tuple[str | None, int], int] = {}  # requests sent again per (client, period)
-    sent: set[str] = set()  # clients that sent a request in the period (``window_ms``: each sends one)
-
-    def is_waiting(i: int) -> bool:
-        return think_ms is not None and ready_at.get(i, 0.0) > clock
-
-    def period_of(i: int) -> int:
-        return segments[i] if segments is not None else 0
-
-    def is_open() -> bool:  # the period's clients still send (``window_ms``)
-        return windows is None or opened is None or clock - opened <= windows[segment]
-
-    def admit() -> None:
-        nonlocal segment, opened, clock
-        if not running:  # drained: the next period may start
-            if not is_open():  # its window closed: what its clients had not sent stays unsent
-                for client, q in queues.items():
-                    while client in sent and q and period_of(q[0]) == segment:
-                        q.popleft()
-            if segments is not None:
-                nxt = min((segments[q[0]] for q in queues.values() if q), default=segment)
-                if nxt != segment:
-                    opened, segment = None, nxt
-                    sent.clear()
-        is_open_now = is_open()
-        for client, queue in queues.items():  # a client done with its requests of an open window
-            key = (client, segment)
-            if not is_open_now or key not in again or client in busy:
-                continue
-            if not (queue and period_of(queue[0]) == segment):
-                n = turns[key] = turns.get(key, 0) + 1
-                i = again[key][(n - 1) % len(again[key])]
-                queue.appendleft(i)
-                if think_ms is not None:  # its client's round trip, as when it was sent live
-                    ready_at[i] = clock + think_ms[i]
-        is_admitted = True
-        while is_admitted and len(running) < st.max_num_seqs:
-            is_admitted = False
-            for client, queue in queues.items():
-                if not queue or len(running) >= st.max_num_seqs or client in busy:
-                    continue
-                if segments is not None and segments[queue[0]] > segment:
-                    continue
-                if is_waiting(queue[0]):
-                    continue
-                if not is_open_now and client in sent:  # closed: only a client's first of the period
-                    continue
-                i = queue.popleft()
-                res.num_admitted += 1
-                opened = clock if opened is None else opened
-                clock += prefill_each
-                if client is not None:
-                    sent.add(client)
-                live = _Live(i, run.requests[i])
-                res.num_tokens += min(live.req.output_len, 1)
-                if live.req.output_len > 1:
-                    running.append(live)
-                    if client is not None:
-                        busy.add(client)
-                is_admitted = True
-
     churn = costs.churn  # ChurnResidual | None: what a change of the batch adds to a step
     last_ids: set[str] | None = None  # the requests of the last simulated step
-    while any(queues.values()) or running:
-        admit()
+    while arrivals.has_work or running:
+        for i in arrivals.admit(st.max_num_seqs - len(running), is_drained=not running):
+            live = _Live(i, run.requests[i])
+            res.num_tokens += min(live.req.output_len, 1)
+            if live.req.output_len > 1:
+                running.append(live)
         if not running:
-            waits = [ready_at[q[0]] for q in queues.values() if q and is_waiting(q[0])]
-            if waits:  # nobody ready: the clients' round trips (idle, as live)
-                clock = min(waits)
+            arrivals.wait()  # nobody ready: the clients' round trips (idle, as live)
             continue
         ctx = [live.req.prompt_len + live.s + 1 for live in running]
         held = sum(-(-c // st.block_size) for c in ctx)
@@ -389,34 +320,17 @@ def simulate(
         res.num_request_steps += len(ks)
         res.num_drafts += sum(ks)
         res.predicted_ms += pred
-        clock += pred
+        arrivals.clock += pred
         res.scorer_steps[plan.scorer] = res.scorer_steps.get(plan.scorer, 0) + 1
         res.trace.append(StepTrace(len(ks), sum(ks) / len(ks), plan.scorer, pred))
         for live in [x for x in running if x.s >= x.req.output_len - 1]:
             running.remove(live)
-            client = live.req.client if closed_loop else None
-            busy.discard(client)
-            if think_ms is not None and queues.get(client):
-                nxt = queues[client][0]
-                ready_at[nxt] = clock + think_ms[nxt]
+            arrivals.finish(live.index)
             acceptance.forget(live.req.key)
-    if windows is not None:  # the prefills of the requests it sent, not the run's
-        res.predicted_ms += prefill_each * res.num_admitted - sum(map(costs.step_ms, run.prefill_steps))
+    res.num_admitted = arrivals.num_admitted
+    if window_ms is not None and closed_loop:  # the prefills of the requests it sent, not the run's
+        res.predicted_ms += each * res.num_admitted - prefill
     return res
-
-
-def _window_setup(
-    run: RecordedRun, costs: CostModels, segments: Sequence[int] | None, windows: Sequence[float] | None
-) -> tuple[float, dict[tuple[str | None, int], list[int]]]:
-    """For ``simulate``'s ``window_ms``: each request's share of the measured prefill ms, and per
-    (client, period) its requests there, to send again."""
-    if windows is None or not run.requests:
-        return 0.0, {}
-    again: dict[tuple[str | None, int], list[int]] = {}
-    for i, r in enumerate(run.requests):
-        if r.client is not None and r.output_len > 1:  # one that takes decode steps (and clock)
-            again.setdefault((r.client, segments[i] if segments is not None else 0), []).append(i)
-    return sum(map(costs.step_ms, run.prefill_steps)) / len(run.requests), again
 
 
 @dataclass

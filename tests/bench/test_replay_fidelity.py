@@ -268,3 +268,17 @@ def test_cost_error_reads_every_run_and_leaves_runs_of_plain_steps_out(logs, tmp
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| both |")]
     assert rows and sum(int(r.split("|")[4]) + int(r.split("|")[5]) for r in rows) == 2 * len(one) - 1
+
+
+def test_window_times_span_the_arrivals_plus_half_a_gap():
+    """Period 0: arrivals at 0, 1 and 2 s, steps of 10 ms starting at 0.5, 1.5 and 2.5 s: the steps
+    between the first and last arrival (two, 20 ms) and half the mean gap (10 ms / 2). Period 1, one
+    arrival: its steps at that instant only. A period with no timed request: 0."""
+    from specsched.bench.replay_passes import Pass, window_times
+    from specsched.engine.records import StepRecord
+
+    p = Pass(2, ["a", "b", "c", "d"], {"x"}, 0.0, 9.0, [0, 0, 0, 1])
+    times = [RequestTimes(k, "x", t, t + 0.4) for k, t in (("a", 0.0), ("b", 1.0), ("c", 2.0), ("d", 5.0))]
+    steps = [StepRecord(i, "decode", t, 1, 1, total_ms=10.0) for i, t in enumerate((0.5, 1.5, 2.5, 5.0))]
+    assert window_times(p, times, steps) == [pytest.approx(25.0), pytest.approx(10.0)]
+    assert window_times(Pass(1, ["z"], {"x"}, 0.0, 1.0, [0]), [], steps) == [0.0]
