@@ -178,7 +178,8 @@ class SchedulerConfig:
     # The decide interval doubles with each decide in a row that gave the plan it replaced (the same
     # scorer and k for every request both were decided for), up to max_plan_age; a changed plan
     # resets it (engine/planning.py). On the H100 on 2026-12-06 at N = 4, 76 % of goodput's decides
-    # returned the plan held. Off until measured (bench=serve_spill_ab).
+    # returned the plan held. Off: on the H200 on 2026-12-06 (bench=serve_spill_ab, 3 rounds) it gave
+    # 4,464 / 15,111 / 27,044 tok/s at N = 4 / 16 / 64 against the default's 4,776 / 14,820 / 29,779.
     decide_backoff: bool = False
     # Plain decode steps run back to back on the device when a step drafts nothing and every request
     # is greedy (engine/multi_step.py; vLLM's num_scheduler_steps): each step's argmax feeds the next
