@@ -25,6 +25,8 @@ def run_jobs(jobs: dict[str, Callable[[], dict]], header: dict[str, dict] | None
     """Subprocess side: run each job; print ``{name: result}`` as one JSON line. A job that raises
     records its traceback as ``{"error": ...}`` (the test of that name fails on it) and the rest
     still run. ``header`` entries (e.g. ``_defect``) are printed with the results."""
+    if is_interpreted():
+        use_fixed_order_dot()
     results: dict[str, dict] = {"_interpreted": {"value": is_interpreted()}, **(header or {})}
     t0 = time.perf_counter()
     for name, job in jobs.items():
@@ -34,6 +36,30 @@ def run_jobs(jobs: dict[str, Callable[[], dict]], header: dict[str, dict] | None
             results[name] = {"error": traceback.format_exc()}
     results["_seconds"] = {"value": time.perf_counter() - t0}
     print(json.dumps(results))
+
+
+def use_fixed_order_dot() -> None:
+    """Make the interpreter's ``tl.dot`` a fixed-order reduction over K for every output element.
+    The interpreter computes it with ``np.matmul``, i.e. the host's BLAS, and OpenBLAS's Zen and
+    Haswell sgemm kernels give a row a result that depends on its place in the tile (an AMD EPYC
+    dev box, 2026-12-06: the batch-invariance and fused-kernel equality tests failed there, at 1e-7
+    to 1e-4, and passed with the Sandybridge kernel); a GPU's MMA does not. ``np.einsum`` without
+    ``optimize`` never calls BLAS: each output element sums its K products in one order."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a_data, b_data = a.data, b.data
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8: the stock path
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc = d.data.dtype
+        out = np.einsum("...mk,...kn->...mn", a_data, b_data, dtype=acc, optimize=False)
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    builder = interpreter.InterpreterBuilder
+    original = getattr(builder.create_dot, "__wrapped__", builder.create_dot)
+    create_dot.__wrapped__ = original
+    builder.create_dot = create_dot
 
 
 def interpreted_results(test_file: str, timeout_s: float = 300.0) -> dict[str, dict]:
