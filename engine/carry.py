@@ -10,7 +10,14 @@ from dataclasses import replace
 
 from specsched.policies.base import BatchView, Plan
 
-__all__ = ["carry_plan"]
+__all__ = ["carry_plan", "intent_k"]
+
+
+def intent_k(plan: Plan) -> list[int]:
+    """Each request's k had it been offered every draft: the plan's ``info["k_intent"]`` where it has
+    one for every request (goodput's, when an offer was cut or the plan fit a graph), else its k."""
+    intent = plan.info.get("k_intent")
+    return intent if intent is not None and len(intent) == len(plan.k) else plan.k
 
 
 def carry_plan(

@@ -55,7 +55,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from specsched.engine.carry import carry_plan
+from specsched.engine.carry import carry_plan, intent_k
 from specsched.engine.config import SchedulerConfig
 from specsched.policies.base import BatchView, Plan, Policy
 
@@ -139,14 +139,9 @@ def is_same_plan(old: tuple[list[str], Plan, bool] | None, ids: list[str], plan:
     draft), so an offer that moved is no change. An exploration probe is never the same."""
     if old is None or plan.is_one_step or old[1].is_one_step or plan.scorer != old[1].scorer:
         return False
-    old_k = dict(zip(old[0], _intent(old[1]), strict=True))
-    common = [(old_k[rid], k) for rid, k in zip(ids, _intent(plan), strict=True) if rid in old_k]
+    old_k = dict(zip(old[0], intent_k(old[1]), strict=True))
+    common = [(old_k[rid], k) for rid, k in zip(ids, intent_k(plan), strict=True) if rid in old_k]
     return bool(common) and all(a == b for a, b in common)
-
-
-def _intent(plan: Plan) -> list[int]:
-    intent = plan.info.get("k_intent")
-    return intent if intent is not None and len(intent) == len(plan.k) else plan.k
 
 
 def timed_decide(policy: Policy, costs, view: BatchView) -> Plan:
@@ -199,7 +194,7 @@ class Planner:
             self.reuse.on_new_plan()
             if policy.is_plan_ahead_safe:  # else never carried: no per-request copy of the plan's ids
                 ids = [v.request_id for v in view.requests]
-                self.reuse.on_decided(not is_same_plan(self.held, ids, plan))
+                self._note_change(ids, plan)
                 self.held = ids, plan, False
                 self.held_caps = {v.request_id: v.max_k for v in view.requests}
             else:
@@ -265,9 +260,15 @@ class Planner:
         self._ahead_ms = (time.perf_counter() - t0) * 1e3
         self.reuse.on_new_plan()
         ids = [v.request_id for v in view.requests]
-        self.reuse.on_decided(not is_same_plan(self.held, ids, ahead))
+        self._note_change(ids, ahead)
         self.held = ids, ahead, True
         self.held_caps = {v.request_id: v.max_k for v in view.requests}
+
+    def _note_change(self, ids: list[str], plan: Plan) -> None:
+        """Before ``plan`` replaces the held one: tell the backoff whether it changed anything (only
+        with ``scheduler.decide_backoff``: the comparison is host work on every decide)."""
+        if self.reuse.is_backoff:
+            self.reuse.on_decided(not is_same_plan(self.held, ids, plan))
 
     def observe(self, score_ms: float, host_ms: dict[str, float]) -> None:
         """A decode step's wall ms (its host phases, the loop's ``between`` included) and, when it

@@ -20,9 +20,10 @@ primitive on an H100 (2026-12-06): a 300-GEMV chain in a graph, 4.25 µs a kerne
 and the wait first, 2.29 with the weights loaded before the wait (docs/benchmarks.md). On whole
 forwards (``python -m specsched.bench.pdl_forward``, H100, same day, trigger before the wait, every
 weight prefetched) SmolLM2's fused layers gained 9 % (998 -> 904 µs at M = 1), while the layers with
-our own output / down GEMMs lost 7-25 % and every 7B path but the unfused one lost 12-52 %. The
-cascade and the prefetches of large weights are the likely causes; the defaults above leave both out
-(not yet timed).
+our own output / down GEMMs lost 7-25 % and every 7B path but the unfused one lost 12-52 %. With
+the defaults above (H200, same day) the fused layers + own GEMMs gain 20 % (1,046 -> 835 µs at M = 1,
+953 unfused); 7B's fused paths still lose 9-12 %. Through the daemon only 25 µs of SmolLM2's gain was
+seen at batch 1 (bench=serve_pdl_ab): why is the next question (docs/benchmarks.md).
 
 Safety: a kernel waits before touching anything a kernel before it in the stream may write or read,
 so it neither reads early nor overwrites a buffer still being read; since each kernel's ``wait``

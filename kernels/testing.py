@@ -50,7 +50,7 @@ def use_fixed_order_dot() -> None:
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         a_data, b_data = a.data, b.data
-        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8: the stock path
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8 / int8: the stock path
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)
         acc = d.data.dtype
         out = np.einsum("...mk,...kn->...mn", a_data, b_data, dtype=acc, optimize=False)

@@ -259,7 +259,7 @@ def simulate(
     res = _base_result(run, label, "replayed", costs)
     acceptance = AcceptanceEstimator()
     prefill = sum(map(costs.step_ms, run.prefill_steps))
-    each = prefill / len(run.requests) if window_ms is not None and run.requests else 0.0
+    each = prefill / len(run.requests) if run.requests else 0.0  # used with windows only
     arrivals = Arrivals(run.requests, closed_loop, segments, think_ms, window_ms, each)
     running: list[_Live] = []
     churn = costs.churn  # ChurnResidual | None: what a change of the batch adds to a step
@@ -328,7 +328,7 @@ def simulate(
             arrivals.finish(live.index)
             acceptance.forget(live.req.key)
     res.num_admitted = arrivals.num_admitted
-    if window_ms is not None and closed_loop:  # the prefills of the requests it sent, not the run's
+    if arrivals.window_ms is not None:  # the prefills of the requests it sent, not the run's
         res.predicted_ms += each * res.num_admitted - prefill
     return res
 
