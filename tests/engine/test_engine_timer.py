@@ -299,8 +299,10 @@ def test_overlapped_observe_feeds_every_decode_record_once_and_keeps_outputs():
     decode = [r.step for r in records if r.kind == "decode"]
     assert seen == decode[:-1] and over._unobserved and over._unobserved[0].step == decode[-1]
     assert over.step() == [] and seen == decode  # an idle step flushes
-    model = over.costs.model("score", "mqa")
-    assert model.num_updates == base.costs.model("score", "mqa").num_updates == len(decode)
+    for engine in (over, base):  # each decode record taught the model once, or was skipped by a guard
+        costs = engine.costs  # (a loaded machine makes some launches slow: policies/launch_guard.py)
+        skipped = costs.num_stalls + costs.launch_guard.num_disturbed
+        assert costs.model("score", "mqa").num_updates + skipped == len(decode)
 
 
 def test_an_adjacent_phase_starts_at_the_previous_phase_s_end_event():
