@@ -119,6 +119,11 @@ class CostModels:
         self.launch_guard = LaunchGuard()  # steps skipped as disturbed: a slow scoring launch
         self.seed_defaults(device)
 
+    @property
+    def num_skipped(self) -> int:
+        """Decode steps observed but not learnt: stalls, and slow scoring launches (a loaded host)."""
+        return self.num_stalls + self.launch_guard.num_disturbed
+
     # ---- models and priors ----
     def seed_defaults(self, device: str = "cpu") -> None:
         """Reset every model to the seed coefficients of ``device`` ("cpu" or "cuda")."""

@@ -102,8 +102,9 @@ def test_cpu_records_one_per_step_with_consistent_phase_times():
         for f in PHASES:  # on the host the timed phases' fields are their host times
             assert abs(getattr(r, f) - r.host_ms.get(f.removesuffix("_ms"), 0.0)) < 1e-6
     decode = [r for r in records if r.kind == "decode"]
-    # the cost models are fed the measured times: one observation per decode step
-    assert engine.costs.model("score", "mqa").num_updates == len(decode)
+    # the cost models are fed the measured times: one observation per decode step (or skipped by a
+    # guard: a loaded machine makes some steps stall or launch slowly)
+    assert engine.costs.model("score", "mqa").num_updates + engine.costs.num_skipped == len(decode)
 
 
 class FakeEvent:
@@ -301,8 +302,7 @@ def test_overlapped_observe_feeds_every_decode_record_once_and_keeps_outputs():
     assert over.step() == [] and seen == decode  # an idle step flushes
     for engine in (over, base):  # each decode record taught the model once, or was skipped by a guard
         costs = engine.costs  # (a loaded machine makes some launches slow: policies/launch_guard.py)
-        skipped = costs.num_stalls + costs.launch_guard.num_disturbed
-        assert costs.model("score", "mqa").num_updates + skipped == len(decode)
+        assert costs.model("score", "mqa").num_updates + costs.num_skipped == len(decode)
 
 
 def test_an_adjacent_phase_starts_at_the_previous_phase_s_end_event():
