@@ -513,3 +513,33 @@ def test_planner_decides_less_often_while_decides_change_nothing(is_backoff: boo
         plan = planner.plan(policy, None, view_of(ids, [8] * 4))
         assert plan.k == [2] * 4
     assert policy.num_decides == (8 if is_backoff else 64)  # steps 0, 1, 3, 7, 15, 31, 47, 63
+
+
+@pytest.mark.parametrize("batch_size", [4, 8])
+def test_a_plan_that_became_due_between_steps_runs_one_more_and_the_next_is_decided_ahead(batch_size):
+    """The decide interval can shrink between a step's decide-ahead check (not due yet: nothing
+    decided) and the next step (due): with plan-ahead that step carries the held plan once more and
+    decides the next one during its scoring, instead of on its critical path — except for a batch
+    above ``ahead_max_batch``, which decides on the step (on its own offers) as before."""
+    ids = [f"r{i}" for i in range(batch_size)]
+    view = view_of(ids, [8] * batch_size)
+    policy = SafeStatic()
+    planner = Planner(budget=0.05, max_age=16, is_plan_ahead=True, ahead_max_batch=4)
+    planner.reuse.observe_step(2.0)
+    planner.reuse.record_decide(0.3)  # interval ceil(0.3 / 0.1) = 3
+    first = planner.plan(policy, None, view)  # no plan held: decided on the step
+    planner.decide_ahead(policy, None, lambda: view, batch_size=batch_size, count_cut=lambda: batch_size)
+    assert policy.num_decides == 1 and planner.reuse.interval == 3 and not planner.reuse.is_due
+    planner.observe(3.0, {"score": 1.0, "overlap": 0.2, "verify": 1.3})  # a step without a decide ahead
+    while planner.reuse.interval > 1:  # cheap decides move the EMA: and the held plan (age 1) ...
+        planner.reuse.record_decide(0.0)
+    assert planner.reuse.is_due  # ... is due before this step, with no plan decided ahead
+    plan = planner.plan(policy, None, view)
+    if batch_size <= 4:
+        assert policy.num_decides == 1  # carried once more: no decide on the critical path
+        assert plan.k == first.k and plan.info["plan_age"] == 1 and plan.info["decide_ms"] == 0.0
+        planner.decide_ahead(policy, None, lambda: view, batch_size=batch_size)
+        assert policy.num_decides == 2 and planner.held[2]  # the next plan, decided ahead
+        assert planner.plan(policy, None, view).info["is_planned_ahead"]
+    else:  # a batch above ahead_max_batch with its offers cut decides on the step
+        assert policy.num_decides == 2 and "plan_age" not in plan.info
