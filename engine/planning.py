@@ -16,7 +16,9 @@ cost as part of the step's cost and decides only as often as that cost allows:
   host time from the end of the scoring launch to the end of the verification read (``overlap`` +
   ``verify``) beyond that of the steps that decided nothing ahead (an EMA of theirs; when every step
   decides ahead, one in ``BASELINE_EVERY`` skips it and runs the held plan one step more, to keep that
-  baseline). The scoring forward's own event time is no baseline: on a GPU that waits for the host to
+  baseline). A held plan that became due only since the last step's check (the interval below
+  shrank as its EMAs moved) runs one step more, and that step's scoring decides the next one ahead.
+  The scoring forward's own event time is no baseline: on a GPU that waits for the host to
   pack and launch it, it spans the packing too (H200, 2026-12-04, N = 64: deciding steps ran 0.4-1 ms
   longer than the others while that measure called them hidden, so a decide ran every 1-3 steps
   against a 5 % budget: goodput 0.90x hf_heuristic). The next step pays for it too: the decide
