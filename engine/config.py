@@ -182,6 +182,14 @@ class SchedulerConfig:
     # returned the plan held. Off: on the H200 on 2026-12-06 (bench=serve_spill_ab, 3 rounds) it gave
     # 4,464 / 15,111 / 27,044 tok/s at N = 4 / 16 / 64 against the default's 4,776 / 14,820 / 29,779.
     decide_backoff: bool = False
+    # A held plan that became due only after the last step's decide-ahead check (the interval shrank
+    # as its EMAs moved) runs one step more while that step's scoring decides the next one ahead,
+    # instead of a decide on the step's critical path (engine/planning.py). On an H100 on 2026-12-07
+    # (bench=serve_grounded, N = 1) it cut goodput's on-step decides from 10 % to 2 % of its steps,
+    # but goodput then decided ahead on 0.69 steps in 1 instead of 0.36 and its steps ran 0.1 ms
+    # longer than k = 8's at the same shape (a noisier host than the run before it): off until an
+    # A/B on one machine says which way it goes (bench=serve_grounded's last row).
+    carry_late_due: bool = False
     # Plain decode steps run back to back on the device when a step drafts nothing and every request
     # is greedy (engine/multi_step.py; vLLM's num_scheduler_steps): each step's argmax feeds the next
     # without a host read, and the host's per-step work is paid once per this many tokens. A request

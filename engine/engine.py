@@ -65,7 +65,7 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         self.planner = Planner(
             sc.decide_budget, sc.max_plan_age, is_plan_ahead, sc.max_joined_share, sc.decide_cost == "host",
             sc.plan_ahead_max_batch, is_spill_counted=sc.decide_cost == "exposed",
-            is_backoff=sc.decide_backoff,
+            is_backoff=sc.decide_backoff, is_late_carry=sc.carry_late_due,
         )  # fmt: skip
         self._unobserved: list[StepRecord] = []
         self._last_end: float | None = None  # perf_counter at the end of the last step, while busy

@@ -16,8 +16,9 @@ cost as part of the step's cost and decides only as often as that cost allows:
   host time from the end of the scoring launch to the end of the verification read (``overlap`` +
   ``verify``) beyond that of the steps that decided nothing ahead (an EMA of theirs; when every step
   decides ahead, one in ``BASELINE_EVERY`` skips it and runs the held plan one step more, to keep that
-  baseline). A held plan that became due only since the last step's check (the interval below
-  shrank as its EMAs moved) runs one step more, and that step's scoring decides the next one ahead.
+  baseline). With ``scheduler.carry_late_due`` a held plan that became due only since the last
+  step's check (the interval below shrank as its EMAs moved) runs one step more, and that step's
+  scoring decides the next one ahead (off: such a step decides on its critical path).
   The scoring forward's own event time is no baseline: on a GPU that waits for the host to
   pack and launch it, it spans the packing too (H200, 2026-12-04, N = 64: deciding steps ran 0.4-1 ms
   longer than the others while that measure called them hidden, so a decide ran every 1-3 steps
@@ -168,8 +169,10 @@ class Planner:
         ahead_max_batch: int | None = None,
         is_spill_counted: bool = True,
         is_backoff: bool = False,
+        is_late_carry: bool = False,
     ) -> None:
         self.reuse = PlanReuse(budget, max_age, is_backoff=is_backoff)
+        self.is_late_carry = is_late_carry  # scheduler.carry_late_due: see _is_late_due
         self.ahead_max_batch = ahead_max_batch  # plan ahead only at batches this small (None: any)
         self.is_host_cost = is_host_cost  # a decide ahead costs all its host ms (scheduler.decide_cost)
         self.is_spill_counted = is_spill_counted  # and the next step's SPILL_PHASES (decide_cost=exposed)
@@ -238,12 +241,13 @@ class Planner:
     def _is_late_due(self, plan: Plan, batch_size: int) -> bool:
         """The held plan, not decided ahead, became due between the last step's decide-ahead check and
         this step (the interval shrank as the budget's EMAs moved: at N = 1 on the H100 on 2026-12-07,
-        8 % of goodput's steps decided on the critical path that way, 0.11 ms each): it runs one step
-        more and this step's scoring decides the next plan ahead (it is due), unless the batch is one
-        that decides on the step (above ``ahead_max_batch``), the plan was for one step, or it is
-        ``max_age`` old."""
+        8 % of goodput's steps decided on the critical path that way, 0.11 ms each): with
+        ``scheduler.carry_late_due`` it runs one step more and this step's scoring decides the next
+        plan ahead (it is due), unless the batch is one that decides on the step (above
+        ``ahead_max_batch``), the plan was for one step, or it is ``max_age`` old."""
         return (
-            self.is_plan_ahead
+            self.is_late_carry
+            and self.is_plan_ahead
             and self.reuse.budget is not None
             and not plan.is_one_step
             and self.reuse.age < self.reuse.max_age

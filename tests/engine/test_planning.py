@@ -515,16 +515,21 @@ def test_planner_decides_less_often_while_decides_change_nothing(is_backoff: boo
     assert policy.num_decides == (8 if is_backoff else 64)  # steps 0, 1, 3, 7, 15, 31, 47, 63
 
 
-@pytest.mark.parametrize("batch_size", [4, 8])
-def test_a_plan_that_became_due_between_steps_runs_one_more_and_the_next_is_decided_ahead(batch_size):
+@pytest.mark.parametrize(("batch_size", "is_late_carry"), [(4, True), (8, True), (4, False)])
+def test_a_plan_that_became_due_between_steps_runs_one_more_and_the_next_is_decided_ahead(
+    batch_size, is_late_carry
+):
     """The decide interval can shrink between a step's decide-ahead check (not due yet: nothing
-    decided) and the next step (due): with plan-ahead that step carries the held plan once more and
-    decides the next one during its scoring, instead of on its critical path — except for a batch
-    above ``ahead_max_batch``, which decides on the step (on its own offers) as before."""
+    decided) and the next step (due): with plan-ahead and ``scheduler.carry_late_due`` that step
+    carries the held plan once more and decides the next one during its scoring, instead of on its
+    critical path — except for a batch above ``ahead_max_batch``, which decides on the step (on its
+    own offers) as before, as every batch does with the option off (the default)."""
     ids = [f"r{i}" for i in range(batch_size)]
     view = view_of(ids, [8] * batch_size)
     policy = SafeStatic()
-    planner = Planner(budget=0.05, max_age=16, is_plan_ahead=True, ahead_max_batch=4)
+    planner = Planner(
+        budget=0.05, max_age=16, is_plan_ahead=True, ahead_max_batch=4, is_late_carry=is_late_carry
+    )
     planner.reuse.observe_step(2.0)
     planner.reuse.record_decide(0.3)  # interval ceil(0.3 / 0.1) = 3
     first = planner.plan(policy, None, view)  # no plan held: decided on the step
@@ -535,11 +540,11 @@ def test_a_plan_that_became_due_between_steps_runs_one_more_and_the_next_is_deci
         planner.reuse.record_decide(0.0)
     assert planner.reuse.is_due  # ... is due before this step, with no plan decided ahead
     plan = planner.plan(policy, None, view)
-    if batch_size <= 4:
+    if batch_size <= 4 and is_late_carry:
         assert policy.num_decides == 1  # carried once more: no decide on the critical path
         assert plan.k == first.k and plan.info["plan_age"] == 1 and plan.info["decide_ms"] == 0.0
         planner.decide_ahead(policy, None, lambda: view, batch_size=batch_size)
         assert policy.num_decides == 2 and planner.held[2]  # the next plan, decided ahead
         assert planner.plan(policy, None, view).info["is_planned_ahead"]
-    else:  # a batch above ahead_max_batch with its offers cut decides on the step
+    else:  # a batch above ahead_max_batch with its offers cut (or the option off) decides on the step
         assert policy.num_decides == 2 and "plan_age" not in plan.info
