@@ -51,6 +51,7 @@ from specsched.policies.fixed import step_proposer
 from specsched.policies.goodput_explore import ExplorationSwitch, decode_scorer
 from specsched.policies.goodput_scope import SearchScope
 from specsched.policies.goodput_search import BatchProblem
+from specsched.policies.goodput_small import MAX_EXACT_BATCH, SmallProblem
 from specsched.policies.run_cost import weigh_run
 
 
@@ -82,6 +83,9 @@ class GoodputConfig:
     # plan with two acceptance rates per request, the first draft's and a later one's given its
     # predecessor (policies/acceptance_stages.py; n-gram drafts are copied spans), instead of one
     staged_acceptance: bool = False
+    # batches of 2 to this many requests are searched in plain Python (policies/goodput_small.py; the
+    # numpy search's per-call overhead dominated there), larger ones with numpy; both decide alike
+    plain_search_max_batch: int = MAX_EXACT_BATCH
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
@@ -91,6 +95,12 @@ class GoodputConfig:
                      "explore_stop_error"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"policy goodput: {name} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.plain_search_max_batch <= MAX_EXACT_BATCH:
+            raise ValueError(
+                f"policy goodput: plain_search_max_batch must be in [1, {MAX_EXACT_BATCH}] (1: numpy from "
+                f"batch 2; above {MAX_EXACT_BATCH} numpy's pairwise sums round apart), got "
+                f"{self.plain_search_max_batch}"
+            )
         if self.explore_restart < 1:
             raise ValueError(f"policy goodput: explore_restart must be >= 1, got {self.explore_restart}")
         for name in ("dither_interval", "min_scorer_steps", "explore_min_steps", "try_interval"):
@@ -268,7 +278,7 @@ class GoodputPolicy(Policy):
         }
         for name in ("propose_ms", "score_ms", "verify_ms", "overhead_ms"):
             info[f"predicted_{name}"] = cost[name]
-        if isinstance(prob, BatchProblem) and not (run is not None and run.is_taken):
+        if isinstance(prob, BatchProblem | SmallProblem) and not (run is not None and run.is_taken):
             intent = prob.intent(k, g_plan, chosen, cfg.max_k)  # what a carry offers more drafts
             if intent is not None:
                 info["k_intent"] = intent

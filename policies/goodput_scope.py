@@ -1,8 +1,9 @@
 """The search each ``goodput`` decide runs, and the scorers it runs over.
 
 :meth:`SearchScope.search` builds the step's problem:
-:class:`~specsched.policies.goodput_single.SingleProblem` (plain Python) at batch 1, else
-:class:`~specsched.policies.goodput_search.BatchProblem` (numpy).
+:class:`~specsched.policies.goodput_single.SingleProblem` (plain Python) at batch 1,
+:class:`~specsched.policies.goodput_small.SmallProblem` (plain Python lists) up to
+``plain_search_max_batch``, else :class:`~specsched.policies.goodput_search.BatchProblem` (numpy).
 
 *Pruning*: the search's host time grows with the scorers it prices (a decide at batch 64 took ~2 ms
 on the H200 host on 2026-12-05), and at large batches a scorer far behind stays far behind (there:
@@ -25,6 +26,7 @@ from specsched.policies.cost_model import CostModels
 from specsched.policies.fixed import step_proposer
 from specsched.policies.goodput_search import BatchProblem
 from specsched.policies.goodput_single import SingleProblem
+from specsched.policies.goodput_small import SmallProblem
 
 __all__ = ["SearchScope"]
 
@@ -41,6 +43,7 @@ class ScopeSettings(Protocol):
     staged_acceptance: bool
     prune_below: float
     full_search_interval: int
+    plain_search_max_batch: int
 
 
 class SearchScope:
@@ -82,9 +85,10 @@ class SearchScope:
         return prob, last_k, spreads, scorers
 
     def search(self, view: BatchView, costs: CostModels, scorers: list[str]):
-        """The step's search: :class:`SingleProblem` (plain Python) at batch 1, else
-        :class:`BatchProblem` (numpy); both decide alike. Also returns the requests' last k (a list
-        at batch 1, else ``[B]`` int) and the posterior sds of those that could draft."""
+        """The step's search: :class:`SingleProblem` (plain Python) at batch 1, :class:`SmallProblem`
+        up to ``plain_search_max_batch``, else :class:`BatchProblem` (numpy); all decide alike. Also
+        returns the requests' last k (a list, or ``[B]`` int for numpy) and the posterior sds of those
+        that could draft."""
         reqs, cfg = view.requests, self.config
         proposer = step_proposer(view)
         if len(reqs) == 1:
@@ -102,13 +106,20 @@ class SearchScope:
         cap = np.array(max_k, dtype=np.int64)  # [B]
         np.minimum(cap, cfg.max_k, out=cap)
         np.maximum(cap, 0, out=cap)
-        last = np.array(lasts, dtype=np.int64)  # [B]
         staged = self._staged_powers(view) if cfg.staged_acceptance else None
+        spread = [sd for sd, m in zip(stds, max_k) if m > 0]
+        if len(reqs) <= cfg.plain_search_max_batch:
+            prob = SmallProblem(
+                costs, scorers, proposer, mean, std, ctx, cap, cfg.max_iters, cfg.scorer_margin, cfg.optimism,
+                powers=staged,
+            )  # fmt: skip
+            return prob, list(lasts), spread
+        last = np.array(lasts, dtype=np.int64)  # [B]
         prob = BatchProblem(
             costs, scorers, proposer, mean, std, ctx, cap, cfg.max_iters, cfg.scorer_margin, cfg.optimism,
             powers=staged,
         )  # fmt: skip
-        return prob, last, [sd for sd, m in zip(stds, max_k) if m > 0]
+        return prob, last, spread
 
     def _staged_survival(self, view: BatchView) -> list[float] | None:
         """:meth:`_staged_powers` of a batch of one request, in plain Python."""
