@@ -22,16 +22,34 @@ import numpy as np
 
 from specsched.policies.cost_table import CostTable
 from specsched.policies.goodput_eval import PlanEvaluator
-from specsched.policies.goodput_search import acceptance_powers, expected_table, fit_kv_blocks
+from specsched.policies.goodput_search import fit_kv_blocks
 
 __all__ = ["MAX_EXACT_BATCH", "SmallProblem"]
 
 MAX_EXACT_BATCH = 7  # numpy sums 8 or more elements pairwise: beyond this the two paths may round apart
 
 
-def _rows(powers: np.ndarray) -> tuple[list[list[float]], list[list[float]]]:
-    """(``powers`` ``[B, J]``, ``expected_table(powers)`` ``[B, J+1]``) as lists of rows."""
-    return powers.tolist(), expected_table(powers).tolist()
+def _survival(mean: float, std: float, num: int) -> list[float]:
+    """goodput_search.acceptance_powers for one request: E[a^j], j = 1..num, a ~ Beta(mean, std)."""
+    m = min(max(mean, 0.0), 1.0)
+    strength = min(max(m * (1.0 - m) / max(std * std, 1e-300) - 1.0, 1.0), 1e9)
+    out, pw, base = [], 1.0, m * strength
+    for j in range(num):
+        pw *= (base + j) / (strength + j)
+        out.append(pw)
+    return out
+
+
+def _expected(powers: list[list[float]]) -> list[list[float]]:
+    """goodput_search.expected_table over rows: E_i(k) = 1 + Σ_{j<=k} powers[i][j-1], k = 0..J."""
+    out = []
+    for row in powers:
+        total, e = 0.0, [1.0]
+        for p in row:
+            total += p
+            e.append(total + 1.0)
+        out.append(e)
+    return out
 
 
 class SmallProblem:
@@ -46,16 +64,18 @@ class SmallProblem:
         BatchProblem); ``powers`` ``[B, >= J]``: the drafts' survival from another acceptance model."""
         self.mean, self.std = mean.tolist(), std.tolist()
         self.ctx, self.cap = ctx.tolist(), cap.tolist()
-        self._mean_arr, self._std_arr, self._ctx_arr = mean, std, ctx
+        self._mean_arr, self._ctx_arr = mean, ctx  # for fit_kv_blocks
         self.batch_size = len(self.cap)
         self.top = max(self.cap)
         num = max(self.top, 1)
         if powers is not None:
-            power_arr = np.ascontiguousarray(powers[:, :num])
+            rows = powers[:, :num].tolist()
         else:
-            plan_mean = np.minimum(mean + optimism * std, 1.0 - 1e-6) if optimism else mean
-            power_arr = acceptance_powers(plan_mean, std, num)
-        self.powers, self.ecum = _rows(power_arr)  # [B][J], [B][J+1]
+            means = self.mean
+            if optimism:
+                means = [min(m + optimism * sd, 1.0 - 1e-6) for m, sd in zip(means, self.std)]
+            rows = [_survival(m, sd, num) for m, sd in zip(means, self.std)]
+        self.powers, self.ecum = rows, _expected(rows)  # [B][J], [B][J+1]
         self.table = table = CostTable(costs, scorers, proposer, ctx, self.batch_size + sum(self.cap))
         self.eval = PlanEvaluator(table, np.asarray(self.ecum), ctx)
         self.delta = table.delta.tolist()  # [S][B]
@@ -89,7 +109,10 @@ class SmallProblem:
             last = cand
             better = False
             for s in range(num_s):
-                row = [price.goodput(p, es, s) for p, es in zip(cand[s], e[s])]
+                row, prev = [], None
+                for p, es in zip(cand[s], e[s]):  # plans for caps past every request's k* repeat
+                    row.append(row[-1] if p == prev else price.goodput(p, es, s))
+                    prev = p
                 g_new = max(row)
                 if g_new > g_best[s] * (1.0 + 1e-12):
                     k[s], g_best[s], better = cand[s][row.index(g_new)], g_new, True
@@ -170,7 +193,7 @@ class SmallProblem:
         delta, rate = self.delta[s], self.spec_request_ms * max_k
         own = len(self.powers[0]) >= max_k  # the search's powers (every offer max_k: a decide ahead)
         if not own:
-            rows = acceptance_powers(self._mean_arr[idx], self._std_arr[idx], max_k).tolist()
+            rows = [_survival(self.mean[i], self.std[i], max_k) for i in idx]
         out = list(k)
         for n, i in enumerate(idx):
             d = delta[i]
@@ -195,9 +218,9 @@ class SmallProblem:
         return any(kk == 0 and c > 0 for kk, c in zip(k, self.cap))
 
     def probe(self, z: float, s: int) -> list[int]:
-        a = np.minimum(self._mean_arr + z * self._std_arr, 1.0 - 1e-6)
-        powers, ecum = _rows(acceptance_powers(a, np.zeros_like(a), max(self.top, 1)))
-        return self._search(powers, ecum)[0][s]
+        num = max(self.top, 1)
+        powers = [_survival(min(m + z * sd, 1.0 - 1e-6), 0.0, num) for m, sd in zip(self.mean, self.std)]
+        return self._search(powers, _expected(powers))[0][s]
 
     def dither(self, k, g: float, direction: int, s: int, tolerance: float):
         if any(k):
