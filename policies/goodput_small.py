@@ -85,7 +85,6 @@ class SmallProblem:
             None if b is None else b.tolist() for b in (costs.graph_buckets.get(s) for s in scorers)
         ]
         self.max_iters, self.scorer_margin = max_iters, scorer_margin
-        self._prices = _Prices(table, self.ctx, self.eval)
         k, g, g_k0 = self._search(self.powers, self.ecum)
         self.best_k = k  # [S] plans
         self.best_goodput, self.goodput_k0 = g, g_k0
@@ -93,9 +92,9 @@ class SmallProblem:
     # ---- the search -------------------------------------------------------------------------------
     def _search(self, powers: list[list[float]], ecum: list[list[float]]):
         """Best plan per scorer, its goodput and the k = 0 goodput per scorer (BatchProblem._search)."""
-        cap, num_s, price = self.cap, self.num_scorers, self._prices
+        cap, num_s, price = self.cap, self.num_scorers, self.eval.price
         plans = [[c if c < top else top for c in cap] for top in range(max(cap) + 1)]  # uniform_plans
-        g = [[price.goodput(p, _tokens(ecum, p), s) for p in plans] for s in range(num_s)]
+        g = [[price(p, _tokens(ecum, p), s) for p in plans] for s in range(num_s)]
         best = [row.index(max(row)) for row in g]  # argmax: the first best
         k = [plans[b] for b in best]
         g_best = [row[b] for row, b in zip(g, best)]
@@ -111,7 +110,7 @@ class SmallProblem:
             for s in range(num_s):
                 row, prev = [], None
                 for p, es in zip(cand[s], e[s]):  # plans for caps past every request's k* repeat
-                    row.append(row[-1] if p == prev else price.goodput(p, es, s))
+                    row.append(row[-1] if p == prev else price(p, es, s))
                     prev = p
                 g_new = max(row)
                 if g_new > g_best[s] * (1.0 + 1e-12):
@@ -122,7 +121,7 @@ class SmallProblem:
         for s, b in enumerate(self.buckets):
             if b is not None and g_best[s] >= top:  # only a scorer that could be chosen
                 for c in _fill_buckets(b, k[s], cap, powers):
-                    g_c = price.goodput(c, _tokens(ecum, c), s)
+                    g_c = price(c, _tokens(ecum, c), s)
                     if g_c > g_best[s]:
                         k[s], g_best[s] = c, g_c
         return k, g_best, g_k0
@@ -154,7 +153,7 @@ class SmallProblem:
 
     # ---- the policy's interface (BatchProblem's) ------------------------------------------------------
     def goodput(self, k: list[int], s: int) -> float:
-        return self._prices.goodput(k, _tokens(self.ecum, k), s)
+        return self.eval.price(k, _tokens(self.ecum, k), s)
 
     def hold(self, k, g: float, last, s: int, margin: float):
         """BatchProblem.hold over lists."""
@@ -262,42 +261,6 @@ def _tokens(ecum: list[list[float]], k: list[int]) -> float:
     for row, kk in zip(ecum, k):
         total += row[kk]
     return total
-
-
-class _Prices:
-    """:meth:`PlanEvaluator.one`'s arithmetic with the expected tokens given, over a plan as a list."""
-
-    def __init__(self, table: CostTable, ctx: list[int], evaluator: PlanEvaluator) -> None:
-        self.ctx = ctx
-        self.is_clipped = table.is_clipped
-        self.p = table.propose
-        self.size, self.batch_size = table.size, table.batch_size
-        self.row_ctx = table.row_ctx_ms[:, 0].tolist()
-        if self.is_clipped:
-            self.flat = table.flat.tolist()
-            self.verify_ms = evaluator.verify_ms.tolist()  # [size] verification ms by token count
-            self.ctx_sum, self.overhead = table.ctx_sum, table.overhead_ms
-        else:
-            self.flat_total, self.draft_token_ms = table.flat_total.tolist(), table.draft_token_ms
-
-    def goodput(self, k: list[int], expected: float, s: int) -> float:
-        num_draft, max_k = sum(k), max(k)
-        weighted = 0
-        for kk, c in zip(k, self.ctx):
-            weighted += kk * c
-        num_tokens = num_draft + self.batch_size
-        p = self.p
-        propose = max_k * (p[1] + p[2] * (len(k) - k.count(0)))
-        if not self.is_clipped:
-            propose += p[0] * (max_k > 0) + self.draft_token_ms * num_draft
-            total = self.flat_total[s * self.size + num_tokens] + self.row_ctx[s] * weighted + propose
-        else:
-            propose = max(propose + p[0] + p[3] * num_draft, 0.0) if max_k > 0 else 0.0
-            score = max(
-                self.flat[s * self.size + num_tokens] + self.row_ctx[s] * (self.ctx_sum + weighted), 0.0
-            )
-            total = score + (propose + self.verify_ms[num_tokens] + self.overhead)
-        return expected / max(float(total), 1e-9)
 
 
 def _fill_buckets(
