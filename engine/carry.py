@@ -85,6 +85,7 @@ def carry_plan(
     info = {**plan.info, "num_joined": num_joined, "num_left": num_left, "num_reopened": num_reopened}
     info.pop("k_intent", None)  # in the decided plan's request order; the carried k are its use
     info.pop("token_budget", None)
+    info.pop("acceptance", None)  # the decided plan's posteriors: logged once, with the decide
     scorer = plan.scorer
     if not any(k) and info.get("k0_scorer") in view.scorers:  # a plain decode: the policy's scorer for one
         scorer = info["k0_scorer"]

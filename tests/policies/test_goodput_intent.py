@@ -68,6 +68,7 @@ def test_goodput_records_the_intent_and_the_carry_drafts_it_when_the_offer_grows
     got = carry_plan(ids, plan, later, None, {r.request_id: r.max_k for r in reqs})
     assert got.k == [intent[0], 1, 0, min(intent[3], 8)]
     assert "k_intent" not in got.info and plan.info["k_intent"] == intent  # not logged with each carry
+    assert plan.info["acceptance"] == accs and "acceptance" not in got.info  # the decide's posteriors
     # without the intent the carry keeps r0 at the k its old offer allowed
     info = {key: v for key, v in plan.info.items() if key != "k_intent"}
     bare = Plan(plan.k, plan.scorer, plan.policy, info=info)
