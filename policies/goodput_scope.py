@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from specsched.policies.acceptance_stages import staged_powers, staged_survival, stages_of
+from specsched.policies.acceptance_stages import staged_powers, staged_rows, staged_survival, stages_of
 from specsched.policies.base import BatchView
 from specsched.policies.cost_model import CostModels
 from specsched.policies.fixed import step_proposer
@@ -55,7 +55,7 @@ class SearchScope:
         self._contenders: set[str] | None = None  # scorers the next decides search (None: every one)
         self._scorer_set: list[str] | None = None  # the scorers of the last full search
         self.last_full = 0  # decide count of the last full search
-        self._staged_memo: tuple | None = None  # (decide count, view, survival) of staged_acceptance
+        self._staged_memo: tuple | None = None  # (decide count, view, as lists, survival): staged_acceptance
 
     def problem(self, view: BatchView, costs: CostModels, scorers: list[str], num_decides: int):
         """The decide's search over the contending scorers (module docstring), or over every scorer:
@@ -106,9 +106,10 @@ class SearchScope:
         cap = np.array(max_k, dtype=np.int64)  # [B]
         np.minimum(cap, cfg.max_k, out=cap)
         np.maximum(cap, 0, out=cap)
-        staged = self._staged_powers(view) if cfg.staged_acceptance else None
+        is_small = len(reqs) <= cfg.plain_search_max_batch
+        staged = self._staged_powers(view, as_lists=is_small) if cfg.staged_acceptance else None
         spread = [sd for sd, m in zip(stds, max_k) if m > 0]
-        if len(reqs) <= cfg.plain_search_max_batch:
+        if is_small:
             prob = SmallProblem(
                 costs, scorers, proposer, mean, std, ctx, cap, cfg.max_iters, cfg.scorer_margin, cfg.optimism,
                 powers=staged,
@@ -129,23 +130,29 @@ class SearchScope:
         m1, _, m2, s2 = stages_of(view.acceptance).mean_std(r.request_id, r.proposer)
         return staged_survival(m1, m2, s2, max(self.config.max_k, 1))
 
-    def _staged_powers(self, view: BatchView) -> np.ndarray | None:
+    def _staged_powers(self, view: BatchView, as_lists: bool = False) -> np.ndarray | list | None:
         """``[B, max_k]`` survival of each request's drafts under its two acceptance rates
-        (``staged_acceptance``), or None when the view carries no estimator."""
+        (``staged_acceptance``), or None when the view carries no estimator; ``as_lists``: the same
+        numbers as Python lists of rows (:func:`staged_rows`, for the small-batch search)."""
         if view.acceptance is None:
             return None
         memo = self._staged_memo  # a pruned search and then a full one in one decide read them once
-        if memo is not None and memo[0] == self._num_decides and memo[1] is view:
-            return memo[2]
+        if memo is not None and memo[0] == self._num_decides and memo[1] is view and memo[2] == as_lists:
+            return memo[3]
         stages = stages_of(view.acceptance)
         num = max(self.config.max_k, 1)
         reqs = view.requests
-        out = np.empty((len(reqs), num))
         by: dict[str, list[int]] = {}
         for i, r in enumerate(reqs):
             by.setdefault(r.proposer, []).append(i)
+        out: np.ndarray | list = [None] * len(reqs) if as_lists else np.empty((len(reqs), num))
         for proposer, idx in by.items():
-            m1, _, m2, s2 = stages.mean_std_many([reqs[i].request_id for i in idx], proposer)
-            out[idx] = staged_powers(m1, m2, s2, num)
-        self._staged_memo = (self._num_decides, view, out)
+            ids = [reqs[i].request_id for i in idx]
+            if as_lists:
+                for i, row in zip(idx, staged_rows(stages, ids, proposer, num)):
+                    out[i] = row
+            else:
+                m1, _, m2, s2 = stages.mean_std_many(ids, proposer)
+                out[idx] = staged_powers(m1, m2, s2, num)
+        self._staged_memo = (self._num_decides, view, as_lists, out)
         return out

@@ -68,8 +68,8 @@ class SmallProblem:
         self.batch_size = len(self.cap)
         self.top = max(self.cap)
         num = max(self.top, 1)
-        if powers is not None:
-            rows = powers[:, :num].tolist()
+        if powers is not None:  # [B, >= J] array, or rows as lists
+            rows = powers[:, :num].tolist() if isinstance(powers, np.ndarray) else [r[:num] for r in powers]
         else:
             means = self.mean
             if optimism:

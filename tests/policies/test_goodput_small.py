@@ -3,9 +3,13 @@ bit for bit, method by method, on random cost models, posteriors, caps and graph
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
+from specsched.policies.acceptance import AcceptanceEstimator
+from specsched.policies.acceptance_stages import staged_powers, staged_rows, stages_of
 from specsched.policies.base import BatchView, RequestView
 from specsched.policies.goodput import GoodputConfig, GoodputPolicy
 from specsched.policies.goodput_search import BatchProblem, improve, uniform_plans
@@ -121,3 +125,39 @@ def test_plain_search_max_batch_is_checked():
         GoodputConfig(plain_search_max_batch=MAX_EXACT_BATCH + 1)
     with pytest.raises(ValueError, match="plain_search_max_batch must be in"):
         GoodputConfig(plain_search_max_batch=0)
+
+
+def fed_estimator(rng: np.random.Generator, ids: list[str]) -> AcceptanceEstimator:
+    """An estimator with both stages, fed span-like steps (none of 8 accepted, or most of them)."""
+    est = AcceptanceEstimator()
+    stages_of(est)
+    for rid in ids:
+        for _ in range(int(rng.integers(0, 30))):  # some requests never observed: the prior's rows
+            k = int(rng.integers(1, 9))
+            est.observe(rid, "ngram", k, int(rng.choice([0, k, max(k - 1, 0)])))
+    return est
+
+
+def test_staged_rows_are_staged_powers_bit_for_bit():
+    rng = np.random.default_rng(2)
+    ids = [f"r{i}" for i in range(40)]
+    est = fed_estimator(rng, ids)
+    for num in (1, 3, 8):
+        m1, _, m2, s2 = est.stages.mean_std_many(ids, "ngram")
+        assert staged_rows(est.stages, ids, "ngram", num) == staged_powers(m1, m2, s2, num).tolist()
+
+
+def test_the_policy_with_two_acceptance_rates_decides_alike_on_either_path():
+    rng = np.random.default_rng(12)
+    costs = random_costs(rng)
+    cfg = {"staged_acceptance": True}
+    plain, numpy_only = (
+        GoodputPolicy(GoodputConfig(**cfg)),
+        GoodputPolicy(GoodputConfig(plain_search_max_batch=1, **cfg)),
+    )
+    for step in range(40):
+        b = int(rng.integers(2, MAX_EXACT_BATCH + 1))
+        v = view(rng, b, step)
+        v = replace(v, acceptance=fed_estimator(rng, [r.request_id for r in v.requests]))
+        a, b_ = plain.decide(v, costs), numpy_only.decide(v, costs)
+        assert (a.k, a.scorer, a.info) == (b_.k, b_.scorer, b_.info)
