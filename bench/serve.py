@@ -39,6 +39,7 @@ from specsched.bench.serve_daemon import (
 from specsched.bench.serve_host import host_phase_rows, step_mix_row
 from specsched.bench.serve_load import cycle_length, load_procs, run_pass
 from specsched.bench.serve_outputs import add_references, pass_row
+from specsched.bench.serve_paired import serve_by_prompt
 from specsched.bench.serve_plans import plan_rows
 from specsched.bench.serve_results import PassResult, same_mix_rates, split_interleaved
 from specsched.bench.serve_shapes import shape_rows
@@ -185,6 +186,9 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
                        "engine": engine_cpu(daemon_cpus)},
               "settings": {k: v for k, v in OmegaConf.to_container(section, resolve=True).items()
                            if k != "configs"}}  # fmt: skip
+    if log_dir is not None:  # each policy against the first fixed row, by prompt (bench/serve_paired.py)
+        logs = {c.name: (c.kind, log_dir / f"{safe_name(c.name)}.sqlite") for c in cfg.configs}
+        result["by_prompt"] = serve_by_prompt(logs, cfg.concurrency)
     first = next((c for c in configs if c["startup_s"] is not None), None)
     if cfg.warm_start and first is not None:
         result["warm_start"] = warm_start(cfg, first["name"], out, daemon_cpus)

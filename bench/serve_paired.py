@@ -214,6 +214,21 @@ def label(path: str | Path) -> str:
     return Path(path).stem
 
 
+def serve_by_prompt(logs: dict[str, tuple[str, Path]], batches: Sequence[int]) -> str | None:
+    """``bench=serve``'s table of this module: ``logs`` maps each config's name to (its kind, its
+    decision log); the reference is the first ``fixed`` config with a log, compared with every
+    ``policy`` and ``default`` one. None when there is no such pair or a log cannot be read."""
+    present = {name: (kind, path) for name, (kind, path) in logs.items() if Path(path).is_file()}
+    ref = next((path for kind, path in present.values() if kind == "fixed"), None)
+    others = [path for kind, path in present.values() if kind in ("policy", "default")]
+    if ref is None or not others:
+        return None
+    try:
+        return paired_markdown(ref, paired_rows(ref, others, batches))
+    except LogError:
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], prog="python -m specsched.bench.serve_paired"

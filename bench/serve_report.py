@@ -277,6 +277,11 @@ def serve_section(res: dict) -> str:
         "Targets (issue 12):", "", targets_table(res), "",
         *(["The targets per round (the configs' loops of one round ran in the same seconds):", "",
            paired, ""] if (paired := paired_table(res)) else []),
+        *(["Tokens and time by prompt, each policy against the first fixed row (decode steps of batch "
+           "size N; a prompt's tokens per request-step in both logs, and the wall ms per step: how much of "
+           "a tok/s gap is the decisions and how much the time; bench/serve_paired.py):", "",
+           res["by_prompt"]]
+          if res.get("by_prompt") else []),
         *([host_note(), "", host_table(res["host_phases"]), ""] if res.get("host_phases") else []),
         *(["Where each daemon's time went (decision logs, every pass and N; step wall ms + the loop's "
            "time before it):", "", step_mix_table(mix), ""] if (mix := _step_mix(res)) else []),

@@ -166,3 +166,22 @@ def test_missing_file_and_missing_table_are_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--ref", bare, "--log", ref])
     assert "no table 'step_requests'" in capsys.readouterr().err
+
+
+def test_the_serve_bench_compares_each_policy_with_the_first_fixed_row(tmp_path):
+    from specsched.bench.serve_paired import serve_by_prompt
+    from specsched.bench.serve_report import serve_section
+
+    ref, other = ref_log(tmp_path), other_log(tmp_path)
+    missing = tmp_path / "never_started.sqlite"
+    logs = {"non-speculative": ("baseline", other), "k=8": ("fixed", ref), "k=5": ("fixed", other),
+            "goodput": ("default", other), "broken": ("policy", missing)}  # fmt: skip
+    text = serve_by_prompt(logs, [4, 16])
+    assert text.startswith("Reference: `ref`.")  # the first fixed row with a log
+    body = [line for line in text.splitlines() if line.startswith("| other |")]
+    assert len(body) == 1 and "| 4 |" in body[0] and "0.900" in body[0]  # goodput's log, once
+    assert "skipped `other` at N=16" in text
+    assert serve_by_prompt({"k=8": ("fixed", ref), "base": ("baseline", other)}, [4]) is None  # no policy
+    assert serve_by_prompt({"goodput": ("default", other)}, [4]) is None  # nothing fixed to compare with
+    section = serve_section({"configs": [], "rows": [], "by_prompt": text})
+    assert "Tokens and time by prompt" in section and body[0] in section
