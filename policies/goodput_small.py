@@ -9,8 +9,8 @@ same search — uniform plans, Dinkelbach's steps, the graph buckets' fills and 
 hold / probe / dither / KV fit / intent on the result — over lists of Python ints and floats.
 
 It decides as BatchProblem does, bit for bit: the cost table is BatchProblem's own
-(:class:`~specsched.policies.cost_table.CostTable`, read once as lists), each plan's goodput is
-:meth:`~specsched.policies.goodput_eval.PlanEvaluator.one`'s arithmetic, and each sum over the
+(:class:`~specsched.policies.cost_table.CostTable`), each plan's goodput is
+:meth:`~specsched.policies.goodput_eval.PlanEvaluator.price` (``one``'s own arithmetic), and each sum over the
 batch is a left-to-right sum, which is what numpy's reductions do below 8 elements (from 8 on they
 sum pairwise, hence the bound on B; tests/policies/test_goodput_small.py checks every method against
 BatchProblem). Terms as in :mod:`specsched.policies.goodput_search`.
