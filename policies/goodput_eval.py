@@ -37,9 +37,6 @@ class PlanEvaluator:
         if table.is_clipped:  # verification ms by token count, clipped at 0 as total_ms clips it
             v = table.verify
             self.verify_ms = np.maximum(v[0] + v[1] * np.arange(table.size), 0.0)  # [size]
-            self._flat, self._verify = table.flat.tolist(), self.verify_ms.tolist()  # for price()
-        else:
-            self._flat_total = table.flat_total.tolist()  # [S * size], for price()
 
     def expected(self, k: np.ndarray) -> np.ndarray:
         """E_i(k_i) ``[..., B]`` of plans ``k`` ``[..., B]``."""
@@ -78,11 +75,11 @@ class PlanEvaluator:
         propose = max_k * (p[1] + p[2] * (len(ks) - ks.count(0)))
         if not t.is_clipped:
             propose += p[0] * (max_k > 0) + t.draft_token_ms * num_draft
-            total = self._flat_total[s * t.size + num_tokens] + self.row_ctx[s] * weighted + propose
+            total = t.flat_total[s * t.size + num_tokens] + self.row_ctx[s] * weighted + propose
         else:
             propose = max(propose + p[0] + p[3] * num_draft, 0.0) if max_k > 0 else 0.0
-            score = max(self._flat[s * t.size + num_tokens] + self.row_ctx[s] * (t.ctx_sum + weighted), 0.0)
-            total = score + (propose + self._verify[num_tokens] + t.overhead_ms)
+            score = max(t.flat[s * t.size + num_tokens] + self.row_ctx[s] * (t.ctx_sum + weighted), 0.0)
+            total = score + (propose + self.verify_ms[num_tokens] + t.overhead_ms)
         return expected / max(float(total), 1e-9)
 
     def components(self, ks: list[int], s: int) -> dict[str, float]:
