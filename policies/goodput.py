@@ -277,7 +277,7 @@ class GoodputPolicy(Policy):
             "num_scorers_searched": len(scorers),
             # the posterior means the plan was made with (batch order), for comparing a live log's
             # decisions with a replay's (docs/benchmarks.md, 2026-12-07: live goodput drafted less)
-            "acceptance": [round(r.acceptance, 4) for r in reqs],
+            "acceptance": [r.acceptance for r in reqs],
         }
         for name in ("propose_ms", "score_ms", "verify_ms", "overhead_ms"):
             info[f"predicted_{name}"] = cost[name]
