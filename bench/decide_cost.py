@@ -10,7 +10,9 @@ p90 over the timed views, after 100 warm-up views. Plans are compared too: a var
 decide alike (e.g. ``plain_search_max_batch=1``, the numpy search) must give the same plans.
 
 ``python -m specsched.bench.decide_cost [--batches 2 4 7 8 16 64] [--views 600]
-[--variant plain_search_max_batch=1] [--variant staged_acceptance=true]``
+[--variant plain_search_max_batch=1] [--estimator --variant staged_acceptance=true]``
+(``--estimator``: the views carry an acceptance estimator, which two acceptance rates need; without
+it a ``staged_acceptance`` variant plans with one rate.)
 """
 
 from __future__ import annotations
@@ -21,9 +23,15 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
 
 from specsched.bench.decide_cache import trained_costs, views
 from specsched.bench.markdown import fmt, table
+from specsched.policies.acceptance import AcceptanceEstimator
+from specsched.policies.acceptance_stages import stages_of
+from specsched.policies.base import BatchView
 from specsched.policies.goodput import GoodputConfig, GoodputPolicy
 
 WARMUP_VIEWS = 100
@@ -51,13 +59,31 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-def time_decides(batch: int, variants: list[dict], num_views: int, seed: int = 0) -> list[dict]:
+def with_estimator(vs: list[BatchView], seed: int = 0) -> list[BatchView]:
+    """The views with an acceptance estimator (both stages: ``staged_acceptance`` reads them) fed 20
+    span-like steps per request (of 8 drafts none accepted, 3, or all), so that variants with two
+    acceptance rates search with them."""
+    rng = np.random.default_rng([seed, 7])
+    est = AcceptanceEstimator()
+    stages_of(est)
+    for r in vs[0].requests:
+        for _ in range(20):
+            est.observe(r.request_id, r.proposer, 8, int(rng.choice([0, 0, 3, 8])))
+    return [replace(v, acceptance=est) for v in vs]
+
+
+def time_decides(
+    batch: int, variants: list[dict], num_views: int, seed: int = 0, is_estimated: bool = False
+) -> list[dict]:
     """Per config (the defaults first, then ``variants``): median and p90 µs of a decide, and how
-    many of its plans differ from the defaults' on the same views."""
+    many of its plans differ from the defaults' on the same views (``is_estimated``: views that carry
+    an acceptance estimator, :func:`with_estimator`)."""
     costs = trained_costs(seed)
     configs = [{}, *variants]
     policies = [GoodputPolicy(GoodputConfig(**v)) for v in configs]
     vs = views(batch, num_views + WARMUP_VIEWS, seed)
+    if is_estimated:
+        vs = with_estimator(vs, seed)
     times: list[list[float]] = [[] for _ in configs]
     num_differ = [0] * len(configs)
     for i, v in enumerate(vs):
@@ -86,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--variant", action="append", default=[], help="key=value[,key=value] of goodput's options"
     )
+    ap.add_argument(
+        "--estimator", action="store_true", help="views with a fed acceptance estimator (two rates need it)"
+    )
     args = ap.parse_args(argv)
     if args.views < 1 or any(b < 1 for b in args.batches):
         ap.error("--views and every batch size must be >= 1")
@@ -93,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants = [parse_variant(v) for v in args.variant]
     except ValueError as e:
         ap.error(str(e))
-    rows = [r for b in args.batches for r in time_decides(b, variants, args.views)]
+    rows = [
+        r for b in args.batches for r in time_decides(b, variants, args.views, is_estimated=args.estimator)
+    ]
     header = ["batch", "config", "decide µs (median)", "p90", "/ defaults", "plans unlike the defaults'"]
     base = {r["batch"]: r["median_us"] for r in rows if r["config"] == "defaults"}
     body = [[str(r["batch"]), r["config"], fmt(r["median_us"], 1), fmt(r["p90_us"], 1),
