@@ -37,14 +37,18 @@ The drafts-taken column pools all request-steps of the N (all prompts: it carrie
 from __future__ import annotations
 
 import argparse
-import sqlite3
 import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specsched.bench.markdown import fmt, table
+from specsched.engine.log_schema import LogFormatError, open_log
+
+if TYPE_CHECKING:
+    from sqlite_utils import Database
 
 IDLE_MS = 50.0  # a gap between two steps above this is idle time, not a step's
 TABLES = ("steps", "step_requests", "requests")
@@ -78,19 +82,19 @@ class PromptRate:
         return self.with_offer / self.steps
 
 
-def connect(path: str | Path) -> sqlite3.Connection:
-    """The log, read-only, after checking it has ``TABLES``; :class:`LogError` otherwise."""
+def connect(path: str | Path) -> Database:
+    """The log, read through :func:`~specsched.engine.log_schema.open_log` (a specsched log of a
+    readable schema version), after checking it has ``TABLES``; :class:`LogError` otherwise."""
     if not Path(path).is_file():
         raise LogError(f"{path}: no such file")
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        have = {r[0] for r in db.execute("select name from sqlite_master where type = 'table'")}
-    except sqlite3.DatabaseError as e:
-        db.close()
+        db = open_log(path)
+    except LogFormatError as e:
         raise LogError(f"{path}: not an SQLite decision log ({e})") from e
+    have = set(db.table_names())
     for t in TABLES:
         if t not in have:
-            db.close()
+            db.conn.close()
             raise LogError(f"{path}: no table {t!r} (not a decision log of bench=serve?)")
     return db
 
@@ -100,7 +104,7 @@ def _query(path: str | Path, sql: str, params: Sequence = ()) -> list[tuple]:
     try:
         return db.execute(sql, params).fetchall()
     finally:
-        db.close()
+        db.conn.close()
 
 
 def prompt_rates(db_path: str | Path, batch: int, max_k: int = 8) -> dict[int, PromptRate]:

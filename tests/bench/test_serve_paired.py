@@ -8,6 +8,7 @@ import sqlite3
 import pytest
 
 from specsched.bench.serve_paired import LogError, PromptRate, main, paired_rows, prompt_rates, step_wall_ms
+from specsched.engine.log_schema import SCHEMA_VERSION
 
 SCHEMA = {
     "steps": "run_id, step, kind, start_time, batch_size, num_tokens, scorer, policy, proposer, "
@@ -24,6 +25,8 @@ def write_log(path, steps, prompts, tables=tuple(SCHEMA)):
     k, max_k), ...])], numbered in order within each run; ``prompts`` = {request_id: prompt_tokens}
     (in every run)."""
     db = sqlite3.connect(path)
+    db.execute(f"pragma user_version = {SCHEMA_VERSION}")  # a specsched log (engine/log_schema.py)
+    db.execute("create table runs (run_id)")
     for t in tables:
         db.execute(f"create table {t} ({SCHEMA[t]})")
     insert = lambda t, row: db.execute(
