@@ -25,6 +25,7 @@ from specsched.daemon.affinity import check_cpu
 from specsched.daemon.auth import check_endpoint, check_key
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+OUTPUT_PACES = ("auto", "window", "loop")  # daemon.output_pace
 
 
 @dataclass
@@ -52,6 +53,12 @@ class DaemonConfig:
     # since the H200 A/B of 2026-12-05 11:03 (bench=serve_pacing_ab, with log.pace=step): +12-27 % tok/s
     # at N = 1-16 for goodput and k = 8; at N = 64 0 / -6 % and TTFT p50 +9-13 ms (docs/benchmarks.md)
     send_pace: str = "step"
+    # where the engine thread turns a step's outputs into replies (stop strings, chunks, dones, request
+    # rows) and hands its record to the log: "loop" = in the daemon's loop as the step returns, while
+    # the device idles; "window" = during the next step's forward (the engine's on_host_window), off
+    # the GPU's critical path; "auto" = window where the engine overlaps host work with the device
+    # (CUDA), loop elsewhere (on the CPU the forward is the host's own work: nothing to hide behind)
+    output_pace: str = "auto"
     # Python's thread switch interval while the daemon serves (sys.setswitchinterval; restored at close),
     # ms. A thread that wants the interpreter lock waits up to this long for the one holding it: with the
     # default (null = Python's 5 ms) a decide ahead of a few ms holds the IO and log-writer threads off
@@ -82,6 +89,10 @@ class DaemonConfig:
             check_cpu(self.engine_cpu)  # at start, before the model loads: one this process may use
         if self.send_pace not in ("loop", "step"):
             raise ValueError(f"daemon.send_pace must be loop or step, got {self.send_pace!r}")
+        if self.output_pace not in OUTPUT_PACES:
+            raise ValueError(
+                f"daemon.output_pace must be one of {', '.join(OUTPUT_PACES)}, got {self.output_pace!r}"
+            )
         si = self.switch_interval_ms
         is_number = isinstance(si, int | float) and not isinstance(si, bool)
         if si is not None and not (is_number and math.isfinite(si) and 0.01 <= si <= 100):

@@ -116,6 +116,19 @@ class Serving:
             engine.on_device_wait = self._on_device_wait
         elif self._nudge_log is not None:
             engine.on_device_wait = self._nudge_log
+        # daemon.output_pace=window: a step's outputs and record wait for the next step's forward and
+        # are handled there (engine.on_host_window), while the device works instead of idling
+        pace = getattr(cfg, "output_pace", "loop")
+        self.is_output_deferred = pace == "window" or (
+            pace == "auto" and getattr(engine, "is_overlapped_observe", False)
+        )
+        self._pending: list[RequestOutput] = []  # the last step's outputs, for the next window
+        self._pending_time = 0.0  # time.time() when that step returned (its tokens' arrival)
+        self._pending_recs: list[StepRecord] = []  # the last step's record (on_step), for the window
+        self._is_in_window = False  # handling outputs inside an engine step: no abort_request there
+        self._stop_hits: list[str] = []  # requests a stop string ended in the window: aborted after it
+        if self.is_output_deferred:
+            engine.on_host_window = self._on_host_window
 
     def send(self, client: bytes, msg: Message) -> None:
         self._out.append((client, msg))
@@ -184,6 +197,7 @@ class Serving:
                 self.publish()
                 self.flush()
         finally:
+            self.drain()
             self.flush()
             self.release_held()
             self.wake()
@@ -204,7 +218,9 @@ class Serving:
     def handle(self, cmd: Command) -> None:
         if isinstance(cmd, Admit):
             self.admit(cmd)
-        elif isinstance(cmd, CancelRequest):
+            return
+        self.drain()  # a cancel, drop or shutdown comes after the outputs the last step produced
+        if isinstance(cmd, CancelRequest):
             st = self.streams.get(request_key(cmd.client, cmd.id))
             if st is not None:  # else it finished meanwhile; its done is on the way
                 self.engine.abort_request(st.key, FinishReason.ABORT)
@@ -222,14 +238,55 @@ class Serving:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 -- a failed step fails its requests, not the daemon
             logger.exception("engine step failed; failing all %d in-flight requests", len(self.streams))
+            self._stop_hits.clear()
             self.abort_all(FinishReason.ERROR, error=f"engine step failed: {type(e).__name__}: {e}")
             return
+        for key in self._stop_hits:  # stop strings found in this step's window end their requests now
+            self.engine.abort_request(key, FinishReason.STOP)
+        self._stop_hits.clear()
+        self.drain()  # what no window took (a call that ran no forward)
+        now = time.time()
+        if self._is_deferring:
+            self._pending, self._pending_time = outputs, now
+            return
         for out in outputs:
-            self._on_output(out)
+            self._on_output(out, now)
+
+    @property
+    def _is_deferring(self) -> bool:
+        """A step's outputs wait for the next step's window: output_pace=window while a next step
+        follows (idle or shutting down, they are handled at once)."""
+        return self.is_output_deferred and self.engine.has_unfinished and self._deadline is None
+
+    def drain(self) -> None:
+        """Handle what the last step left for the window, in order: its record, then its outputs."""
+        if self._pending_recs:
+            recs, self._pending_recs = self._pending_recs, []
+            for rec in recs:
+                self._observe_step(rec)
+        if self._pending:
+            outputs, self._pending = self._pending, []
+            for out in outputs:
+                self._on_output(out, self._pending_time)
+
+    def _on_host_window(self) -> None:
+        """The engine's forward runs (output_pace=window): handle the last step's outputs and post the
+        replies (paced sends still go at this step's device wait)."""
+        self._is_in_window = True
+        try:
+            self.drain()
+            if self._out or self._finals:
+                self.flush()
+        except Exception:  # noqa: BLE001 -- the step must go on; the failure is the daemon's, not the engine's
+            logger.exception("handling a step's outputs in the next step's window failed")
+        finally:
+            self._is_in_window = False
 
     def expire(self) -> None:
         """Finish every request whose deadline passed (``done`` with finish_reason ``timeout``)."""
         now = time.monotonic()
+        if self.deadlines and self.deadlines[0][0] <= now:
+            self.drain()  # a request that finished in the last step is done, not timed out
         while self.deadlines and self.deadlines[0][0] <= now:
             _, key = heapq.heappop(self.deadlines)
             st = self.streams.get(key)
@@ -243,6 +300,7 @@ class Serving:
         self.snapshot = self._snapshots.build(self.engine, self.counts, len(self.streams), self.step_stats)
 
     def abort_all(self, reason: FinishReason, error: str | None = None) -> None:
+        self.drain()  # what the last step produced goes out first
         for st in list(self.streams.values()):
             try:
                 self.engine.abort_request(st.key, reason)
@@ -288,11 +346,18 @@ class Serving:
     def _on_step(self, rec: StepRecord) -> None:
         if self._chained_on_step is not None:
             self._chained_on_step(rec)
+        if self._is_deferring:
+            self._pending_recs.append(rec)
+        else:
+            self._observe_step(rec)
+
+    def _observe_step(self, rec: StepRecord) -> None:
         self.step_stats.observe(rec)
         if self.log is not None:
             self._log_call(self.log.write_step, rec)
 
-    def _on_output(self, out: RequestOutput) -> None:
+    def _on_output(self, out: RequestOutput, now: float | None = None) -> None:
+        """``now``: when the step that produced ``out`` returned (its first token's time)."""
         st = self.streams.get(out.request_id)
         if st is None:
             return
@@ -308,11 +373,13 @@ class Serving:
         if new_ids:
             st.steps += 1
             if not st.first_token_time:
-                st.first_token_time = time.time()
+                st.first_token_time = now or time.time()
         st.proposed += out.num_proposed
         st.accepted += out.num_accepted
         if is_hit:
-            if reason is None:
+            if reason is None and self._is_in_window:  # the request is in the running step
+                self._stop_hits.append(st.key)
+            elif reason is None:
                 self.engine.abort_request(st.key, FinishReason.STOP)
             reason = FinishReason.STOP.value
         if st.is_streaming and (new_ids or text):

@@ -57,6 +57,10 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         # reads inside), where the engine thread waits without the interpreter lock: the daemon paces
         # the decision log's writer (log.pace=step) and the IO thread's sends (send_pace=step) by it
         self.on_device_wait: Callable[[], None] | None = None
+        # called once per step while the device runs its forward (right after the launch, before the
+        # engine's own overlapped work): the daemon handles the last step's outputs there
+        # (daemon.output_pace=window). It must not change the engine's requests (no abort_request).
+        self.on_host_window: Callable[[], None] | None = None
         self.stats = EngineStats()
         self.timer = StepTimer(self.device)  # phase times: perf_counter on the host, CUDA events on GPU
         self.is_overlapped_observe = self.timer.is_events  # see flush_observations
@@ -215,6 +219,8 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         costs, let the proposers work on the tokens known before the commit (``on_scoring``), and
         decide the next step's plan ahead where the policy allows it (``views``: this step's, whose
         offers below ``spec.max_k`` the planner counts when the batch's size asks for it)."""
+        if self.on_host_window is not None:
+            self.on_host_window()
         if self._unobserved:
             self.flush_observations()
         if self.is_overlapped_observe:  # the GPU scores meanwhile (on the host path: nothing to hide)
