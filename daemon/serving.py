@@ -116,19 +116,20 @@ class Serving:
             engine.on_device_wait = self._on_device_wait
         elif self._nudge_log is not None:
             engine.on_device_wait = self._nudge_log
-        # daemon.output_pace=window: a step's outputs and record wait for the next step's forward and
-        # are handled there (engine.on_host_window), while the device works instead of idling
+        # daemon.output_pace=window: a step's outputs wait for the next step's forward and are handled
+        # there (engine.on_host_window), while the device works instead of idling; the engine completes
+        # the step's record there too (engine.is_record_deferred: its rows, stats, on_step)
         pace = getattr(cfg, "output_pace", "loop")
         self.is_output_deferred = pace == "window" or (
             pace == "auto" and getattr(engine, "is_overlapped_observe", False)
         )
         self._pending: list[RequestOutput] = []  # the last step's outputs, for the next window
         self._pending_time = 0.0  # time.time() when that step returned (its tokens' arrival)
-        self._pending_recs: list[StepRecord] = []  # the last step's record (on_step), for the window
         self._is_in_window = False  # handling outputs inside an engine step: no abort_request there
         self._stop_hits: list[str] = []  # requests a stop string ended in the window: aborted after it
         if self.is_output_deferred:
             engine.on_host_window = self._on_host_window
+            engine.is_record_deferred = True
 
     def send(self, client: bytes, msg: Message) -> None:
         self._out.append((client, msg))
@@ -198,6 +199,7 @@ class Serving:
                 self.flush()
         finally:
             self.drain()
+            self._flush_record()
             self.flush()
             self.release_held()
             self.wake()
@@ -259,15 +261,16 @@ class Serving:
         return self.is_output_deferred and self.engine.has_unfinished and self._deadline is None
 
     def drain(self) -> None:
-        """Handle what the last step left for the window, in order: its record, then its outputs."""
-        if self._pending_recs:
-            recs, self._pending_recs = self._pending_recs, []
-            for rec in recs:
-                self._observe_step(rec)
+        """Handle the outputs the last step left for the window."""
         if self._pending:
             outputs, self._pending = self._pending, []
             for out in outputs:
                 self._on_output(out, self._pending_time)
+
+    def _flush_record(self) -> None:
+        """The last step's record, deferred by the engine, to the log now (no step follows)."""
+        if getattr(self.engine, "is_record_deferred", False):
+            self._log_call(self.engine.flush_record)
 
     def _on_host_window(self) -> None:
         """The engine's forward runs (output_pace=window): handle the last step's outputs and post the
@@ -301,6 +304,7 @@ class Serving:
 
     def abort_all(self, reason: FinishReason, error: str | None = None) -> None:
         self.drain()  # what the last step produced goes out first
+        self._flush_record()
         for st in list(self.streams.values()):
             try:
                 self.engine.abort_request(st.key, reason)
@@ -346,12 +350,6 @@ class Serving:
     def _on_step(self, rec: StepRecord) -> None:
         if self._chained_on_step is not None:
             self._chained_on_step(rec)
-        if self._is_deferring:
-            self._pending_recs.append(rec)
-        else:
-            self._observe_step(rec)
-
-    def _observe_step(self, rec: StepRecord) -> None:
         self.step_stats.observe(rec)
         if self.log is not None:
             self._log_call(self.log.write_step, rec)

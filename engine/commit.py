@@ -30,7 +30,6 @@ class CommitStep:
     requests: dict[str, Request]
     eos_token_ids: set[int]
     max_model_len: int
-    _is_after_run: bool
 
     def _commit(
         self, reqs: list[Request], emitted: list[list[int]], num_draft: list[int], names: list[str] | None
@@ -91,11 +90,14 @@ class CommitStep:
         self.acceptance.forget(req.request_id)
         self.requests.pop(req.request_id, None)
 
-    def _record(self, rec, reqs, names, plan, props, views, emitted, match_bits, outputs, num_steps) -> None:
+    def _record(
+        self, rec, reqs, names, plan, props, views, emitted, match_bits, outputs, num_steps, is_after_run
+    ) -> None:
         """Fill the step's record (the decision log's ``steps`` and ``step_requests`` rows); ``views``:
         the policy's view of each request (batch order): its context (the tokens before this step's)
         and max k. A run of ``num_steps`` plain steps scored ``num_steps`` tokens per request and
-        says so in its ``plan_info`` (``decode_steps``)."""
+        says so in its ``plan_info`` (``decode_steps``). ``is_after_run``: the step before drafted
+        nothing. Reads nothing a later step changes (it may run in the next step's window)."""
         rec.requests = [
             StepRequestRecord(
                 r.request_id, v.context_len - 1, k, min(len(e) - 1, k), b, len(o.new_token_ids), v.max_k
@@ -105,7 +107,7 @@ class CommitStep:
         rec.batch_size, rec.num_tokens = len(reqs), props.num_tokens + len(reqs) * num_steps
         # flagged on a step that drafts or runs plain steps; a single plain step has no catch-up to time
         rec.num_decode_steps = num_steps
-        rec.is_after_run = self._is_after_run and (num_steps > 1 or any(props.num_draft))
+        rec.is_after_run = is_after_run and (num_steps > 1 or any(props.num_draft))
         rec.num_emitted = sum(len(o.new_token_ids) for o in outputs)  # kept: a stop drops what follows it
         rec.scorer, rec.policy, rec.is_synthetic = plan.scorer, plan.policy, props.is_synthetic
         kinds = set(names)

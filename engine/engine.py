@@ -61,6 +61,11 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         # engine's own overlapped work): the daemon handles the last step's outputs there
         # (daemon.output_pace=window). It must not change the engine's requests (no abort_request).
         self.on_host_window: Callable[[], None] | None = None
+        # a decode step's record (its requests' rows, the engine's stats, on_step) is completed in the
+        # next step's window instead of before the step returns (the daemon sets it with
+        # daemon.output_pace=window); an idle engine completes it at once
+        self.is_record_deferred = False
+        self._unrecorded: tuple | None = None  # (record, _record's arguments, plan) of the last step
         self.stats = EngineStats()
         self.timer = StepTimer(self.device)  # phase times: perf_counter on the host, CUDA events on GPU
         self.is_overlapped_observe = self.timer.is_events  # see flush_observations
@@ -123,6 +128,7 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None or batch.is_prefill:
+            self.flush_record()
             self.flush_observations()
         if batch is None:
             self._last_end = None
@@ -139,20 +145,41 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         timer.finish(rec)  # CUDA: read the phase events (the step's host read waited for them)
         if not batch.is_prefill:
             self.planner.observe(rec.score_ms, timer.host_ms)
-        if not batch.is_prefill and rec.batch_size:
-            self._unobserved.append(rec)
-            if not self.is_overlapped_observe:
-                self.flush_observations()
-                timer.mark("observe")  # the cost models' update, here when not overlapped (CPU)
-        self.stats.observe(rec)
-        timer.mark("stats")
+        is_deferred = self._unrecorded is not None
+        if not is_deferred:
+            self._settle(rec)
+            timer.mark("stats")
         rec.host_ms = dict(timer.host_ms)
         rec.total_ms = (time.perf_counter() - t0) * 1e3
         self.num_steps += 1
-        if self.on_step is not None:
+        if not is_deferred and self.on_step is not None:
             self.on_step(rec)
+        if is_deferred and not self.requests:  # idle next: no window to wait for
+            self.flush_record()
         self._last_end = time.perf_counter() if self.requests else None  # idle next: no gap to time
         return outputs
+
+    def _settle(self, rec: StepRecord) -> None:
+        """A complete record's bookkeeping: the cost models' update (now on the host path, in the next
+        step's window on CUDA), the engine's stats."""
+        if rec.kind == "decode" and rec.batch_size:
+            self._unobserved.append(rec)
+            if not self.is_overlapped_observe:
+                self.flush_observations()
+                self.timer.mark("observe")  # the cost models' update, here when not overlapped (CPU)
+        self.stats.observe(rec)
+
+    def flush_record(self) -> None:
+        """Complete the last decode step's record if it was deferred (``is_record_deferred``): its
+        requests' rows, the policy's feedback, the bookkeeping of :meth:`_settle`, then ``on_step``."""
+        if self._unrecorded is None:
+            return
+        (rec, args, plan), self._unrecorded = self._unrecorded, None
+        self._record(rec, *args)
+        self.policy.observe(plan, [r.num_accepted for r in rec.requests])
+        self._settle(rec)
+        if self.on_step is not None:
+            self.on_step(rec)
 
     def flush_observations(self) -> None:
         """Feed the cost models the decode records not observed yet. With ``is_overlapped_observe``
@@ -196,8 +223,12 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         timer.mark_tail(rec, "verify_ms")
         outputs = self._commit(reqs, emitted, props.num_draft, names)
         timer.mark("commit")
-        self._record(rec, reqs, names, plan, props, views, emitted, match_bits, outputs, num_steps)
+        args = (reqs, names, plan, props, views, emitted, match_bits, outputs, num_steps, self._is_after_run)
         self._is_after_run = not any(ks)  # drafted nothing: a draft model skipped these tokens
+        if self.is_record_deferred:  # completed in the next step's window (flush_record)
+            self._unrecorded = (rec, args, plan)
+            return outputs, rec
+        self._record(rec, *args)
         self.policy.observe(plan, [r.num_accepted for r in rec.requests])
         timer.mark("record")
         return outputs, rec
@@ -221,6 +252,7 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         offers below ``spec.max_k`` the planner counts when the batch's size asks for it)."""
         if self.on_host_window is not None:
             self.on_host_window()
+        self.flush_record()  # the last step's, when deferred
         if self._unobserved:
             self.flush_observations()
         if self.is_overlapped_observe:  # the GPU scores meanwhile (on the host path: nothing to hide)
