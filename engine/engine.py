@@ -250,8 +250,7 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         costs, let the proposers work on the tokens known before the commit (``on_scoring``), and
         decide the next step's plan ahead where the policy allows it (``views``: this step's, whose
         offers below ``spec.max_k`` the planner counts when the batch's size asks for it)."""
-        if self.on_host_window is not None:
-            self.on_host_window()
+        self._open_window()  # the caller's (a run opened it after its first forward already)
         self.flush_record()  # the last step's, when deferred
         if self._unobserved:
             self.flush_observations()

@@ -62,7 +62,9 @@ class DecodeSteps:
     scorers: dict[str, Scorer]
     device: torch.device
     on_device_wait: Callable[[], None] | None
+    on_host_window: Callable[[], None] | None
     _is_woken = False  # on_device_wait ran for this step already (a run's, after its first launch)
+    _is_window_open = False  # on_host_window ran for this step already (a run's, after its first launch)
 
     def _reserve(
         self, reqs: list[Request], ks: list[int], num_steps: int
@@ -80,12 +82,13 @@ class DecodeSteps:
     def _score(self, scorer: str, reqs: list[Request], props: Proposals, num_steps: int) -> torch.Tensor:
         """The scoring forward's logits ``[sum(k_i+1), vocab]``, or for a run of ``num_steps`` > 1
         plain steps their argmax tokens ``[num_steps, B]`` (both on the device). A run calls
-        ``on_device_wait`` once its first forward is queued, not at the read: the host's launches of
+        ``on_host_window`` and ``on_device_wait`` once its first forward is queued, not after its
+        launches and at the read: the host's launches of
         the other forwards take a good part of the run (H200, 2026-12-06, SmolLM2, N = 1, runs of 8:
         2.9 ms of launches in a 7.4 ms run), and the daemon's IO thread, woken by that hook, would
         otherwise stream the last step's tokens (a new request's first one) only after them: TTFT
         p50 6.7 ms against 4.0 without runs."""
-        self._is_woken = False
+        self._is_woken = self._is_window_open = False
         if num_steps == 1:
             return self.scorers[scorer].score(reqs, props)
         s = self.scorers[scorer]
@@ -93,7 +96,15 @@ class DecodeSteps:
             s.decode_forward, reqs, num_steps, self.scheduler.block_size, self.device, self._wake_for_run
         )
 
+    def _open_window(self) -> None:
+        """The caller's work while the device runs this step (``on_host_window``), once a step: in a
+        run right after its first forward is queued (with the wake below), else in the overlap."""
+        if self.on_host_window is not None and not self._is_window_open:
+            self._is_window_open = True
+            self.on_host_window()
+
     def _wake_for_run(self) -> None:
+        self._open_window()
         if self.on_device_wait is not None:
             self._is_woken = True
             self.on_device_wait()

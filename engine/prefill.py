@@ -68,8 +68,8 @@ class PrefillStep:
         proposer indexes the prompt, which a first decode step's peek would otherwise do on the
         critical path: ~0.15 ms per joining request on the H200 host, 2026-12-04). The caller's
         ``on_host_window`` goes first, as in a decode step's window."""
-        if self.on_host_window is not None:
-            self.on_host_window()
+        self._is_window_open = False
+        self._open_window()
         names = self._proposer_names(reqs)
         by = by_proposer(names)
         for n, idx in by.items():

@@ -16,16 +16,19 @@ from specsched.daemon.commands import Admit, CancelRequest
 from specsched.daemon.limits import DaemonConfig
 from specsched.daemon.messages import Chunk, Done, Generate
 from specsched.daemon.serving import Serving
-from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
+from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specsched.engine.engine import Engine
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 8 + i] for i in range(4)]
 
 
-def tiny_engine(source: str = "tiny") -> Engine:
+def tiny_engine(source: str = "tiny", decode_steps: int = 1) -> Engine:
     spec = SpecConfig(proposer="ngram", max_k=3)
-    model = ModelConfig(source=source, device="cpu")
-    return Engine.from_config(EngineConfig(model=model, cache=CacheConfig(num_blocks=64), spec=spec))
+    if decode_steps > 1:  # runs of plain steps: no drafts
+        spec = SpecConfig(proposer="none", max_k=0)
+    model, sched = ModelConfig(source=source, device="cpu"), SchedulerConfig(decode_steps=decode_steps)
+    cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=64), spec=spec, scheduler=sched)
+    return Engine.from_config(cfg)
 
 
 class Recorder:
@@ -33,10 +36,11 @@ class Recorder:
     engine's host window, and whose engine aborts are checked to come outside it."""
 
     def __init__(self, engine: Engine, pace: str) -> None:
-        self.engine, self.posts, self.is_in_window = engine, [], False
+        self.engine, self.posts, self.is_in_window, self.num_windows = engine, [], False, 0
         cfg = DaemonConfig(endpoint="tcp://127.0.0.1:0", output_pace=pace)
         self.srv = Serving(engine, cfg, self._post, lambda: None)
-        self.srv._chained_on_step, engine.on_step = engine.on_step, self.srv._on_step  # as run() does
+        self.records: list = []
+        self.srv._chained_on_step, engine.on_step = self.records.append, self.srv._on_step  # as run() does
         hook = engine.on_host_window
         if hook is not None:
             engine.on_host_window = lambda: self._in_window(hook)
@@ -49,6 +53,7 @@ class Recorder:
         engine.abort_request = checked_abort
 
     def _in_window(self, hook) -> None:
+        self.num_windows += 1
         self.is_in_window = True
         try:
             hook()
@@ -85,8 +90,8 @@ class Recorder:
         return {m.id: m for _, _, m in self.posts if isinstance(m, Done)}
 
 
-def served(pace: str, source: str = "tiny", **generate) -> Recorder:
-    rec = Recorder(tiny_engine(source), pace)
+def served(pace: str, source: str = "tiny", decode_steps: int = 1, **generate) -> Recorder:
+    rec = Recorder(tiny_engine(source, decode_steps), pace)
     for i, p in enumerate(PROMPTS):
         rec.admit(f"r{i}", prompt_ids=p, max_tokens=12 + 3 * i, **generate)
     rec.run()
@@ -108,6 +113,14 @@ def test_window_pace_handles_each_step_s_outputs_during_the_next_forward():
     last_step = window.engine.num_steps
     assert all(n < last_step for is_in, n, _ in window.posts if is_in)
     assert any(not is_in and n == last_step for is_in, n, _ in window.posts)
+
+
+def test_a_run_of_plain_steps_opens_its_window_once_after_its_first_forward():
+    loop, window = served("loop", decode_steps=4), served("window", decode_steps=4)
+    assert window.tokens() == loop.tokens() and len(loop.tokens()) == len(PROMPTS)
+    assert any(r.num_decode_steps > 1 for r in window.records)  # runs ran
+    assert window.num_windows == window.engine.num_steps  # one window a step, runs included
+    assert any(is_in for is_in, _, _ in window.posts)
 
 
 def test_auto_pace_defers_only_where_the_engine_overlaps_the_device():
