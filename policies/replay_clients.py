@@ -12,9 +12,11 @@ joining when the last finished, and optionally:
   (a batch with nobody ready waits, time that counts on neither side, as the idle time live);
 - **windows** (``window_ms``: per busy period, the ms of the live steps while its clients were
   sending, its first arrival to its last): the clients send for as long in the replay's clock,
-  prefills included (each request ``prefill_ms`` of it), going round their recorded requests of the
-  period again once those are done; then no client sends again in that period (a client's first
-  request of the period goes whenever it is ready: the live window held it) and the batch drains. A
+  prefills included (each request ``prefill_ms`` of it), its idle waits left out (the live window
+  sums the steps' ms: a round trip with nobody running is in neither), going round their recorded
+  requests of the period again once those are done; then no client sends again in that period (a
+  client's first request of the period goes whenever it is ready: the live window held it) and the
+  batch drains. A
   policy faster or slower than the recorded one gets through other numbers of each client's
   requests in a window: replaying the recorded requests alone, once each, ran the client with the
   most of them on alone at the end (H200, 2026-12-06, goodput's N = 4 passes: one client, whose
@@ -58,6 +60,7 @@ class Arrivals:
         self.segment = 0  # the busy period being served
         self.ready_at: dict[int, float] = {}  # request index -> the clock it may join at (think_ms)
         self.opened: float | None = None  # the clock at the period's first admission (windows)
+        self.idle_ms = 0.0  # the clock's idle waits since then (not in the window: live had no steps)
         self.sent: set[str] = set()  # clients that sent a request in the period (windows)
         self.turns: dict[tuple[str, int], int] = {}  # requests sent again per (client, period)
         self.again: dict[tuple[str, int], list[int]] = {}  # per (client, period): its requests there
@@ -80,7 +83,7 @@ class Arrivals:
     def is_open(self) -> bool:
         """The period's clients still send (windows)."""
         w = self.window_ms
-        return w is None or self.opened is None or self.clock - self.opened <= w[self.segment]
+        return w is None or self.opened is None or self.clock - self.opened - self.idle_ms <= w[self.segment]
 
     def admit(self, num_slots: int, is_drained: bool) -> list[int]:
         """The requests that join now (indices into ``requests``), at most ``num_slots`` of them that
@@ -105,7 +108,8 @@ class Arrivals:
                 i = queue.popleft()
                 out.append(i)
                 self.num_admitted += 1
-                self.opened = self.clock if self.opened is None else self.opened
+                if self.opened is None:
+                    self.opened, self.idle_ms = self.clock, 0.0
                 self.clock += self.prefill_ms
                 if client is not None:
                     self.sent.add(client)
@@ -128,7 +132,9 @@ class Arrivals:
         """Nothing runs and nobody is ready: the clock moves to the first client's round trip's end."""
         waits = [self.ready_at[q[0]] for q in self.queues.values() if q and self.is_waiting(q[0])]
         if waits:
-            self.clock = min(waits)
+            t = min(waits)
+            self.idle_ms += max(t - self.clock, 0.0)
+            self.clock = t
 
     def _next_period(self) -> None:
         if not self.is_open:  # its window closed: what its clients had not sent stays unsent

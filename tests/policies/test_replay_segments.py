@@ -184,3 +184,29 @@ def test_a_windowed_replay_never_loops_on_requests_without_decode_steps():
     res = simulate(run, bits, build_policy({"name": "fixed", "k": 0, "scorer": "mqa"}), refit_costs(run),
                    "x", closed_loop=True, window_ms=[5.0])  # fmt: skip
     assert res.num_admitted == 4 and res.num_steps == 0 and res.num_tokens == 4
+
+
+def test_a_window_leaves_out_the_replay_s_idle_waits():
+    """Two clients whose first requests finish together, then both wait a 50 ms round trip with
+    nothing running: the live window (the steps' ms) has no such time, so the replay's window of
+    10 ms is still open after the wait and both second requests go; without the waits left out the
+    clock (55 ms) would have closed it and only the first requests would have been replayed."""
+    from specsched.policies.replay_clients import Arrivals
+    from specsched.policies.replay_log import RecordedRequest
+
+    reqs = [RecordedRequest(f"{c}{i}", 4, 3, 0, [None] * 3, client=c) for i in range(2) for c in "ab"]
+    arr = Arrivals(reqs, closed_loop=True, segments=[0] * 4, think_ms=[0.0, 0.0, 50.0, 50.0],
+                   window_ms=[10.0])  # fmt: skip
+    assert arr.admit(4, is_drained=True) == [0, 1]
+    arr.clock += 5.0  # one step: both finish
+    arr.finish(0)
+    arr.finish(1)
+    assert arr.admit(4, is_drained=True) == []  # both clients in their round trips
+    arr.wait()
+    assert arr.clock == pytest.approx(55.0) and arr.is_open
+    assert arr.admit(4, is_drained=True) == [2, 3]
+    arr.clock += 6.0  # past the window now: 11 ms of steps
+    arr.finish(2)
+    arr.finish(3)
+    arr.wait()
+    assert not arr.is_open and arr.admit(4, is_drained=True) == []  # the window closed: it drains
