@@ -9,6 +9,7 @@ with a byte-level BPE tokenizer and a chat template) are shared by the whole ses
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -255,3 +256,28 @@ def raw_socket(tiny_daemon):
     sock.connect(tiny_daemon.endpoint)
     yield sock
     sock.close()
+
+
+@pytest.fixture
+def stream_vs_generate():
+    """``check(endpoint, prompts, max_tokens)``: every prompt through its own client at once, generated
+    and then streamed; asserts each stream's tokens are its generate's and its done counts them, and
+    that every generate ran to ``max_tokens``."""
+    from specsched.client.sync_client import AsyncClient
+
+    def check(endpoint: str, prompts: list[list[int]], max_tokens: int = 10) -> None:
+        async def one(prompt: list[int]) -> tuple[list[int], list[int]]:
+            async with AsyncClient(endpoint, timeout_s=60) as c:
+                want = (await c.generate(prompt_ids=prompt, max_tokens=max_tokens)).token_ids
+                s = c.stream(prompt_ids=prompt, max_tokens=max_tokens)
+                got = [t async for ch in s for t in ch.token_ids]
+                assert s.done.usage.completion_tokens == len(got)
+                return want, got
+
+        async def main():
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        for want, got in asyncio.run(main()):
+            assert len(want) == max_tokens and got == want
+
+    return check

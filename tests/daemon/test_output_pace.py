@@ -5,12 +5,10 @@ with ``loop``; only where the engine thread does the work moves."""
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 
 import pytest
 
-from specsched.client.sync_client import AsyncClient
 from specsched.daemon.admission import request_key
 from specsched.daemon.commands import Admit, CancelRequest
 from specsched.daemon.limits import DaemonConfig
@@ -170,23 +168,9 @@ def test_output_pace_is_validated():
         DaemonConfig(output_pace="often")
 
 
-def test_daemon_with_window_pace_streams_every_request_and_logs_every_step(start_daemon):
+def test_daemon_with_window_pace_streams_every_request_and_logs_every_step(start_daemon, stream_vs_generate):
     d = start_daemon(daemon={"output_pace": "window"}, log_db=True, log={"pace": "step"})
-
-    async def one(i: int) -> tuple[list[int], list[int]]:
-        async with AsyncClient(d.endpoint, timeout_s=60) as c:
-            prompt = PROMPTS[i % len(PROMPTS)] + [i]
-            want = (await c.generate(prompt_ids=prompt, max_tokens=10)).token_ids
-            s = c.stream(prompt_ids=prompt, max_tokens=10)
-            got = [t async for ch in s for t in ch.token_ids]
-            assert s.done.usage.completion_tokens == len(got)
-            return want, got
-
-    async def main():
-        return await asyncio.gather(*(one(i) for i in range(6)))
-
-    for want, got in asyncio.run(main()):
-        assert len(want) == 10 and got == want
+    stream_vs_generate(d.endpoint, [PROMPTS[i % len(PROMPTS)] + [i] for i in range(6)])
     d.stop()
     db = sqlite3.connect(d.log_path)
     num_requests, num_out = db.execute("SELECT count(*), sum(output_tokens) FROM requests").fetchone()

@@ -4,12 +4,10 @@ waited since, or at once when the engine idles; clients see the same replies in 
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 import pytest
 
-from specsched.client.sync_client import AsyncClient
 from specsched.daemon.limits import DaemonConfig
 from specsched.daemon.messages import Chunk
 from specsched.daemon.serving import Serving
@@ -98,23 +96,9 @@ def test_send_pace_is_validated():
 
 
 @pytest.mark.parametrize("log", [None, {"pace": "step"}], ids=["no log", "step-paced durable log"])
-def test_daemon_with_paced_sends_streams_every_request_in_order(start_daemon, log):
+def test_daemon_with_paced_sends_streams_every_request_in_order(start_daemon, stream_vs_generate, log):
     d = start_daemon(daemon={"send_pace": "step"}, log_db=log is not None, log=log)
-
-    async def one(i: int) -> tuple[list[int], list[int]]:
-        async with AsyncClient(d.endpoint, timeout_s=60) as c:
-            prompt = [5, 6, 7, 5, 6, 7, 8 + i]
-            want = (await c.generate(prompt_ids=prompt, max_tokens=10)).token_ids
-            s = c.stream(prompt_ids=prompt, max_tokens=10)
-            got = [t async for ch in s for t in ch.token_ids]
-            assert s.done.usage.completion_tokens == len(got)
-            return want, got
-
-    async def main():
-        return await asyncio.gather(*(one(i) for i in range(6)))
-
-    for want, got in asyncio.run(main()):
-        assert len(want) == 10 and got == want
+    stream_vs_generate(d.endpoint, [[5, 6, 7, 5, 6, 7, 8 + i] for i in range(6)])
     d.stop()
 
 
