@@ -7,11 +7,20 @@ tests a fresh conversion and nothing is written to the user's ~/.cache.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-import torch
+# One intra-op thread in the test processes and every process they start (daemons, interpreted
+# kernels, bench subprocesses inherit the variable): the suite runs on two pytest-xdist workers on a
+# two-core machine, and torch's default of a thread per core put 4-6 spinning OpenMP threads on its 2
+# cores (tests/engine/test_engine.py: 37 s alone, 137 s inside the suite).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 TINY_SPECIAL_TOKENS = ["<s>", "</s>", "<unk>"]  # ids 0, 1, 2
 TINY_CHAT_TEMPLATE = (
