@@ -141,21 +141,35 @@ class EngineSpec:
 
 
 def make_engine(
-    spec: EngineSpec, proposers: dict[str, Proposer], default_proposer: str, policy: Policy
+    spec: EngineSpec,
+    proposers: dict[str, Proposer],
+    default_proposer: str,
+    policy: Policy,
+    scheduler: dict | None = None,
 ) -> Engine:
-    """A fresh engine (scheduler, cost models, acceptance) over shared model/caches/graphs."""
-    return Engine(*_config_and_parts(spec, proposers, default_proposer, policy))
+    """A fresh engine (scheduler, cost models, acceptance) over shared model/caches/graphs;
+    ``scheduler``: SchedulerConfig overrides of this engine alone, over the spec's."""
+    return Engine(*_config_and_parts(spec, proposers, default_proposer, policy, scheduler))
 
 
 def _config_and_parts(
-    spec: EngineSpec, proposers: dict[str, Proposer], default_proposer: str, policy: Policy
+    spec: EngineSpec,
+    proposers: dict[str, Proposer],
+    default_proposer: str,
+    policy: Policy,
+    scheduler: dict | None = None,
 ) -> tuple[EngineConfig, EngineParts]:
     device = spec.model.lm_head.weight.device
     cfg = EngineConfig(
         model=ModelConfig(source=spec.name, device=str(device)),
         cache=CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks),
         scheduler=SchedulerConfig(
-            **{"max_num_seqs": spec.max_batch, "max_num_batched_tokens": 4096, **spec.scheduler}
+            **{
+                "max_num_seqs": spec.max_batch,
+                "max_num_batched_tokens": 4096,
+                **spec.scheduler,
+                **(scheduler or {}),
+            }
         ),
         spec=SpecConfig(proposer=default_proposer, scorers=list(spec.scorers), max_k=spec.max_k),
         policy={"name": policy.name},

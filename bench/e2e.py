@@ -21,13 +21,15 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 
 from specsched.bench.common import EngineSpec, make_engine, sync
 from specsched.daemon.log import LogWriter
 from specsched.daemon.log_config import LogConfig
+from specsched.engine.config import SchedulerConfig
 from specsched.engine.records import StepRecord
 from specsched.engine.request import SamplingParams
 from specsched.policies.base import Policy
@@ -62,38 +64,73 @@ class E2ERow:
 
 @dataclass
 class RunConfig:
-    """One timed configuration: its label, the policy, the proposer set and the default proposer."""
+    """One timed configuration: its label, the policy, the proposer set and the default proposer,
+    and the scheduler options its engine runs with beside the cell's (a policy variant's
+    ``scheduler`` entry: :func:`policy_configs`)."""
 
     label: str
     make_policy: Callable[[], Policy]
     proposers: dict[str, Proposer]
     proposer: str
+    scheduler: dict = field(default_factory=dict)  # SchedulerConfig overrides for this config alone
 
 
-def policy_configs(cfg, scorers: list[str]) -> list[tuple[str, Callable[[], Policy]]]:
-    """``(label, factory)`` for the fixed (k, scorer) grid and each named policy of ``cfg``
+class PolicyEntry(NamedTuple):
+    label: str
+    make: Callable[[], Policy]
+    scheduler: dict  # SchedulerConfig overrides of this config's engine ({} for most)
+
+
+def scheduler_overrides(entry: str, options: dict) -> dict:
+    """A ``policy_args`` entry's ``scheduler`` mapping, checked against SchedulerConfig's fields and
+    its own checks (a typo or a bad value would otherwise surface deep in a timed window)."""
+    known = {f.name for f in fields(SchedulerConfig)}
+    bad = sorted(set(options) - known)
+    if bad:
+        raise ValueError(
+            f"policy_args.{entry}.scheduler: unknown scheduler option(s) {', '.join(bad)}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+    try:
+        SchedulerConfig(**options)
+    except ValueError as e:
+        raise ValueError(f"policy_args.{entry}.scheduler: {e}") from None
+    return dict(options)
+
+
+def policy_configs(cfg, scorers: list[str]) -> list[PolicyEntry]:
+    """``(label, factory, scheduler)`` for the fixed (k, scorer) grid and each named policy of ``cfg``
     (``policies``: registry names, or ``name@tag`` for a variant whose options are ``policy_args``'
-    entry ``name@tag``; labels ``policy name (option=value, ...)``)."""
-    out: list[tuple[str, Callable[[], Policy]]] = []
+    entry ``name@tag``; labels ``policy name (option=value, ...)``). An entry's ``scheduler`` mapping
+    is no policy option: it sets SchedulerConfig options of that config's engine alone (e.g.
+    ``goodput@no_ahead: {scheduler: {plan_ahead: "off"}}``, labelled ``scheduler.plan_ahead=off``)."""
+    out: list[PolicyEntry] = []
     for k in cfg.fixed_k:
         for s in cfg.fixed_scorers:
             if s in scorers:
-                out.append((f"fixed k={k} {s}", lambda k=k, s=s: FixedPolicy(FixedConfig(k=k, scorer=s))))
+                out.append(
+                    PolicyEntry(
+                        f"fixed k={k} {s}", lambda k=k, s=s: FixedPolicy(FixedConfig(k=k, scorer=s)), {}
+                    )
+                )
     args = dict(cfg.get("policy_args") or {})
     for entry in cfg.policies:
         # "name@tag": a variant of policy name with its own policy_args entry (an A/B within a cell)
         name = entry.partition("@")[0]
         options = dict(args.get(entry) or {})
+        scheduler = scheduler_overrides(entry, dict(options.pop("scheduler", None) or {}))
         spec = {"name": name, **options}
-        shown = ", ".join(f"{k}={v}" for k, v in options.items())
-        label = f"policy {name}" + (f" ({shown})" if shown else "")
+        shown = [f"{k}={v}" for k, v in options.items()] + [
+            f"scheduler.{k}={v}" for k, v in scheduler.items()
+        ]
+        label = f"policy {name}" + (f" ({', '.join(shown)})" if shown else "")
 
         def build(spec=spec) -> Policy:
             from specsched.policies.registry import build_policy
 
             return build_policy(spec)
 
-        out.append((label, build))
+        out.append(PolicyEntry(label, build, scheduler))
     return out
 
 
@@ -110,7 +147,7 @@ def timed_generate(
     """Warm up, then time the prompts in groups of ``batch`` (each group one ``generate``); returns
     metrics and the outputs. With ``log_path``, every step (warm-up included) also goes to that
     SQLite decision log as one run (``log_run``: its config row), for specsched-replay and SQL."""
-    engine = make_engine(spec, run.proposers, run.proposer, run.make_policy())
+    engine = make_engine(spec, run.proposers, run.proposer, run.make_policy(), run.scheduler)
     device = spec.model.lm_head.weight.device
     log = open_run_log(log_path, log_run or {"config": run.label}, spec.name, str(device))
     try:

@@ -46,8 +46,8 @@ from dataclasses import asdict
 import torch
 
 from specsched.bench.common import make_engine
-from specsched.bench.markdown import fmt, table
 from specsched.bench.regret_cells import NON_SPEC, Cell, real_cells, synthetic_cells
+from specsched.bench.regret_report import regret_markdown
 from specsched.bench.regret_windows import Sample, closed_window, run_window, write_window_log
 from specsched.engine.heap import freeze_heap
 from specsched.engine.records import StepRecord
@@ -57,7 +57,7 @@ from specsched.policies.fixed import capped_k
 from specsched.scorers.graph import graph_buckets_of
 
 logger = logging.getLogger(__name__)
-__all__ = ["NON_SPEC", "Cell", "Sample", "run_regret", "summarize"]
+__all__ = ["NON_SPEC", "Cell", "Sample", "regret_markdown", "run_regret", "summarize"]
 
 
 class ProfilePolicy(Policy):
@@ -158,6 +158,17 @@ def is_goodput(label: str) -> bool:
     return label == "policy goodput" or label.startswith("policy goodput (")
 
 
+def _median(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _median_dict(dicts: list[dict | None]) -> dict | None:
+    """Key by key, the median over the repeats that have the dict."""
+    known = [d for d in dicts if d]
+    return {k: statistics.median(d[k] for d in known) for k in known[0]} if known else None
+
+
 def summarize(samples: list[Sample], labels: list[str]) -> dict:
     """Per config: median and min-max tok/s over repeats; the oracle (best median but goodput);
     goodput's per-repeat ratios to the oracle and to non-speculative (median, min, max)."""
@@ -173,6 +184,8 @@ def summarize(samples: list[Sample], labels: list[str]) -> dict:
             mean_k=statistics.median(s.mean_k for s in ss),
             num_compiles=sum(s.num_compiles for s in ss),
             num_full_gc=sum(s.num_full_gc for s in ss),
+            step_ms=_median_dict([s.step_ms for s in ss]),
+            young_gc_per_step=_median([s.young_gc_per_step for s in ss]),
         )  # fmt: skip
         for label, ss in by.items()
     }
@@ -243,80 +256,3 @@ def run_regret(
             logger.exception("regret suite %s failed", suite)
             errors[suite] = f"{type(e).__name__}: {e}"[:300]
     return results()
-
-
-def _ratio(r: dict | None) -> str:
-    return "–" if r is None else f"{r['median']:.3f} [{r['min']:.3f}–{r['max']:.3f}]"
-
-
-def _by_batch(res: dict) -> str:
-    by = res.get("min_steps_by_batch") or {}
-    return f" (at batch {', '.join(f'{b}: >= {n}' for b, n in sorted(by.items()))})" if by else ""
-
-
-def _shape(res: dict) -> str:
-    if res.get("refill"):
-        firsts = ", the first requests cut short to finish spread over one request" * bool(res.get("stagger"))
-        shape = f"refilled windows (the batch kept full, a finished request replaced at once{firsts})"
-    else:
-        shape = "closed groups (each window whole passes of groups of the batch size)"
-    hold = res.get("profile_hold") or 1
-    return shape + (f"; the warm-up profile held each (k, scorer) {hold} steps" if hold > 1 else "")
-
-
-def regret_markdown(res: dict) -> str:
-    """The cell table, every config's table and the held-out cost-model error table."""
-    cells = res["cells"]
-    head = ["suite", "model", "proposer", "batch", "oracle (best config but goodput)", "oracle tok/s",
-            "goodput tok/s", "goodput / oracle", "non-spec tok/s", "goodput / non-spec",
-            "goodput decide ms p99", "min steps"]  # fmt: skip
-    rows, detail, errors, variants = [], [], [], []
-    for c in cells:
-        cf, good = c["configs"], c.get("goodput")
-        oracle = c.get("oracle")
-        rows.append([c["suite"], c["model"], c["proposer"], c["batch"], oracle or "–",
-                     fmt(cf[oracle]["tokens_per_s"], 1) if oracle else "–",
-                     fmt(cf[good]["tokens_per_s"], 1) if good else "–", _ratio(c.get("vs_oracle")),
-                     fmt(cf.get(NON_SPEC, {}).get("tokens_per_s"), 1), _ratio(c.get("vs_non_spec")),
-                     fmt(c.get("decide_ms_p99"), 3), min(v["min_steps"] for v in cf.values())])  # fmt: skip
-        for label, v in cf.items():
-            spread = f"{fmt(v['min'], 1)}–{fmt(v['max'], 1)}"
-            detail.append([c["proposer"], c["batch"], label, fmt(v["tokens_per_s"], 1), spread,
-                           fmt(v["mean_k"]), v["min_steps"], v.get("num_compiles", "–"),
-                           v.get("num_full_gc", "–")])  # fmt: skip
-        for variant, r in (c.get("vs_variants") or {}).items():
-            variants.append(f"- {c['proposer']}, batch {c['batch']}: {good} / {variant} {_ratio(r)}")
-        for e in c["cost_error"]:
-            live = e.get("live_median")
-            errors.append([c["proposer"], e["scorer"], e["batch_size"], e["num_fit"], e["num_held_out"],
-                           fmt(100 * e["median"], 1), fmt(100 * e["p90"], 1),
-                           "yes" if e["median"] <= 0.05 else "**no**",
-                           fmt(None if live is None else 100 * live, 1)])  # fmt: skip
-    if variants:
-        variants = ["Goodput against its variants, per repeat: median [min–max]", "", *variants, ""]
-    big = [c["decide_ms_p99"] for c in cells if c["batch"] == 64 and c.get("decide_ms_p99") is not None]
-    error_head = [
-        "proposer",
-        "scorer",
-        "batch",
-        "fitted",
-        "held out",
-        "median abs. error %",
-        "p90 %",
-        "<= 5%",
-        "predicted before learnt (live) median %",
-    ]
-    parts = [
-        f"### Regret (issue 13): {res['repeats']} interleaved repeats of >= {res['min_steps']} decode "
-        f"steps per config{_by_batch(res)}, {_shape(res)}; ratios per repeat: median [min–max]", "",
-        table(head, rows), "",
-        f"goodput decide p99 at batch 64: {fmt(max(big), 3) + ' ms' if big else '– (no batch-64 cell)'}", "",
-        *variants,
-        "### Regret: every config (tok/s median over repeats, min–max)", "",
-        table(["proposer", "batch", "config", "tok/s", "min–max", "mean k", "min steps",
-               "compiles in windows", "full GCs in windows"], detail), "",
-        "### Cost-model held-out error (score ms; fitted on the first half of each scorer × batch's "
-        "timed steps, scored on the rest)", "", table(error_head, errors),
-    ]  # fmt: skip
-    parts += [f"- **regret {name} failed**: `{err}`" for name, err in res.get("errors", {}).items()]
-    return "\n".join(parts) + "\n"

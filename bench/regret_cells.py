@@ -41,7 +41,8 @@ def _runs(cfg, scorers: list[str], proposers: dict, proposer: str, none) -> list
     base = "batch_expansion" if "batch_expansion" in scorers else scorers[0]
     non_spec = RunConfig(NON_SPEC, lambda: FixedPolicy(FixedConfig(k=0, scorer=base)), {"none": none}, "none")
     return [non_spec] + [
-        RunConfig(label, make, proposers, proposer) for label, make in policy_configs(cfg, scorers)
+        RunConfig(label, make, proposers, proposer, scheduler)
+        for label, make, scheduler in policy_configs(cfg, scorers)
     ]
 
 

@@ -31,6 +31,7 @@ from specsched.engine.request import Request, SamplingParams
 from specsched.kernels.compile_watch import compile_watch
 
 __all__ = ["Sample", "closed_window", "refilled_window", "run_window", "write_window_log"]
+STEP_FIELDS = (("step", "total_ms"), ("propose", "propose_ms"), ("score", "score_ms"))  # Sample.step_ms
 
 
 @dataclass
@@ -47,6 +48,10 @@ class Sample:
     decides_per_step: float | None = None  # steps that decided / decode steps (carried plans: none)
     num_compiles: int = 0  # Triton variants built inside the timed window (a stall each; want 0)
     num_full_gc: int = 0  # the collector's full (generation 2) passes inside the window
+    # median ms of the window's decode records: the step (host wall), its draft and its scoring (the
+    # device's when timed by events); which part of a gap between configs of the same choices is whose
+    step_ms: dict | None = None  # {"step": ..., "propose": ..., "score": ...}
+    young_gc_per_step: float | None = None  # the collector's generation 0 and 1 passes / decode record
 
 
 def run_window(
@@ -63,7 +68,7 @@ def run_window(
     ``tokens`` cuts each request short; ``refill``: :func:`refilled_window` instead, its first
     requests cut short by ``stagger``): (the :class:`Sample` fields, the decode records, every
     step's record)."""
-    engine = make_engine(cell.spec, run.proposers, run.proposer, run.make_policy())
+    engine = make_engine(cell.spec, run.proposers, run.proposer, run.make_policy(), run.scheduler)
     engine.costs, engine.acceptance = copy.deepcopy(state[0]), copy.deepcopy(state[1])
     if refill and tokens is None:
         return refilled_window(engine, cell, min_steps, stagger)
@@ -78,7 +83,7 @@ def engine_settings(cell: Cell, run: RunConfig) -> dict:
     spec = cell.spec
     return {
         "spec": {"proposer": run.proposer, "max_k": spec.max_k, "scorers": list(spec.scorers)},
-        "scheduler": {"max_num_seqs": spec.max_batch, **spec.scheduler},
+        "scheduler": {"max_num_seqs": spec.max_batch, **spec.scheduler, **run.scheduler},
         "cache": {"block_size": spec.block_size, "num_blocks": spec.num_blocks},
         "policy": {"name": policy.name, **(asdict(options) if is_dataclass(options) else {})},
     }
@@ -133,6 +138,7 @@ class _Window:
         self.watch = compile_watch()
         self.watch.install()
         self.built0, self.full_gc0 = self.watch.num_built, gc.get_stats()[2]["collections"]
+        self.young_gc0 = _young_collections()
 
     def __call__(self, rec: StepRecord) -> None:
         self.steps.append(rec)
@@ -155,7 +161,15 @@ class _Window:
             decides_per_step=len(decide) / len(records) if records else None,
             num_compiles=self.watch.num_built - self.built0,
             num_full_gc=gc.get_stats()[2]["collections"] - self.full_gc0,
+            step_ms={name: float(np.median([getattr(r, f) for r in records])) for name, f in STEP_FIELDS}
+                    if records else None,
+            young_gc_per_step=(_young_collections() - self.young_gc0) / len(records) if records else None,
         )  # fmt: skip
+
+
+def _young_collections() -> int:
+    stats = gc.get_stats()
+    return stats[0]["collections"] + stats[1]["collections"]
 
 
 def closed_window(engine, cell: Cell, min_steps: int, tokens: int | None = None):

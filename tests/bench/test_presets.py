@@ -9,6 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import specsched.bench.cli as cli
+from specsched.bench.e2e import policy_configs
 from specsched.bench.serve_config import ServeConfig
 
 CONF_DIR = Path(cli.__file__).parent / "conf"
@@ -23,6 +24,9 @@ def test_the_presets_are_found() -> None:
 def test_preset_composes_and_its_serve_section_validates(preset: str) -> None:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("bench", overrides=[f"bench={preset}"]).bench
+    if cfg.regret.enabled:  # every variant's scheduler options are known and valid (policy_configs)
+        for section in (cfg.regret.synthetic, cfg.regret.real):
+            assert policy_configs(section, list(section.scorers)), preset
     if cfg.serve.enabled:
         serve = ServeConfig.from_dictconfig(cfg.serve)
         assert serve.configs, preset

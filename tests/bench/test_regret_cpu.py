@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 import specsched.bench.cli as cli
@@ -15,6 +16,12 @@ from specsched.bench.regret import NON_SPEC, summarize
 
 CONF_DIR = str(Path(cli.__file__).parent / "conf")
 CONFIGS = [NON_SPEC, "fixed k=2 batch_expansion", "fixed k=2 mqa", "policy goodput"]
+# the real cell also runs a goodput variant whose engine alone has another decide budget
+VARIANT = "policy goodput (scheduler.decide_budget=0.5)"
+
+
+def configs_of(cell: dict) -> list[str]:
+    return CONFIGS + [VARIANT] if cell["suite"] == "real" else CONFIGS
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +34,10 @@ def result(tmp_path_factory):
             f"bench.regret.log_dir={out / 'logs'}",
             "bench.regret.scheduler={decide_cost: host}",  # every window's engine
             "bench.regret.min_steps_by_batch={2: 14}",  # the batch-2 cell's windows run longer
+            "bench.regret.real.policies=[goodput,goodput@budget]",
         ]
         cfg = compose("bench", overrides=overrides).bench
+    cfg.regret.real.policy_args = {"goodput@budget": {"scheduler": {"decide_budget": 0.5}}}
     written: list[int] = []  # cells in results.json at each write
     with pytest.MonkeyPatch.context() as mp:
         inner = cli.write_outputs
@@ -53,10 +62,11 @@ def test_every_config_of_every_cell_runs_interleaved_repeats(result):
     ]  # fmt: skip
     for c in cells:
         samples = c["samples"]
-        assert list(c["configs"]) == CONFIGS
-        assert [s["repeat"] for s in samples] == [r for r in range(cfg.repeats) for _ in CONFIGS]
+        configs = configs_of(c)
+        assert list(c["configs"]) == configs
+        assert [s["repeat"] for s in samples] == [r for r in range(cfg.repeats) for _ in configs]
         for r in range(cfg.repeats):  # each repeat runs every config once
-            assert sorted(s["config"] for s in samples if s["repeat"] == r) == sorted(CONFIGS)
+            assert sorted(s["config"] for s in samples if s["repeat"] == r) == sorted(configs)
         assert all(s["num_steps"] >= cfg.min_steps and s["tokens_per_s"] > 0 for s in samples)
         assert all(s["num_compiles"] == 0 for s in samples)  # CPU: torch kernels, nothing compiled
         assert all(v["num_compiles"] == 0 and v["num_full_gc"] >= 0 for v in c["configs"].values())
@@ -72,11 +82,12 @@ def test_every_config_of_every_cell_runs_interleaved_repeats(result):
 def test_ratios_follow_from_the_rows(result):
     res, cfg, text, _ = result
     for c in res["regret"]["cells"]:
-        tps = {label: [s["tokens_per_s"] for s in c["samples"] if s["config"] == label] for label in CONFIGS}
+        configs = configs_of(c)
+        tps = {label: [s["tokens_per_s"] for s in c["samples"] if s["config"] == label] for label in configs}
         for label, v in c["configs"].items():
             assert v["tokens_per_s"] == pytest.approx(statistics.median(tps[label]))
             assert v["min"] == min(tps[label]) and v["max"] == max(tps[label])
-        others = [label for label in CONFIGS if label != "policy goodput"]
+        others = [label for label in CONFIGS if label != "policy goodput"]  # a variant is no oracle
         assert c["oracle"] == max(others, key=lambda x: statistics.median(tps[x]))
         for key, other in (("vs_oracle", c["oracle"]), ("vs_non_spec", NON_SPEC)):
             per = [g / o for g, o in zip(tps["policy goodput"], tps[other], strict=True)]
@@ -86,7 +97,17 @@ def test_ratios_follow_from_the_rows(result):
             assert f"{c[key]['median']:.3f} [{c[key]['min']:.3f}–{c[key]['max']:.3f}]" in text
     assert "repeats of >= 6 decode steps per config (at batch 2: >= 14), closed groups (" in text
     assert "| predicted before learnt (live) median % |" in text
-    assert "| min steps | compiles in windows | full GCs in windows |" in text
+    assert (
+        "| min steps | compiles in windows | full GCs in windows | step / propose / score ms | young GCs"
+        in text
+    )
+    for c in res["regret"]["cells"]:  # each config's phases: the median over its repeats' windows
+        for label, v in c["configs"].items():
+            mine = [s["step_ms"] for s in c["samples"] if s["config"] == label]
+            assert v["step_ms"] == {
+                k: statistics.median(m[k] for m in mine) for k in ("step", "propose", "score")
+            }
+            assert v["step_ms"]["step"] > v["step_ms"]["score"] > 0 and v["young_gc_per_step"] >= 0
     for title in ("### Regret (issue 13)", "### Regret: every config", "### Cost-model held-out error"):
         assert title in text
 
@@ -109,7 +130,7 @@ def test_a_goodput_variant_is_a_config_of_its_own_and_an_a_b_against_goodput():
 
     cfg = OmegaConf.create({"fixed_k": [], "fixed_scorers": [], "policies": ["goodput", "goodput@no_tries"],
                             "policy_args": {"goodput@no_tries": {"try_interval": 0}}})  # fmt: skip
-    built = {label: make() for label, make in policy_configs(cfg, ["mqa"])}
+    built = {label: make() for label, make, _ in policy_configs(cfg, ["mqa"])}
     assert list(built) == ["policy goodput", "policy goodput (try_interval=0)"]
     assert [p.config.try_interval for p in built.values()] == [16, 0]
 
@@ -161,9 +182,9 @@ def test_each_timed_window_is_one_run_of_its_cell_s_decision_log(result):
             (s["config"], s["repeat"]) for s in c["samples"]
         )
         assert all(r["bench"] == "regret" and r["batch"] == c["batch"] for r in runs.values())
-        assert all(
-            r["scheduler"] == {"max_num_seqs": c["batch"], "decide_cost": "host"} for r in runs.values()
-        )
+        for r in runs.values():  # the cell's scheduler options, and a variant's own on top
+            own = {"decide_budget": 0.5} if r["config"] == VARIANT else {}
+            assert r["scheduler"] == {"max_num_seqs": c["batch"], "decide_cost": "host", **own}
         for run_id, run in runs.items():
             sample = next(
                 s for s in c["samples"] if (s["config"], s["repeat"]) == (run["config"], run["repeat"])
@@ -227,8 +248,12 @@ def test_a_window_counts_the_compiles_and_full_collections_inside_it(monkeypatch
     e = engine("mqa", 1, graphs=False, proposer="ngram", ks=(2, 0))
     cell = SimpleNamespace(prompts=[[5, 6, 7, 5, 6], [8, 9, 10, 11]], batch=2, max_new_tokens=6,
                            spec=SimpleNamespace(model=e.model))  # fmt: skip
-    fields, _, _ = closed_window(e, cell, 1)
+    fields, records, _ = closed_window(e, cell, 1)
     assert fields["num_compiles"] == 0  # CPU: torch kernels, nothing built
+    ms = fields["step_ms"]  # medians of the decode records' fields
+    assert ms["step"] == statistics.median(r.total_ms for r in records) >= ms["propose"] >= 0
+    assert ms["score"] == statistics.median(r.score_ms for r in records) > 0
+    assert fields["young_gc_per_step"] >= 0
 
     watch._hook(repr="_warm_up_kernel[...]")  # a build before the window: not its stall
     e2 = engine("mqa", 1, graphs=False, proposer="ngram", ks=(2, 0))
@@ -240,11 +265,14 @@ def test_a_window_counts_the_compiles_and_full_collections_inside_it(monkeypatch
         if num_steps[0] == 2:
             watch._hook(repr="_paged_attn_kernel[BLOCK_Q=8]")
             gc.collect()
+            for generation in (0, 0, 0, 1, 1):  # young passes, as allocations trigger them
+                gc.collect(generation)
         return out
 
     monkeypatch.setattr(e2, "step", step)
-    fields, _, _ = closed_window(e2, cell, 1)
+    fields, records, _ = closed_window(e2, cell, 1)
     assert fields["num_compiles"] == 1 and fields["num_full_gc"] >= 1
+    assert fields["young_gc_per_step"] >= 5 / len(records)
 
 
 def test_a_refilled_window_keeps_its_batch_full_where_closed_groups_drain():
@@ -339,3 +367,46 @@ def test_the_warm_up_profile_holds_each_pair_for_profile_hold_steps():
     assert picks(3) == [(0, "be")] * 3 + [(0, "mqa")] * 3 + [(3, "be")] * 2
     with pytest.raises(ValueError, match="profile_hold"):
         ProfilePolicy([0], ["be"], 0)
+
+
+def test_a_variant_s_scheduler_options_are_its_engine_s_and_a_typo_is_named():
+    from omegaconf import OmegaConf
+
+    from specsched.bench.common import make_engine
+    from specsched.bench.e2e import policy_configs
+    from specsched.bench.regret_cells import synthetic_cells
+
+    args = {"goodput@late": {"try_interval": 0, "scheduler": {"carry_late_due": True, "decide_budget": 0.1}}}
+    cfg = OmegaConf.create({"fixed_k": [2], "fixed_scorers": ["mqa"], "policies": ["goodput", "goodput@late"],
+                            "policy_args": args})  # fmt: skip
+    entries = policy_configs(cfg, ["mqa"])
+    assert [(e.label, e.scheduler) for e in entries] == [
+        ("fixed k=2 mqa", {}),
+        ("policy goodput", {}),
+        ("policy goodput (try_interval=0, scheduler.carry_late_due=True, scheduler.decide_budget=0.1)",
+         {"carry_late_due": True, "decide_budget": 0.1}),
+    ]  # fmt: skip
+    assert entries[2].make().config.try_interval == 0  # the policy options still reach the policy
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        bench = compose("bench", overrides=["bench=regret_cpu"]).bench
+    cell = next(
+        synthetic_cells(bench.regret.synthetic, bench.graphs, torch.device("cpu"), torch.float32, 4, 0)
+    )
+    spec = cell.spec
+    spec.scheduler = {"decide_budget": 0.3, "max_plan_age": 5}
+    run = cell.runs[-1]
+    late = make_engine(spec, run.proposers, run.proposer, entries[2].make(), entries[2].scheduler)
+    plain = make_engine(spec, run.proposers, run.proposer, entries[1].make(), entries[1].scheduler)
+    assert (late.cfg.scheduler.carry_late_due, late.cfg.scheduler.decide_budget) == (True, 0.1)
+    assert (plain.cfg.scheduler.carry_late_due, plain.cfg.scheduler.decide_budget) == (False, 0.3)
+    assert late.cfg.scheduler.max_plan_age == plain.cfg.scheduler.max_plan_age == 5  # the cell's own stay
+    bad = OmegaConf.create({"fixed_k": [], "fixed_scorers": [], "policies": ["goodput@x"],
+                            "policy_args": {"goodput@x": {"scheduler": {"plan_ahaed": "off"}}}})  # fmt: skip
+    with pytest.raises(ValueError, match=r"policy_args.goodput@x.scheduler: unknown scheduler option\(s\) "
+                       r"plan_ahaed; known: .*plan_ahead"):  # fmt: skip
+        policy_configs(bad, ["mqa"])
+    bad.policy_args["goodput@x"] = {"scheduler": {"plan_ahead": False}}  # YAML's bare off
+    with pytest.raises(
+        ValueError, match="policy_args.goodput@x.scheduler: scheduler.plan_ahead must be auto, on or off"
+    ):
+        policy_configs(bad, ["mqa"])

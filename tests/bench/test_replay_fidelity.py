@@ -64,30 +64,36 @@ def make_engine(policy: dict) -> Engine:
 
 def closed_loop(engine: Engine, log: LogWriter, clients: dict[str, list[tuple[str, list[int]]]]) -> None:
     """Each client keeps one request in flight (as bench=serve's clients do) and sends its next one
-    (request id, prompt) when it finishes; every finished request gets its ``requests`` row."""
+    (request id, prompt) the moment it finishes: the next request's arrival is the last one's finish
+    time, so the log's round trips are 0 however loaded the machine (the windowed replay waits each
+    recorded round trip; a loaded CI box stretched these to steps and cut a pass's last request); every
+    finished request gets its ``requests`` row."""
     queues = {c: list(q) for c, q in clients.items()}
     live: dict[str, Request] = {}
 
-    def send(client: str) -> None:
+    def send(client: str, now: float) -> None:
         if queues[client]:
             rid, prompt = queues[client].pop(0)
-            live[client] = Request(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+            params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+            live[client] = Request(rid, prompt, params, arrival_time=now)
             engine.add_request(live[client])
 
+    start = time.time()
     for c in queues:
-        send(c)
+        send(c, start)
     while live:
         engine.step()
+        now = time.time()
         for client, r in list(live.items()):
             if r.finish_reason is None:
                 continue
             log.write_request(
                 r.request_id, client=client, arrival=r.arrival_time, first_token_time=r.first_token_time,
-                finish_time=time.time(), prompt_tokens=r.num_prompt_tokens, output_tokens=r.num_output_tokens,
+                finish_time=now, prompt_tokens=r.num_prompt_tokens, output_tokens=r.num_output_tokens,
                 finish_reason=r.finish_reason, proposed=r.num_proposed, accepted=r.num_accepted,
             )  # fmt: skip
             del live[client]
-            send(client)
+            send(client, now)
 
 
 def record(policy: dict, path) -> None:
