@@ -1,5 +1,8 @@
 """The plain-Python search for small batches (policies/goodput_small.py) decides as the numpy one does,
-bit for bit, method by method, on random cost models, posteriors, caps and graph buckets."""
+bit for bit, method by method, on random cost models, posteriors, caps and graph buckets. One value is
+equal to the last ulp or so only: the plan's reported expected tokens at the posterior means, a power
+numpy vectorises (with AVX-512, its SIMD ``a ** n`` differs from libm's ``pow`` by up to 1 ulp: 4.8 %
+of random pairs on this project's CPU machine, 2026-12-07); no decision reads it."""
 
 from __future__ import annotations
 
@@ -56,7 +59,10 @@ def test_the_small_batch_search_equals_the_numpy_search(seed):
                 assert small.components(plan, s) == batch.components(np.array(plan), s)
                 assert small.token_budget(plan, s) == batch.token_budget(np.array(plan), s)
                 assert small.can_probe(plan) == batch.can_probe(np.array(plan))
-                assert small.expected_at_mean(plan) == batch.expected_at_mean(np.array(plan))
+                # a report, not a decision: numpy's SIMD power may differ by an ulp (module docstring)
+                assert small.expected_at_mean(plan) == pytest.approx(
+                    batch.expected_at_mean(np.array(plan)), rel=1e-14
+                )
             last = [int(x) for x in rng.integers(0, 9, b)]
             held_b, held_s = batch.hold(kb, g, np.array(last), s, 0.02), small.hold(k, g, last, s, 0.02)
             assert (as_list(held_b[0]), held_b[1], held_b[2]) == held_s
