@@ -164,9 +164,15 @@ def _median(values: list) -> float | None:
 
 
 def _median_dict(dicts: list[dict | None]) -> dict | None:
-    """Key by key, the median over the repeats that have the dict."""
+    """Key by key, the median over the repeats that have the dict and a value for the key."""
     known = [d for d in dicts if d]
-    return {k: statistics.median(d[k] for d in known) for k in known[0]} if known else None
+    if not known:
+        return None
+    keys = dict.fromkeys(k for d in known for k in d)  # a key None in a repeat: the others' median
+    return {
+        k: statistics.median(xs) if (xs := [d[k] for d in known if d.get(k) is not None]) else None
+        for k in keys
+    }
 
 
 def summarize(samples: list[Sample], labels: list[str]) -> dict:

@@ -46,9 +46,12 @@ def regret_markdown(res: dict) -> str:
             spread = f"{fmt(v['min'], 1)}–{fmt(v['max'], 1)}"
             ms = v.get("step_ms") or {}
             phases = " / ".join(fmt(ms.get(k), 3) for k in ("step", "propose", "score"))
+            drafts = " / ".join(
+                fmt(ms.get(k), 3) for k in ("propose_host", "propose_fresh", "propose_carried")
+            )
             detail.append([c["proposer"], c["batch"], label, fmt(v["tokens_per_s"], 1), spread,
                            fmt(v["mean_k"]), v["min_steps"], v.get("num_compiles", "–"),
-                           v.get("num_full_gc", "–"), phases,
+                           v.get("num_full_gc", "–"), phases, drafts,
                            fmt(v.get("young_gc_per_step"), 2)])  # fmt: skip
         for variant, r in (c.get("vs_variants") or {}).items():
             variants.append(f"- {c['proposer']}, batch {c['batch']}: {good} / {variant} {_ratio(r)}")
@@ -80,10 +83,12 @@ def regret_markdown(res: dict) -> str:
         *variants,
         "### Regret: every config (tok/s median over repeats, min–max; step / propose / score ms: the "
         "median of each window's decode records, median over repeats; young GCs: the collector's "
-        "generation 0 and 1 passes a decode record)", "",
+        "generation 0 and 1 passes a decode record; propose host / fresh / carried: its Python ms, "
+        "its ms on steps that ran a plan decided ahead for them and on steps that ran a held plan "
+        "again)", "",
         table(["proposer", "batch", "config", "tok/s", "min–max", "mean k", "min steps",
                "compiles in windows", "full GCs in windows", "step / propose / score ms",
-               "young GCs / step"], detail), "",
+               "propose host / fresh / carried ms", "young GCs / step"], detail), "",
         "### Cost-model held-out error (score ms; fitted on the first half of each scorer × batch's "
         "timed steps, scored on the rest)", "", table(error_head, errors),
     ]  # fmt: skip

@@ -98,15 +98,14 @@ def test_ratios_follow_from_the_rows(result):
     assert "repeats of >= 6 decode steps per config (at batch 2: >= 14), closed groups (" in text
     assert "| predicted before learnt (live) median % |" in text
     assert (
-        "| min steps | compiles in windows | full GCs in windows | step / propose / score ms | young GCs"
-        in text
+        "| min steps | compiles in windows | full GCs in windows | step / propose / score ms "
+        "| propose host / fresh / carried ms | young GCs" in text
     )
     for c in res["regret"]["cells"]:  # each config's phases: the median over its repeats' windows
         for label, v in c["configs"].items():
             mine = [s["step_ms"] for s in c["samples"] if s["config"] == label]
-            assert v["step_ms"] == {
-                k: statistics.median(m[k] for m in mine) for k in ("step", "propose", "score")
-            }
+            for k in ("step", "propose", "score", "propose_host"):
+                assert v["step_ms"][k] == statistics.median(m[k] for m in mine)
             assert v["step_ms"]["step"] > v["step_ms"]["score"] > 0 and v["young_gc_per_step"] >= 0
     for title in ("### Regret (issue 13)", "### Regret: every config", "### Cost-model held-out error"):
         assert title in text
@@ -254,6 +253,9 @@ def test_a_window_counts_the_compiles_and_full_collections_inside_it(monkeypatch
     assert ms["step"] == statistics.median(r.total_ms for r in records) >= ms["propose"] >= 0
     assert ms["score"] == statistics.median(r.score_ms for r in records) > 0
     assert fields["young_gc_per_step"] >= 0
+    # on the host path a phase's time is its host time: the two medians agree
+    assert ms["propose_host"] == pytest.approx(statistics.median(r.host_ms["propose"] for r in records))
+    assert ms["propose_host"] == pytest.approx(ms["propose"], abs=1e-6)
 
     watch._hook(repr="_warm_up_kernel[...]")  # a build before the window: not its stall
     e2 = engine("mqa", 1, graphs=False, proposer="ngram", ks=(2, 0))
@@ -410,3 +412,38 @@ def test_a_variant_s_scheduler_options_are_its_engine_s_and_a_typo_is_named():
         ValueError, match="policy_args.goodput@x.scheduler: scheduler.plan_ahead must be auto, on or off"
     ):
         policy_configs(bad, ["mqa"])
+
+
+def test_step_phases_split_propose_by_where_the_plan_came_from():
+    """``propose_fresh``: steps that ran a plan decided ahead for them (plan_age 0); ``propose_carried``:
+    steps that ran a held plan again; a step that decided on its own critical path is neither."""
+    from specsched.bench.regret_windows import step_phases
+    from specsched.engine.records import StepRecord
+
+    def rec(propose_ms: float, host: float, **info) -> StepRecord:
+        r = StepRecord(
+            0, "decode", 0.0, 4, 36, propose_ms=propose_ms, score_ms=5.0, total_ms=9.0, plan_info=info
+        )
+        r.host_ms = {"propose": host}
+        return r
+
+    records = [
+        rec(2.0, 1.5, is_planned_ahead=True, plan_age=0),
+        rec(2.4, 1.9, is_planned_ahead=True, plan_age=0),
+        rec(1.0, 0.9, is_planned_ahead=True, plan_age=1),
+        rec(1.2, 0.8, plan_age=2),
+        rec(7.0, 0.7, decide_ms=0.4),  # decided on the step: in neither split
+    ]
+    ms = step_phases(records)
+    assert ms["propose"] == 2.0 and ms["propose_host"] == 0.9
+    assert ms["propose_fresh"] == pytest.approx(2.2) and ms["propose_carried"] == pytest.approx(1.1)
+    alone = step_phases([rec(3.0, 1.0, decide_ms=0.2)])
+    assert alone["propose_fresh"] is None and alone["propose_carried"] is None
+
+
+def test_the_repeats_median_skips_a_phase_a_repeat_lacks():
+    from specsched.bench.regret import _median_dict
+
+    got = _median_dict([{"a": 1.0, "b": None}, None, {"a": 3.0, "b": 4.0}, {"a": 2.0, "b": 6.0}])
+    assert got == {"a": 2.0, "b": 5.0}
+    assert _median_dict([{"a": None}]) == {"a": None} and _median_dict([None]) is None
