@@ -101,12 +101,18 @@ class DraftConfig:
     # the same tokens give the same K/V): no cache of its own and no catch-up over a new request's
     # prompt (proposers/draft.py). false: a separate cache, filled by the draft itself.
     shared_kv: bool = True
+    # On CUDA graphs: a greedy propose's single-token steps 2..k in one graph replay, their inputs
+    # computed on the device (models/draft_loop.py), instead of an upload and a launch each. Off until
+    # bench.draft_loop measures it on the GPU.
+    loop_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"draft.num_layers must be >= 1, got {self.num_layers}")
         if not isinstance(self.shared_kv, bool):
             raise ValueError(f"draft.shared_kv must be true or false, got {self.shared_kv!r}")
+        if not isinstance(self.loop_graphs, bool):
+            raise ValueError(f"draft.loop_graphs must be true or false, got {self.loop_graphs!r}")
 
 
 @dataclass

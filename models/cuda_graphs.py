@@ -61,7 +61,23 @@ class EagerReplay:
         self.fn()
 
 
-class _Staging:
+def capture_graph(
+    fn: Callable[[], None], device: torch.device, pool, warmup_stream: torch.cuda.Stream, num_warmup: int
+) -> torch.cuda.CUDAGraph:
+    """``fn`` captured into a CUDA graph allocating from ``pool``, after ``num_warmup`` eager runs on
+    ``warmup_stream`` (Triton compiles and cuBLAS's choices happen there, outside the capture)."""
+    warmup_stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(warmup_stream):
+        for _ in range(num_warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(warmup_stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
+
+
+class Staging:
     """A ring of host staging buffers for the per-step upload: pinned on CUDA (the copy is then truly
     asynchronous), each guarded by an event recorded after its copy, so a buffer is rewritten only
     once the copy that read it has run (normally long done: the step's own host read waited for it)."""
@@ -146,7 +162,7 @@ class GraphRunner:
             self.logits = torch.zeros(
                 num_logits, model.cfg.vocab_size, dtype=torch.float32, device=self.device
             )  # [T, V] (rows: [R, V])
-        self._staging = _Staging(nbytes, self.device)
+        self._staging = Staging(nbytes, self.device)
         self._pool = None if emulate else torch.cuda.graph_pool_handle()
         self._warmup_stream: torch.cuda.Stream | None = None
         self._graphs: dict[GraphBucket, torch.cuda.CUDAGraph | EagerReplay] = {}
@@ -226,16 +242,7 @@ class GraphRunner:
             return EagerReplay(fn)
         if self._warmup_stream is None:
             self._warmup_stream = torch.cuda.Stream(device=self.device)
-        stream = self._warmup_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks, outside the capture
-            for _ in range(self.num_warmup):
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            fn()
-        return graph
+        return capture_graph(fn, self.device, self._pool, self._warmup_stream, self.num_warmup)
 
     def _capture_all(self, graph_backend: str | None, progress: bool) -> None:
         prev = self.model.attn_backend

@@ -52,6 +52,8 @@ class DraftModelProposer(Proposer):
         self.is_shared_kv = is_shared_kv
         self.device = model.lm_head.weight.device
         self.graph_forward = None  # set by scorers.graph.attach_draft_graphs (CUDA graphs)
+        # drafts 2..k of a greedy propose in one replay (models/draft_loop.py, draft.loop_graphs)
+        self.loop_graphs = None
 
     def draft_model(self) -> tuple[LlamaForCausalLM, KVCache]:
         return self.model, self.kv_cache
@@ -85,6 +87,10 @@ class DraftModelProposer(Proposer):
             x.block_tables,
             np.fromiter((len(r.block_table) for r in reqs), np.int64, len(reqs)),
         )
+        if self.loop_graphs is not None:
+            out = self._propose_looped(batch, k, active, tok, tables, num_blocks)
+            if out is not None:
+                return out
         rows = np.arange(len(active))  # the step-0 rows that run the current step
         steps = [(active, tok)]  # per draft step: the batch indices it ran, their tokens on the device
         for step in range(1, max(k[i] for i in active)):
@@ -111,6 +117,36 @@ class DraftModelProposer(Proposer):
         cu = np.zeros(len(batch) + 1, dtype=np.int64)
         np.cumsum(num_draft, out=cu[1:])
         return Proposals(flat, torch.from_numpy(cu), None, num_draft)
+
+    def _propose_looped(
+        self,
+        batch: list[Request],
+        k: list[int],
+        active: list[int],
+        first: torch.Tensor,  # [A] int64 on the device: draft 1 of each active request
+        tables: np.ndarray,  # [A, w] int32
+        num_blocks: np.ndarray,  # [A] int
+    ) -> Proposals | None:
+        """Drafts 2..k of every active request in one replay of the draft loop graphs (the module
+        docstring of models/draft_loop.py); None when the batch does not fit them (the step-by-step
+        loop runs instead). The drafts come back request-major, as the step-by-step path returns them."""
+        num_steps = np.fromiter((k[i] - 1 for i in active), np.int64, len(active))
+        if not num_steps.any():  # k = 1 everywhere: draft 1 is all
+            return None
+        positions = np.fromiter((batch[i].num_draft_computed for i in active), np.int64, len(active))
+        rest = self.loop_graphs.run(first, positions, tables, num_blocks, num_steps)  # [S, A]
+        if rest is None:
+            return None
+        for i, n in zip(active, num_steps.tolist()):
+            batch[i].num_draft_computed += n
+        tokens = torch.cat([first[None], rest])  # [1 + S, A], step-major
+        num_active = len(active)
+        order = [s * num_active + j for j, i in enumerate(active) for s in range(k[i])]  # request-major
+        index = torch.from_numpy(np.asarray(order, dtype=np.int64)).to(tokens.device, non_blocking=True)
+        num_draft = [max(ki, 0) for ki in k]
+        cu = np.zeros(len(batch) + 1, dtype=np.int64)
+        np.cumsum(num_draft, out=cu[1:])
+        return Proposals(tokens.reshape(-1).index_select(0, index), torch.from_numpy(cu), None, num_draft)
 
     def _starts(self, reqs: list[Request]) -> list[int]:
         """Where each request's catch-up starts: the first position the draft's cache lacks (with a

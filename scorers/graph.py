@@ -24,6 +24,7 @@ import torch
 from specsched.engine.request import Request
 from specsched.kernels.metadata import AttentionMetadata
 from specsched.models.cuda_graphs import GraphRunner
+from specsched.models.draft_loop import DraftLoopGraphs
 from specsched.models.graph_buckets import (
     HostInputs,
     decode_buckets,
@@ -66,6 +67,8 @@ class GraphConfig:
     # for a request that drafted nothing last step as much; above it the catch-up runs eagerly
     # (2026-12-06 H100, 7B pair at batch 64: 4-11 ms a step against ~1 ms on graphs)
     draft_max_q: int = 6
+    # a greedy draft's steps 2..k in one replay per propose (models/draft_loop.py; draft.loop_graphs)
+    draft_loop: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_rows < 1 or self.prefill_tokens < 0:
@@ -103,7 +106,8 @@ class GraphConfig:
         rows = min(cfg.model.prefill_graph_rows, sched.max_num_seqs)
         kw = dict(max_batch=sched.max_num_seqs, max_k=cfg.spec.max_k, max_model_len=max_model_len,
                   prefill_rows=rows, prefill_tokens=prefill, piecewise=cfg.model.piecewise_graphs,
-                  draft_max_q=max(cls.draft_max_q, 2 + sched.decode_steps))  # fmt: skip
+                  draft_max_q=max(cls.draft_max_q, 2 + sched.decode_steps),
+                  draft_loop=cfg.spec.draft.loop_graphs)  # fmt: skip
         return cls(**{**kw, **overrides})
 
     def uses_graphs(self, device: torch.device) -> bool:
@@ -280,7 +284,9 @@ def attach_draft_graphs(proposer: Proposer, cfg: GraphConfig, block_size: int) -
     buckets for the single-token steps, plus MQA buckets for the catch-up: q_len <= 2 (the last
     draft + the bonus token after a fully accepted step) for a self-draft on the target's cache,
     which never lags more, else q_len <= ``cfg.draft_max_q`` (after plain steps the draft lags by
-    their tokens). Longer catch-ups (a new request's prompt) run eagerly.
+    their tokens). Longer catch-ups (a new request's prompt) run eagerly. With ``cfg.draft_loop`` the
+    proposer also gets ``loop_graphs``: drafts 2..k of a greedy propose in one replay
+    (models/draft_loop.py), for up to ``max_batch`` rows and ``max_k - 1`` steps.
 
     Returns None when graphs are off, or (logged) when the proposer has no ``graph_forward`` hook."""
     model, kv_cache = proposer.model, proposer.kv_cache
@@ -298,4 +304,10 @@ def attach_draft_graphs(proposer: Proposer, cfg: GraphConfig, block_size: int) -
         graph_backend=cfg.backend, emulate=cfg.emulate, progress=cfg.progress, num_warmup=cfg.num_warmup,
     )  # fmt: skip
     proposer.graph_forward = GraphForward(runner)
+    if cfg.draft_loop and cfg.max_k >= 2 and hasattr(proposer, "loop_graphs"):
+        proposer.loop_graphs = DraftLoopGraphs(
+            model, kv_cache, size_ladder(cfg.max_batch), cfg.max_k - 1, cfg.max_blocks(block_size),
+            proposer.num_layers, graph_backend=cfg.backend, emulate=cfg.emulate, progress=cfg.progress,
+            num_warmup=cfg.num_warmup,
+        )  # fmt: skip
     return proposer.graph_forward

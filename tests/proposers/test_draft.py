@@ -57,15 +57,19 @@ def dense_greedy(model: LlamaForCausalLM, tokens: list[int], k: int) -> list[int
     return out
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("graphs", ["eager", "graphs", "loop"])
 @pytest.mark.parametrize("seed", range(3))
 def test_greedy_drafts_on_device_equal_dense_reference(model, seed, graphs):
+    """``loop``: drafts 2..k of each propose in one (emulated) replay of the draft loop graphs
+    (models/draft_loop.py), rows of ragged k (0 and 1 among them) stopping in place."""
     rng = random.Random(seed)
     num_blocks = 300
     prop = DraftModelProposer(model, model.allocate_kv_cache(num_blocks, BLOCK, LAYERS), BLOCK, LAYERS)
-    if graphs:
-        cfg = GraphConfig(max_batch=8, max_k=6, max_model_len=128, emulate=True, progress=False)
+    if graphs != "eager":
+        cfg = GraphConfig(max_batch=8, max_k=6, max_model_len=128, emulate=True, progress=False,
+                          draft_loop=graphs == "loop")  # fmt: skip
         fwd = attach_draft_graphs(prop, cfg, BLOCK)
+        assert (prop.loop_graphs is not None) == (graphs == "loop")
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     reqs = []
@@ -74,8 +78,10 @@ def test_greedy_drafts_on_device_equal_dense_reference(model, seed, graphs):
         r = Request(f"d{i}", prompt, SamplingParams(), block_table=[free.pop() for _ in range(12)])
         r.num_computed = len(prompt) - 1
         reqs.append(r)
+    num_looped = 0
     for round_ in range(2):  # the second round starts from the draft KV the first one left
         ks = [rng.choice([0, 1, rng.randint(0, 6), 6]) for _ in reqs]
+        num_looped += max(ks) >= 2
         counter = CountHostReads()
         with counter:
             out = prop.propose(reqs, ks)
@@ -88,5 +94,9 @@ def test_greedy_drafts_on_device_equal_dense_reference(model, seed, graphs):
             r.output_ids.append(flat[cu[reqs.index(r)]] if k else rng.randrange(3, 256))
             r.num_computed = r.num_tokens - 1
         prop.on_commit(reqs)
-    if graphs:
+    if graphs == "graphs":
         assert fwd.runner.num_replays > 0 and fwd.runner.num_eager_fallbacks == 0
+    if graphs == "loop":  # the runner replays catch-ups only; every propose with a k >= 2 ran its
+        # drafts 2.. in one replay of the loop graphs
+        assert fwd.runner.num_eager_fallbacks == 0
+        assert prop.loop_graphs.num_replays == num_looped and prop.loop_graphs.num_misses == 0

@@ -202,10 +202,12 @@ class RandomK(Policy):
 
 
 def graph_engine(
-    device: str, scorer: str, proposer: str, graphs: bool, seed: int = 0, piecewise: bool = False
-) -> tuple[Engine, GraphForward | None]:
+    device: str, scorer: str, proposer: str, graphs: bool, seed: int = 0, piecewise: bool = False,
+    draft_loop: bool = False,
+) -> tuple[Engine, GraphForward | None]:  # fmt: skip
     """An engine over the tiny preset with graph scorers (emulated on CPU) and, when the draft
-    proposer has the ``graph_forward`` hook, graph-replayed draft steps (returned)."""
+    proposer has the ``graph_forward`` hook, graph-replayed draft steps (returned); ``draft_loop``:
+    its steps 2..k in one replay of the draft loop graphs (models/draft_loop.py)."""
     loaded = load_model(ModelConfig(source="tiny", device=device, dtype="float32"), progress=False)
     model, num_blocks, max_len = loaded.model, 400, 256
     cfg = EngineConfig(
@@ -217,8 +219,9 @@ def graph_engine(
     )  # fmt: skip
     kv = model.allocate_kv_cache(num_blocks, BLOCK)
     gcfg = GraphConfig.for_engine(
-        cfg, max_len, enabled=graphs, emulate=device == "cpu", progress=False, piecewise=piecewise
-    )
+        cfg, max_len, enabled=graphs, emulate=device == "cpu", progress=False, piecewise=piecewise,
+        draft_loop=draft_loop,
+    )  # fmt: skip
     scorers = build_scorers(cfg.spec.scorers, model, kv, BLOCK, gcfg)
     proposers = build_proposers(cfg.spec, model, num_blocks, BLOCK)
     draft_fwd = None
@@ -241,12 +244,15 @@ def random_prompts(rng: random.Random, n: int) -> list[list[int]]:
     return out
 
 
-def check_greedy_equality(device: str, scorer: str, proposer: str, piecewise: bool = False) -> Engine:
+def check_greedy_equality(
+    device: str, scorer: str, proposer: str, piecewise: bool = False, draft_loop: bool = False
+) -> Engine:
     rng = random.Random(sum(map(ord, device + scorer + proposer)))
     base, _ = graph_engine(device, "mqa", "none", graphs=False)
     spec, draft_fwd = graph_engine(
-        device, scorer, proposer, graphs=True, seed=rng.randrange(100), piecewise=piecewise
-    )
+        device, scorer, proposer, graphs=True, seed=rng.randrange(100), piecewise=piecewise,
+        draft_loop=draft_loop,
+    )  # fmt: skip
     prompts = random_prompts(rng, 5)
     params = [SamplingParams(max_tokens=rng.randint(1, 14), ignore_eos=True) for _ in prompts]
     assert spec.generate(prompts, params) == base.generate(prompts, params)
@@ -269,6 +275,15 @@ def test_emulated_piecewise_mqa_greedy_equals_non_speculative(proposer):
     engine = check_greedy_equality("cpu", "mqa", proposer, piecewise=True)
     runner = engine.scorers["mqa"].piecewise
     assert runner is not None and runner.num_replays > 0 and runner.num_eager_fallbacks == 0
+
+
+@pytest.mark.parametrize("scorer", ["batch_expansion", "mqa_graph", "mqa"])
+def test_emulated_draft_loop_greedy_equals_non_speculative(scorer):
+    """The self-draft's steps 2..k in one (emulated) replay of the draft loop graphs per propose, k
+    random per request every step (0 and 1 among them): the output is still the target's."""
+    engine = check_greedy_equality("cpu", scorer, "draft", draft_loop=True)
+    loop = engine.proposers["draft"].loop_graphs
+    assert loop is not None and loop.num_replays > 0 and loop.num_misses == 0
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------
@@ -343,6 +358,17 @@ def test_cuda_graphs_with_pdl_greedy_equals_non_speculative(scorer, proposer):
     with pdl_enabled(True):
         engine = check_greedy_equality("cuda", scorer, proposer)
     assert engine.scorers[scorer].runner.num_replays > 0
+
+
+@gpu
+@no_cuda
+@pytest.mark.parametrize("scorer", ["batch_expansion", "mqa_graph"])
+def test_cuda_draft_loop_greedy_equals_non_speculative(scorer):
+    """``draft.loop_graphs`` on real CUDA graphs: lossless, every looped propose in one replay."""
+    engine = check_greedy_equality("cuda", scorer, "draft", draft_loop=True)
+    loop = engine.proposers["draft"].loop_graphs
+    print(f"GPU draft loop {scorer}:", loop.stats())
+    assert loop.num_replays > 0 and loop.num_misses == 0
 
 
 @gpu
