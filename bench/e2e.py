@@ -73,12 +73,29 @@ class RunConfig:
     proposers: dict[str, Proposer]
     proposer: str
     scheduler: dict = field(default_factory=dict)  # SchedulerConfig overrides for this config alone
+    draft_loop: bool = False  # its draft proposes on the draft loop graphs (models/draft_loop.py)
 
 
 class PolicyEntry(NamedTuple):
     label: str
     make: Callable[[], Policy]
     scheduler: dict  # SchedulerConfig overrides of this config's engine ({} for most)
+    draft_loop: bool = False  # a policy_args entry's ``draft_loop: true``
+
+
+def use_draft_loop(run: RunConfig) -> None:
+    """Before ``run``'s engine runs: its draft proposer (a synthetic proposer's paid draft too) takes
+    the draft loop graphs if the config asks for them and the cell captured them, else the
+    step-by-step path (the proposers are shared by a cell's configs)."""
+    for prop in run.proposers.values():
+        draft = getattr(prop, "draft", None) or prop
+        if hasattr(draft, "is_loop_used"):
+            draft.is_loop_used = run.draft_loop
+
+
+def wants_draft_loop(cfg, scorers: list[str]) -> bool:
+    """Whether any config of a suite's ``cfg`` asks for the draft loop graphs (the cell captures them)."""
+    return any(e.draft_loop for e in policy_configs(cfg, scorers))
 
 
 def scheduler_overrides(entry: str, options: dict) -> dict:
@@ -103,7 +120,9 @@ def policy_configs(cfg, scorers: list[str]) -> list[PolicyEntry]:
     (``policies``: registry names, or ``name@tag`` for a variant whose options are ``policy_args``'
     entry ``name@tag``; labels ``policy name (option=value, ...)``). An entry's ``scheduler`` mapping
     is no policy option: it sets SchedulerConfig options of that config's engine alone (e.g.
-    ``goodput@no_ahead: {scheduler: {plan_ahead: "off"}}``, labelled ``scheduler.plan_ahead=off``)."""
+    ``goodput@no_ahead: {scheduler: {plan_ahead: "off"}}``, labelled ``scheduler.plan_ahead=off``), nor
+    is ``draft_loop: true``: that config's draft proposes on the draft loop graphs (labelled
+    ``draft.loop_graphs=true``; the cell captures them when a config asks)."""
     out: list[PolicyEntry] = []
     for k in cfg.fixed_k:
         for s in cfg.fixed_scorers:
@@ -119,10 +138,15 @@ def policy_configs(cfg, scorers: list[str]) -> list[PolicyEntry]:
         name = entry.partition("@")[0]
         options = dict(args.get(entry) or {})
         scheduler = scheduler_overrides(entry, dict(options.pop("scheduler", None) or {}))
+        draft_loop = options.pop("draft_loop", False)
+        if not isinstance(draft_loop, bool):
+            raise ValueError(f"policy_args.{entry}.draft_loop must be true or false, got {draft_loop!r}")
         spec = {"name": name, **options}
-        shown = [f"{k}={v}" for k, v in options.items()] + [
-            f"scheduler.{k}={v}" for k, v in scheduler.items()
-        ]
+        shown = (
+            [f"{k}={v}" for k, v in options.items()]
+            + [f"scheduler.{k}={v}" for k, v in scheduler.items()]
+            + ["draft.loop_graphs=true"] * draft_loop
+        )
         label = f"policy {name}" + (f" ({', '.join(shown)})" if shown else "")
 
         def build(spec=spec) -> Policy:
@@ -130,7 +154,7 @@ def policy_configs(cfg, scorers: list[str]) -> list[PolicyEntry]:
 
             return build_policy(spec)
 
-        out.append(PolicyEntry(label, build, scheduler))
+        out.append(PolicyEntry(label, build, scheduler, draft_loop))
     return out
 
 
@@ -147,6 +171,7 @@ def timed_generate(
     """Warm up, then time the prompts in groups of ``batch`` (each group one ``generate``); returns
     metrics and the outputs. With ``log_path``, every step (warm-up included) also goes to that
     SQLite decision log as one run (``log_run``: its config row), for specsched-replay and SQL."""
+    use_draft_loop(run)
     engine = make_engine(spec, run.proposers, run.proposer, run.make_policy(), run.scheduler)
     device = spec.model.lm_head.weight.device
     log = open_run_log(log_path, log_run or {"config": run.label}, spec.name, str(device))

@@ -5,7 +5,7 @@ the policies of :func:`specsched.bench.e2e.policy_configs`) and one pass of prom
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,7 +18,7 @@ from specsched.bench.common import (
     random_prompts,
     warm_up_spec,
 )
-from specsched.bench.e2e import RunConfig, policy_configs
+from specsched.bench.e2e import RunConfig, policy_configs, wants_draft_loop
 from specsched.engine.request import SamplingParams
 from specsched.policies.fixed import FixedConfig, FixedPolicy
 
@@ -41,8 +41,8 @@ def _runs(cfg, scorers: list[str], proposers: dict, proposer: str, none) -> list
     base = "batch_expansion" if "batch_expansion" in scorers else scorers[0]
     non_spec = RunConfig(NON_SPEC, lambda: FixedPolicy(FixedConfig(k=0, scorer=base)), {"none": none}, "none")
     return [non_spec] + [
-        RunConfig(label, make, proposers, proposer, scheduler)
-        for label, make, scheduler in policy_configs(cfg, scorers)
+        RunConfig(e.label, e.make, proposers, proposer, e.scheduler, e.draft_loop)
+        for e in policy_configs(cfg, scorers)
     ]
 
 
@@ -59,7 +59,10 @@ def synthetic_cells(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, b
     max_b, max_len = max(cfg.batch), cfg.prompt_len + cfg.max_new_tokens + cfg.max_k + 2
     num_blocks = blocks_for(max_b * cfg.groups, max_len, block_size)
     kv = target.allocate_kv_cache(num_blocks, block_size)
-    gcfg = graph_config(graphs_cfg, max_b, cfg.max_k, max_len)
+    gcfg = replace(
+        graph_config(graphs_cfg, max_b, cfg.max_k, max_len),
+        draft_loop=wants_draft_loop(cfg, list(cfg.scorers)),
+    )
     scorers = build_scorers(list(cfg.scorers), target, kv, block_size, gcfg)
     draft_prop = DraftModelProposer(draft, draft.allocate_kv_cache(num_blocks, block_size), block_size)
     attach_draft_graphs(draft_prop, gcfg, block_size)
@@ -100,7 +103,10 @@ def real_cells(cfg, graphs_cfg, device: torch.device, dtype: torch.dtype, block_
     max_len = min(max(map(len, prompts)) + cfg.max_new_tokens + cfg.max_k + 2, loaded.max_model_len)
     num_blocks = blocks_for(max(max_b, len(prompts)), max_len, block_size)
     kv = model.allocate_kv_cache(num_blocks, block_size)
-    gcfg = graph_config(graphs_cfg, max_b, cfg.max_k, max_len)
+    gcfg = replace(
+        graph_config(graphs_cfg, max_b, cfg.max_k, max_len),
+        draft_loop=wants_draft_loop(cfg, list(cfg.scorers)),
+    )
     scorers = build_scorers(list(cfg.scorers), model, kv, block_size, gcfg)
     spec = EngineSpec(model, kv, num_blocks, block_size, scorers, max_b, cfg.max_k, max_len,
                       list(loaded.llama_config.eos_token_ids), loaded.tokenizer, loaded.name,

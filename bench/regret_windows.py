@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from specsched.bench.common import make_engine, sync
-from specsched.bench.e2e import RunConfig
+from specsched.bench.e2e import RunConfig, use_draft_loop
 from specsched.bench.regret_cells import Cell
 from specsched.bench.serve_clients import stagger_plan
 from specsched.engine.records import StepRecord
@@ -68,6 +68,7 @@ def run_window(
     ``tokens`` cuts each request short; ``refill``: :func:`refilled_window` instead, its first
     requests cut short by ``stagger``): (the :class:`Sample` fields, the decode records, every
     step's record)."""
+    use_draft_loop(run)
     engine = make_engine(cell.spec, run.proposers, run.proposer, run.make_policy(), run.scheduler)
     engine.costs, engine.acceptance = copy.deepcopy(state[0]), copy.deepcopy(state[1])
     if refill and tokens is None:

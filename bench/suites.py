@@ -58,8 +58,15 @@ def run_synthetic_suite(
             synth = SyntheticProposer(target, a, block_size, seed, draft=draft_prop)
             attach_oracle(synth, prompts, outputs)
             runs = [
-                RunConfig(label, make, {"none": none, "synthetic": synth}, "synthetic", scheduler)
-                for label, make, scheduler in policy_configs(cfg, list(scorers))
+                RunConfig(
+                    e.label,
+                    e.make,
+                    {"none": none, "synthetic": synth},
+                    "synthetic",
+                    e.scheduler,
+                    e.draft_loop,
+                )
+                for e in policy_configs(cfg, list(scorers))
             ]
             label = f"synthetic a={a} (+{cfg.draft})"
             rows += run_grid("synthetic", spec, b, prompts, runs, cfg, a, label, base, outputs)
@@ -126,8 +133,8 @@ def run_real_suite(
         for label, prop in proposers.items():
             key = "draft" if isinstance(prop, DraftModelProposer) else "ngram"
             runs = [
-                RunConfig(lbl, make, {"none": none, key: prop}, key, scheduler)
-                for lbl, make, scheduler in policy_configs(cfg, list(scorers))
+                RunConfig(e.label, e.make, {"none": none, key: prop}, key, e.scheduler, e.draft_loop)
+                for e in policy_configs(cfg, list(scorers))
             ]
             rows += run_grid("real", spec, b, prompts, runs, cfg, None, label, base, reference)
     return rows

@@ -54,6 +54,7 @@ class DraftModelProposer(Proposer):
         self.graph_forward = None  # set by scorers.graph.attach_draft_graphs (CUDA graphs)
         # drafts 2..k of a greedy propose in one replay (models/draft_loop.py, draft.loop_graphs)
         self.loop_graphs = None
+        self.is_loop_used = True  # False: the step-by-step path with loop graphs captured (A/B runs)
 
     def draft_model(self) -> tuple[LlamaForCausalLM, KVCache]:
         return self.model, self.kv_cache
@@ -87,7 +88,7 @@ class DraftModelProposer(Proposer):
             x.block_tables,
             np.fromiter((len(r.block_table) for r in reqs), np.int64, len(reqs)),
         )
-        if self.loop_graphs is not None:
+        if self.loop_graphs is not None and self.is_loop_used:
             out = self._propose_looped(batch, k, active, tok, tables, num_blocks)
             if out is not None:
                 return out

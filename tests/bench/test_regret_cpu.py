@@ -129,7 +129,7 @@ def test_a_goodput_variant_is_a_config_of_its_own_and_an_a_b_against_goodput():
 
     cfg = OmegaConf.create({"fixed_k": [], "fixed_scorers": [], "policies": ["goodput", "goodput@no_tries"],
                             "policy_args": {"goodput@no_tries": {"try_interval": 0}}})  # fmt: skip
-    built = {label: make() for label, make, _ in policy_configs(cfg, ["mqa"])}
+    built = {e.label: e.make() for e in policy_configs(cfg, ["mqa"])}
     assert list(built) == ["policy goodput", "policy goodput (try_interval=0)"]
     assert [p.config.try_interval for p in built.values()] == [16, 0]
 
@@ -447,3 +447,38 @@ def test_the_repeats_median_skips_a_phase_a_repeat_lacks():
     got = _median_dict([{"a": 1.0, "b": None}, None, {"a": 3.0, "b": 4.0}, {"a": 2.0, "b": 6.0}])
     assert got == {"a": 2.0, "b": 5.0}
     assert _median_dict([{"a": None}]) == {"a": None} and _median_dict([None]) is None
+
+
+def test_a_config_may_ask_for_the_draft_loop_graphs_and_only_it_uses_them():
+    """``policy_args``' ``draft_loop: true``: that config's label and RunConfig say so, the cell
+    captures the graphs when any config asks, and before each window the shared draft (a synthetic
+    proposer's paid draft too) is switched to the loop for that config alone."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from specsched.bench.e2e import RunConfig, policy_configs, use_draft_loop, wants_draft_loop
+
+    args = {"fixed@loop": {"k": 2, "scorer": "mqa", "draft_loop": True}}
+    cfg = OmegaConf.create({"fixed_k": [2], "fixed_scorers": ["mqa"], "policies": ["fixed@loop"],
+                            "policy_args": args})  # fmt: skip
+    entries = policy_configs(cfg, ["mqa"])
+    assert [(e.label, e.draft_loop) for e in entries] == [
+        ("fixed k=2 mqa", False),
+        ("policy fixed (k=2, scorer=mqa, draft.loop_graphs=true)", True),
+    ]
+    assert entries[1].make().config.k == 2  # draft_loop is no policy option
+    assert wants_draft_loop(cfg, ["mqa"]) and not wants_draft_loop(
+        OmegaConf.create({"fixed_k": [2], "fixed_scorers": ["mqa"], "policies": []}), ["mqa"]
+    )
+    draft = SimpleNamespace(is_loop_used=True)
+    synthetic = SimpleNamespace(draft=draft)
+    for entry, want in ((entries[0], False), (entries[1], True), (entries[0], False)):
+        use_draft_loop(
+            RunConfig(entry.label, entry.make, {"synthetic": synthetic}, "synthetic", {}, entry.draft_loop)
+        )
+        assert draft.is_loop_used is want
+    bad = OmegaConf.create({"fixed_k": [], "fixed_scorers": [], "policies": ["goodput@x"],
+                            "policy_args": {"goodput@x": {"draft_loop": "yes"}}})  # fmt: skip
+    with pytest.raises(ValueError, match="policy_args.goodput@x.draft_loop must be true or false, got 'yes'"):
+        policy_configs(bad, ["mqa"])

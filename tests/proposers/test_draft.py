@@ -100,3 +100,22 @@ def test_greedy_drafts_on_device_equal_dense_reference(model, seed, graphs):
         # drafts 2.. in one replay of the loop graphs
         assert fwd.runner.num_eager_fallbacks == 0
         assert prop.loop_graphs.num_replays == num_looped and prop.loop_graphs.num_misses == 0
+
+
+def test_a_draft_with_its_loop_switched_off_proposes_step_by_step(model):
+    """``is_loop_used`` False (a benchmark's A/B of one shared draft): the loop graphs stay captured
+    and are not replayed; the drafts are the same tokens."""
+    prop = DraftModelProposer(model, model.allocate_kv_cache(40, BLOCK, LAYERS), BLOCK, LAYERS)
+    cfg = GraphConfig(max_batch=4, max_k=4, max_model_len=64, emulate=True, progress=False, draft_loop=True)
+    attach_draft_graphs(prop, cfg, BLOCK)
+    tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(3)]
+    reqs = [
+        Request(f"s{i}", [5 + i, 9, 11, 7 + i], SamplingParams(), block_table=t) for i, t in enumerate(tables)
+    ]
+    drafts = []
+    for is_used in (True, False):
+        prop.is_loop_used = is_used
+        for r in reqs:
+            r.num_draft_computed = 0
+        drafts.append(prop.propose(reqs, [4, 2, 3]).draft_tokens.tolist())
+    assert prop.loop_graphs.num_replays == 1 and drafts[0] == drafts[1]
