@@ -33,75 +33,10 @@ from tqdm.auto import tqdm
 
 from specsched.kernels.metadata import AttentionMetadata
 from specsched.models.graph_buckets import GraphBucket, HostInputs, InputLayout, as_bucket, pad_inputs
+from specsched.models.graph_capture import CaptureMemory, EagerReplay, Staging, capture_graph, graph_stats
 from specsched.models.llama import KVCache, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
-
-
-def graph_stats(runner) -> dict:
-    """What every graph runner (this module's, models/piecewise_graphs.py's) reports in its stats."""
-    return {
-        "name": runner.name,
-        "num_graphs": runner.num_graphs,
-        "graph_memory_mib": round(runner.graph_memory_bytes / 2**20, 1),
-        "capture_s": round(runner.capture_s, 2),
-        "num_replays": runner.num_replays,
-        "num_eager_fallbacks": runner.num_eager_fallbacks,
-    }
-
-
-class EagerReplay:
-    """CPU stand-in for a CUDAGraph (``emulate=True``, tests only): replay re-runs the captured
-    function on the static buffers, which exercises the bucketing and padding but saves nothing."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
-
-    def replay(self) -> None:
-        self.fn()
-
-
-def capture_graph(
-    fn: Callable[[], None], device: torch.device, pool, warmup_stream: torch.cuda.Stream, num_warmup: int
-) -> torch.cuda.CUDAGraph:
-    """``fn`` captured into a CUDA graph allocating from ``pool``, after ``num_warmup`` eager runs on
-    ``warmup_stream`` (Triton compiles and cuBLAS's choices happen there, outside the capture)."""
-    warmup_stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(warmup_stream):
-        for _ in range(num_warmup):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(warmup_stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        fn()
-    return graph
-
-
-class Staging:
-    """A ring of host staging buffers for the per-step upload: pinned on CUDA (the copy is then truly
-    asynchronous), each guarded by an event recorded after its copy, so a buffer is rewritten only
-    once the copy that read it has run (normally long done: the step's own host read waited for it)."""
-
-    def __init__(self, nbytes: int, device: torch.device, size: int = 4) -> None:
-        is_cuda = device.type == "cuda"
-        self.host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=is_cuda) for _ in range(size)]
-        self.arrays = [h.numpy() for h in self.host]  # numpy views of the same memory
-        self.events = [torch.cuda.Event() if is_cuda else None for _ in range(size)]
-        self.num_waits = 0  # times a buffer's previous copy had not run yet (a host wait)
-        self._next = 0
-
-    def acquire(self) -> int:
-        i = self._next
-        self._next = (i + 1) % len(self.host)
-        ev = self.events[i]
-        if ev is not None and not ev.query():
-            self.num_waits += 1
-            ev.synchronize()
-        return i
-
-    def copied(self, i: int) -> None:
-        if self.events[i] is not None:
-            self.events[i].record()
 
 
 class GraphRunner:
@@ -249,23 +184,15 @@ class GraphRunner:
         switch = not self.is_emulated and graph_backend is not None and graph_backend != prev
         if switch:
             self.model.set_attn_backend(graph_backend)
-        is_cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
         try:
-            if is_cuda:  # memory before/after, without the allocator's cached blocks
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-                free0 = torch.cuda.mem_get_info(self.device)[0]
             order = sorted(self.buckets, key=lambda b: (b.tokens, b.rows, b.max_q), reverse=True)
             desc = f"capturing {self.name} CUDA graphs" + (" (emulated)" if self.is_emulated else "")
-            with torch.inference_mode():
+            with torch.inference_mode(), CaptureMemory(self.device) as memory:
                 for b in tqdm(order, desc=desc, disable=not progress, unit="graph"):
                     self._load_padding(b)
                     self._graphs[b] = self._capture(self._forward_fn(b))
-            if is_cuda:
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-                self.graph_memory_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
+            self.graph_memory_bytes = memory.bytes
         finally:
             if switch:
                 self.model.set_attn_backend(prev)

@@ -28,8 +28,8 @@ import torch
 from tqdm.auto import tqdm
 
 from specsched.kernels.metadata import AttentionMetadata
-from specsched.models.cuda_graphs import EagerReplay, Staging, capture_graph
 from specsched.models.graph_buckets import PAD_SLOT
+from specsched.models.graph_capture import CaptureMemory, EagerReplay, Staging, capture_graph
 from specsched.models.llama import KVCache, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -148,16 +148,13 @@ class DraftLoopGraphs:
         switch = not self.is_emulated and graph_backend is not None and graph_backend != prev
         if switch:
             model.set_attn_backend(graph_backend)
-        is_cuda, t0 = self.device.type == "cuda", time.perf_counter()
+        t0 = time.perf_counter()
         try:
-            if is_cuda:
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-                free0 = torch.cuda.mem_get_info(self.device)[0]
             stream = None if self.is_emulated else torch.cuda.Stream(device=self.device)
             shapes = [(r, s) for r in reversed(self.rows) for s in range(self.max_steps, 0, -1)]
             desc = "capturing draft loop graphs" + (" (emulated)" if self.is_emulated else "")
-            with torch.inference_mode():  # the buffer is all zeros: pad rows, every K/V to the pad slot
+            # the buffer is all zeros while capturing: pad rows, every K/V to the pad slot
+            with torch.inference_mode(), CaptureMemory(self.device) as memory:
                 for r, s in tqdm(shapes, desc=desc, disable=not progress, unit="graph"):
                     fn = self._loop_fn(r, s)
                     self._graphs[r, s] = (
@@ -165,10 +162,7 @@ class DraftLoopGraphs:
                         if self.is_emulated
                         else capture_graph(fn, self.device, self._pool, stream, self.num_warmup)
                     )
-            if is_cuda:
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-                self.graph_memory_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
+            self.graph_memory_bytes = memory.bytes
         finally:
             if switch:
                 model.set_attn_backend(prev)

@@ -38,8 +38,8 @@ import torch
 from tqdm.auto import tqdm
 
 from specsched.kernels.metadata import AttentionMetadata
-from specsched.models.cuda_graphs import EagerReplay, graph_stats
 from specsched.models.graph_buckets import PAD_SLOT
+from specsched.models.graph_capture import CaptureMemory, EagerReplay, graph_stats
 from specsched.models.llama import KVCache, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -152,13 +152,9 @@ class PiecewiseRunner:
     def _capture_all(self, progress: bool) -> None:
         is_cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
-        if is_cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            free0 = torch.cuda.mem_get_info(self.device)[0]
         stream = torch.cuda.Stream(device=self.device) if is_cuda and not self.is_emulated else None
         desc = f"capturing {self.name} piecewise graphs" + (" (emulated)" if self.is_emulated else "")
-        with torch.inference_mode():
+        with torch.inference_mode(), CaptureMemory(self.device) as memory:
             for t in tqdm(sorted(self.buckets, reverse=True), desc=desc, disable=not progress, unit="bucket"):
                 pieces = self._pieces(t)
                 if stream is not None:  # warm-up: Triton compiles, cuBLAS picks, outside any capture
@@ -169,10 +165,7 @@ class PiecewiseRunner:
                                 piece()
                     torch.cuda.current_stream(self.device).wait_stream(stream)
                 self._graphs[t] = [self._capture(piece, stream) for piece in pieces]
-        if is_cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            self.graph_memory_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
+        self.graph_memory_bytes = memory.bytes
         self.capture_s = time.perf_counter() - t0
         logger.info(
             "%s: captured %d piecewise graphs (%d token buckets up to %d, %d layers) in %.1f s, "
