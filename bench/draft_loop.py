@@ -95,6 +95,10 @@ def time_draft(draft: str, batches: list[int], ks: list[int], args, device: torc
                          "steps_p90": sorted(ms["steps"])[int(0.9 * (len(ms["steps"]) - 1))],
                          "loop_p90": sorted(ms["loop"])[int(0.9 * (len(ms["loop"]) - 1))],
                          "equal": equal, "misses": looped.loop_graphs.num_misses})  # fmt: skip
+    capture = looped.loop_graphs.stats()
+    print(f"{draft}: {capture['num_graphs']} loop graphs captured in {capture['capture_s']} s, "
+          f"{capture['graph_memory_mib']} MiB (the draft's own graphs: "
+          f"{looped.graph_forward.runner.stats()['capture_s']} s)", file=sys.stderr)  # fmt: skip
     return rows
 
 
