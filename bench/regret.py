@@ -41,11 +41,12 @@ import logging
 import random
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
 from specsched.bench.common import make_engine
+from specsched.bench.e2e import use_draft_loop
 from specsched.bench.regret_cells import NON_SPEC, Cell, real_cells, synthetic_cells
 from specsched.bench.regret_report import regret_markdown
 from specsched.bench.regret_windows import Sample, closed_window, run_window, write_window_log
@@ -88,6 +89,7 @@ def profile_state(cell: Cell, cfg):
     second fits fresh cost models."""
     ks = sorted({0, *cfg.fixed_k, cell.spec.max_k})
     run = cell.runs[-1]  # a config of the cell's proposer: its proposer set and default
+    use_draft_loop(replace(run, draft_loop=False))  # profiled on a replay a draft step, as by default
     hold = cfg.get("profile_hold")
     hold = 1 if hold is None else int(hold)  # an older config has none: the round robin
     make = lambda: make_engine(
