@@ -170,3 +170,15 @@ def test_cuda_captured_loop_equals_single_steps(seed):
     got = loop.run(first.cuda(), positions, tables, np.full(7, WIDTH), steps)
     print("GPU draft loop:", loop.stats())
     assert [got[: int(n), r].tolist() for r, n in enumerate(steps)] == want
+
+
+def test_the_option_is_validated_and_reaches_the_graph_config():
+    from specsched.engine.config import DraftConfig, EngineConfig, SpecConfig
+    from specsched.scorers.graph import GraphConfig
+
+    assert DraftConfig().loop_graphs is False  # off until measured
+    with pytest.raises(ValueError, match="draft.loop_graphs must be true or false, got 'yes'"):
+        DraftConfig(loop_graphs="yes")
+    cfg = EngineConfig(spec=SpecConfig(proposer="draft", draft=DraftConfig(loop_graphs=True)))
+    assert GraphConfig.for_engine(cfg, 256).draft_loop is True
+    assert GraphConfig.for_engine(EngineConfig(), 256).draft_loop is False
