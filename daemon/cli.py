@@ -137,7 +137,7 @@ def _generate(cfg: DictConfig) -> None:
     _import_ahead(app)
     from specsched.engine.engine import Engine
     from specsched.engine.request import Request, SamplingParams
-    from specsched.models.tokenizer import IncrementalDetokenizer
+    from specsched.models.detokenizer import IncrementalDetokenizer
 
     engine = Engine.from_config(to_engine_config(app))
     tok = engine.tokenizer

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specsched.daemon.messages import Chunk, Done, SpecUsage, Usage
-from specsched.models.tokenizer import IncrementalDetokenizer
+from specsched.models.detokenizer import IncrementalDetokenizer
 
 
 @dataclass

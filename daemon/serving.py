@@ -34,7 +34,7 @@ from specsched.daemon.stats_reply import SnapshotBuilder
 from specsched.engine.records import RequestOutput, StepRecord
 from specsched.engine.request import FinishReason
 from specsched.engine.stats import EngineStats
-from specsched.models.tokenizer import IncrementalDetokenizer
+from specsched.models.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 __all__ = ["Admit", "CancelRequest", "Command", "DropClient", "Serving", "Shutdown"]

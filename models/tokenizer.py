@@ -1,4 +1,4 @@
-"""Tokenizer wrapper over a transformers tokenizer, and an incremental detokenizer for streaming.
+"""Tokenizer wrapper over a transformers tokenizer (the streaming detokenizer: models/detokenizer.py).
 
 BOS policy: ``encode`` adds a BOS token exactly when the tokenizer itself would (its own
 ``add_special_tokens=True`` output starts with ``bos_token_id`` while the plain encoding does not;
@@ -6,7 +6,8 @@ e.g. Llama-2 adds ``<s>``, SmolLM2 and Qwen2 add nothing). Nothing else is ever 
 Chat templates render their own special tokens, so ``apply_chat_template`` adds none.
 
 Decoding skips special tokens (``<|im_end|>``, ``</s>``...) and never "cleans up" spaces, so the
-streamed text of :class:`IncrementalDetokenizer` concatenates to exactly ``decode(all ids)``.
+streamed text of :class:`~specsched.models.detokenizer.IncrementalDetokenizer` concatenates to
+exactly ``decode(all ids)``.
 
 Loading (:func:`load_tokenizer`): importing transformers alone takes ~2 s of a start, so a folder
 whose files were found to tokenize, decode and render chats exactly as transformers' tokenizer does
@@ -30,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from specsched.models.convert import StatMemo, file_stat
+from specsched.models.detokenizer import IncrementalDetokenizer
 from specsched.models.tokenizer_files import FileTokenizer
 
-REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")  # files that do not pick the class
 SAME_AS_TRANSFORMERS = "same"  # the remembered verdict that lets a FileTokenizer serve
 logger = logging.getLogger(__name__)
@@ -125,8 +126,9 @@ class Tokenizer:
 
     def stream_class(self, skip_special_tokens: bool) -> Any | None:
         """``tokenizers.decoders.DecodeStream`` when streaming through it over the Rust backend gives
-        what :class:`IncrementalDetokenizer`'s own path gives (:func:`_checked_stream`, checked once
-        per tokenizer and ``skip_special_tokens``); else None (a difference is logged once)."""
+        what :class:`~specsched.models.detokenizer.IncrementalDetokenizer`'s own path gives
+        (:func:`_checked_stream`, checked once per tokenizer and ``skip_special_tokens``); else None
+        (a difference is logged once)."""
         if skip_special_tokens not in self._streams:
             self._streams[skip_special_tokens] = None  # while checking: the detokenizer's own path
             found, why = _checked_stream(self, skip_special_tokens)
@@ -326,75 +328,3 @@ def _tokenizer_adds_bos(hf_tokenizer: Any) -> bool:
     with_special = list(hf_tokenizer.encode(probe, add_special_tokens=True))
     plain = list(hf_tokenizer.encode(probe, add_special_tokens=False))
     return bool(with_special) and with_special[0] == bos and plain[:1] != [bos]
-
-
-class IncrementalDetokenizer:
-    """Streams the text of a growing token sequence.
-
-    ``push(new_ids)`` returns only the text the new ids complete. It decodes a short window
-    ``ids[prefix_offset:]`` and compares it with ``ids[prefix_offset:read_offset]`` (already
-    emitted), so tokenizers whose pieces decode differently at the start of a string (SentencePiece
-    drops a leading space) stay consistent; text ending in U+FFFD (an incomplete UTF-8 sequence from
-    byte-level tokens, or a partial token) is held back until later ids complete it. ``flush()``
-    returns whatever is still held (at the end of a request). For ids that decode to valid UTF-8,
-    ``"".join(pushes) + flush() == tokenizer.decode(all ids)``.
-
-    Where the tokenizer's check found it exact (:meth:`Tokenizer.stream_class`), pushes go through
-    ``tokenizers``' ``DecodeStream`` (the same window rule in Rust, its emitted prefix kept instead of
-    decoded again: ~1.3 instead of ~3.3 us per one-token push); the offsets here follow it, so
-    ``flush()``, and any push after a stream error, continue on the Python path from the same state.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, stream: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
-        self.text = ""  # everything emitted so far
-        self.prefix_offset = 0  # window start: first id of the last emitted chunk
-        self.read_offset = 0  # ids before this are emitted
-        cls = tokenizer.stream_class(skip_special_tokens) if stream else None
-        self._stream = cls(skip_special_tokens=skip_special_tokens) if cls is not None else None
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _advance(self, hold_incomplete: bool) -> str:
-        done = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        window = self._decode(self.token_ids[self.prefix_offset :])
-        if len(window) <= len(done) or (hold_incomplete and window.endswith(REPLACEMENT_CHAR)):
-            return ""
-        new = window[len(done) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.text += new
-        return new
-
-    def push(self, new_ids: Iterable[int]) -> str:
-        """Append token ids; return the newly completed text ('' when it is held back)."""
-        if self._stream is None:
-            self.token_ids.extend(int(i) for i in new_ids)
-            return self._advance(hold_incomplete=True)
-        ids = [int(i) for i in new_ids]
-        if not ids:  # the window is unchanged: it was held or equals what was emitted
-            return ""
-        self.token_ids += ids
-        try:
-            new = self._stream.step(self.tokenizer._backend, ids)
-        except Exception as e:  # noqa: BLE001 -- e.g. the window no longer starts with the emitted text
-            self._stream_failed(e)
-            return self._advance(hold_incomplete=True)  # from the state before this push: as today
-        if new is None:
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.text += new
-        return new
-
-    def flush(self) -> str:
-        """Return the held-back text (incomplete characters included, as U+FFFD)."""
-        self._stream = None  # the stream would not know what this emits: the Python path from here
-        return self._advance(hold_incomplete=False)
-
-    def _stream_failed(self, e: Exception) -> None:
-        """This request's stream goes on in Python, from the same state (the texts stay today's)."""
-        self._stream = None
-        logger.debug("tokenizer %s: DecodeStream failed (%s: %s); this request's text goes on in Python",
-                     self.tokenizer.name, type(e).__name__, e)  # fmt: skip

@@ -97,7 +97,7 @@ def test_an_unexpected_failure_on_the_io_thread_leaves_the_request_to_the_engine
 def test_text_without_stop_strings_is_detokenized_off_the_engine_thread(server, monkeypatch):
     """Streamed: each chunk's text on the IO thread; not streamed: once, at the end (one push);
     with stop strings: on the engine thread, which must match them. The texts are the same."""
-    from specsched.models.tokenizer import IncrementalDetokenizer
+    from specsched.models.detokenizer import IncrementalDetokenizer
 
     pushes: list[tuple[str, int]] = []
     inner = IncrementalDetokenizer.push

@@ -320,7 +320,8 @@ def test_streamed_text_with_stop_strings_for_every_way_of_splitting_the_tokens(t
     import random
 
     from specsched.daemon.request_stream import RequestStream
-    from specsched.models.tokenizer import IncrementalDetokenizer, Tokenizer
+    from specsched.models.detokenizer import IncrementalDetokenizer
+    from specsched.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(tiny_tokenizer_dir)
     ids = tok.encode("The quick brown fox jumps over the lazy dog. Grüße 🚀 done")
@@ -349,7 +350,8 @@ def test_streamed_text_without_stop_strings_is_sent_as_it_completes(tiny_tokeniz
     import random
 
     from specsched.daemon.request_stream import RequestStream
-    from specsched.models.tokenizer import IncrementalDetokenizer, Tokenizer
+    from specsched.models.detokenizer import IncrementalDetokenizer
+    from specsched.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(tiny_tokenizer_dir)
     full = tok.encode("The quick brown fox jumps over the lazy dog. Grüße 🚀 done")

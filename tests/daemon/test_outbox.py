@@ -134,7 +134,8 @@ def test_a_final_reply_follows_the_list_with_its_chunks(tiny_tokenizer_dir):
     that step's chunks is posted, however fast the log settles it."""
     from specsched.daemon.limits import DaemonConfig
     from specsched.daemon.request_stream import RequestStream
-    from specsched.models.tokenizer import IncrementalDetokenizer, Tokenizer
+    from specsched.models.detokenizer import IncrementalDetokenizer
+    from specsched.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(tiny_tokenizer_dir)
     posts, wakes = [], []

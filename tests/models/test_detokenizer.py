@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import tokenizers.decoders
 
-from specsched.models.tokenizer import STREAM_SAMPLES, IncrementalDetokenizer, Tokenizer
+from specsched.models.detokenizer import IncrementalDetokenizer
+from specsched.models.tokenizer import STREAM_SAMPLES, Tokenizer
 from specsched.models.tokenizer_files import FileTokenizer
 
 TEXTS = [
@@ -158,7 +159,7 @@ def test_a_stream_that_raises_goes_on_in_python(caplog):
     tok = sentencepiece_like("strip")
     ids = [tok.hf.convert_tokens_to_ids(t) for t in ("<0xE3>", "<0x82>", "<0x82>", "<0xE3>", "a", "b")]
     fast, slow = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok, stream=False)
-    with caplog.at_level(logging.DEBUG, logger="specsched.models.tokenizer"):
+    with caplog.at_level(logging.DEBUG, logger="specsched.models.detokenizer"):
         got = [fast.push([i]) for i in ids]
     assert fast._stream is None and "DecodeStream failed" in caplog.text
     assert got == [slow.push([i]) for i in ids] and got[2] == "も"

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specsched.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from specsched.models.detokenizer import IncrementalDetokenizer
+from specsched.models.tokenizer import Tokenizer
 from specsched.models.tokenizer_files import FileTokenizer
 
 MULTIBYTE = [

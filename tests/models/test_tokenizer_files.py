@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specsched.models import tokenizer_check
+from specsched.models.detokenizer import IncrementalDetokenizer
 from specsched.models.loader import TOKENIZER_CLASSES_FILE
-from specsched.models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from specsched.models.tokenizer import Tokenizer, load_tokenizer
 from specsched.models.tokenizer_check import differences
 from specsched.models.tokenizer_files import FileTokenizer
 
