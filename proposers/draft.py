@@ -141,13 +141,17 @@ class DraftModelProposer(Proposer):
         for i, n in zip(active, num_steps.tolist()):
             batch[i].num_draft_computed += n
         tokens = torch.cat([first[None], rest])  # [1 + S, A], step-major
-        num_active = len(active)
-        order = [s * num_active + j for j, i in enumerate(active) for s in range(k[i])]  # request-major
-        index = torch.from_numpy(np.asarray(order, dtype=np.int64)).to(tokens.device, non_blocking=True)
+        if num_steps.min() == num_steps.max():  # one k for all: request-major is the transpose
+            flat = tokens.T.reshape(-1)
+        else:
+            num_active = len(active)
+            order = [s * num_active + j for j, i in enumerate(active) for s in range(k[i])]  # request-major
+            index = torch.from_numpy(np.asarray(order, dtype=np.int64)).to(tokens.device, non_blocking=True)
+            flat = tokens.reshape(-1).index_select(0, index)
         num_draft = [max(ki, 0) for ki in k]
         cu = np.zeros(len(batch) + 1, dtype=np.int64)
         np.cumsum(num_draft, out=cu[1:])
-        return Proposals(tokens.reshape(-1).index_select(0, index), torch.from_numpy(cu), None, num_draft)
+        return Proposals(flat, torch.from_numpy(cu), None, num_draft)
 
     def _starts(self, reqs: list[Request]) -> list[int]:
         """Where each request's catch-up starts: the first position the draft's cache lacks (with a

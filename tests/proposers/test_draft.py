@@ -112,10 +112,12 @@ def test_a_draft_with_its_loop_switched_off_proposes_step_by_step(model):
     reqs = [
         Request(f"s{i}", [5 + i, 9, 11, 7 + i], SamplingParams(), block_table=t) for i, t in enumerate(tables)
     ]
-    drafts = []
-    for is_used in (True, False):
-        prop.is_loop_used = is_used
-        for r in reqs:
-            r.num_draft_computed = 0
-        drafts.append(prop.propose(reqs, [4, 2, 3]).draft_tokens.tolist())
-    assert prop.loop_graphs.num_replays == 1 and drafts[0] == drafts[1]
+    for ks in ([4, 2, 3], [3, 3, 3]):  # ragged k (an index reorders), one k (a transpose does)
+        drafts = []
+        for is_used in (True, False):
+            prop.is_loop_used = is_used
+            for r in reqs:
+                r.num_draft_computed = 0
+            drafts.append(prop.propose(reqs, ks).draft_tokens.tolist())
+        assert drafts[0] == drafts[1] and len(drafts[0]) == sum(ks)
+    assert prop.loop_graphs.num_replays == 2
