@@ -202,6 +202,12 @@ class SchedulerConfig:
     # then streams this many tokens at a time and a new one waits up to this many forwards for its
     # prefill. 1: off.
     decode_steps: int = 1
+    # Runs of plain steps only while the decode batch has at most this many requests and none waits
+    # for admission (null: at any batch). With 1, a request served alone streams its tokens in runs
+    # (SmolLM2 non-speculative on the H200, 2026-12-06: 1,008 tok/s with runs of 8 at N = 1 against
+    # 775 without), while a request that comes to a busy engine never waits for a run to end (TTFT p50
+    # at N = 4 with runs of 8 at any batch: 6.7 ms against 4.0 without).
+    decode_steps_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.decide_cost not in ("exposed", "step", "host"):
@@ -216,6 +222,10 @@ class SchedulerConfig:
         if self.plan_ahead_max_batch is not None and self.plan_ahead_max_batch < 1:
             raise ValueError(
                 f"scheduler.plan_ahead_max_batch must be >= 1 or null, got {self.plan_ahead_max_batch}"
+            )
+        if self.decode_steps_max_batch is not None and self.decode_steps_max_batch < 1:
+            raise ValueError(
+                f"scheduler.decode_steps_max_batch must be >= 1 or null, got {self.decode_steps_max_batch}"
             )
         if self.plan_ahead not in ("auto", "on", "off"):
             raise ValueError(f"scheduler.plan_ahead must be auto, on or off, got {self.plan_ahead!r}")

@@ -276,8 +276,8 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         views = request_views(reqs, names, peek, self.acceptance, spec.max_k, self.max_model_len)
         sched, max_steps = self.scheduler, self.cfg.scheduler.decode_steps
         run = 1
-        if max_steps > 1 and reqs:  # what a plan with every k = 0 would run (the policy weighs it; the
-            # step runs it when its plan drafts nothing)
+        if max_steps > 1 and reqs and self._runs_allowed(len(reqs)):  # what a plan with every k = 0
+            # would run (the policy weighs it; the step runs it when its plan drafts nothing)
             # the proposers' own offer, not the views' caps: a request one token from its max_tokens
             # has a cap of 0 for lack of room, which is no reason to run the batch one step at a time
             run = num_decode_steps(reqs, [0] * len(reqs), peek, names, max_steps, self.max_model_len)
@@ -285,6 +285,12 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
             views, sched.num_free_blocks, self.cfg.cache.block_size, list(self.scorers), self.num_steps, run,
             self.acceptance,
         )  # fmt: skip
+
+    def _runs_allowed(self, batch_size: int) -> bool:
+        """Runs of plain steps for a decode batch of ``batch_size``: at most
+        ``scheduler.decode_steps_max_batch`` requests and none waiting (when that is set)."""
+        cap = self.cfg.scheduler.decode_steps_max_batch
+        return cap is None or (batch_size <= cap and not self.scheduler.waiting)
 
     def _proposer_names(self, reqs: list[Request]) -> list[str]:
         default = self.cfg.spec.proposer

@@ -48,13 +48,19 @@ def engine(
     device: str = "cpu",
     graphs=True,
     num_blocks: int = NUM_BLOCKS,
+    max_batch: int | None = None,  # scheduler.decode_steps_max_batch
 ) -> Engine:
     mcfg = ModelConfig(source="tiny", device=device, dtype="float32")
     model = load_model(mcfg, progress=False).model
     cfg = EngineConfig(
         model=mcfg,
         cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, decode_steps=decode_steps),
+        scheduler=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            decode_steps=decode_steps,
+            decode_steps_max_batch=max_batch,
+        ),  # fmt: skip
         spec=SpecConfig(proposer=proposer, scorers=["batch_expansion", "mqa", "mqa_graph"], max_k=4),
     )
     kv = model.allocate_kv_cache(num_blocks, BLOCK)
@@ -153,6 +159,43 @@ def test_runs_of_plain_steps_give_the_single_step_tokens(scorer, steps):
     if scorer != "mqa":
         runner = e.scorers[scorer].runner
         assert runner.num_replays > 0 and runner.num_eager_fallbacks == 0
+
+
+def test_runs_only_while_the_batch_is_small_and_nobody_waits():
+    """``scheduler.decode_steps_max_batch=1``: a request decoding alone runs its plain steps in runs,
+    a batch of two (or one with a request waiting to be admitted) one step at a time; the tokens are
+    the single steps' either way."""
+    rng = random.Random(5)
+    ps = prompts(rng, 6)  # more than max_num_seqs (4): some wait while others decode
+    params = [SamplingParams(max_tokens=rng.randint(8, 20), ignore_eos=True) for _ in ps]
+    want, _ = run(engine("mqa", 1), ps, params)
+    e = engine("mqa", 4, max_batch=1)
+    waiting_at_step: dict[int, int] = {}
+    inner = e.step
+
+    def step():
+        waiting_at_step[e.num_steps] = len(e.scheduler.waiting)
+        return inner()
+
+    e.step = step
+    got, recs = run(e, ps, params)
+    assert got == want
+    assert any(r.num_decode_steps > 1 for r in recs), "the last request alone must run in runs"
+    for r in recs:
+        if r.num_decode_steps > 1:
+            assert r.batch_size == 1 and waiting_at_step[r.step] == 0
+    assert any(r.batch_size > 1 for r in recs) and all(
+        r.num_decode_steps == 1 for r in recs if r.batch_size > 1
+    )
+    alone, _ = run(engine("mqa", 4, max_batch=1), ps[:1], params[:1])  # one request: runs all along
+    assert alone == want[:1]
+    e = engine("mqa", 4, max_batch=2)
+    assert e._runs_allowed(1) and e._runs_allowed(2) and not e._runs_allowed(3)
+    e.add_request(Request("w", [5, 6, 7], SamplingParams(max_tokens=4)))  # waits for its prefill
+    assert not e._runs_allowed(1)
+    assert engine("mqa", 4)._runs_allowed(64)  # null: at any batch
+    with pytest.raises(ValueError, match="scheduler.decode_steps_max_batch must be >= 1 or null, got 0"):
+        SchedulerConfig(decode_steps_max_batch=0)
 
 
 def test_max_tokens_inside_a_run_stops_the_request_there_and_the_others_run_on():
