@@ -8,6 +8,8 @@ import json
 import random
 import sqlite3
 
+import pytest
+
 from specsched.client.sync_client import Client
 
 
@@ -32,8 +34,13 @@ def reference(options: dict, prompts: list[list[int]], max_tokens: int) -> list[
         torch.set_num_threads(n)
 
 
-def test_runs_of_plain_steps_stream_the_single_step_tokens(start_daemon):
-    d = start_daemon(scheduler={"decode_steps": 4}, log_db=True)
+@pytest.mark.parametrize("max_batch", [None, 1], ids=["any_batch", "alone"])
+def test_runs_of_plain_steps_stream_the_single_step_tokens(start_daemon, max_batch):
+    """``alone``: scheduler.decode_steps_max_batch=1, each request served alone: still runs."""
+    sched = (
+        {"decode_steps": 4} if max_batch is None else {"decode_steps": 4, "decode_steps_max_batch": max_batch}
+    )
+    d = start_daemon(scheduler=sched, log_db=True)
     rng = random.Random(4)
     # the requests ask for no proposer (an n-gram proposer without a match runs no runs: it may
     # have one after the next token, engine/multi_step.py)
