@@ -12,10 +12,12 @@ on the device from step s's — its argmax as the ids, positions + 1, the K/V sl
 block table — so one upload (each row's first position, its block table and its number of steps)
 and one replay run all of them. A row with fewer steps than the graph (k below the batch's largest)
 stops in place: from its last step on its position stays, its K/V goes to the pad slot and its tokens
-are not read. :func:`draft_steps` is the loop itself (eager on any device, the reference the tests
-compare with the step-by-step path); :class:`DraftLoopGraphs` captures it per (rows, steps) on CUDA
-(``emulate``: replays re-run it, for CPU tests).
-"""
+are not read. A self-draft on the target's KV cache (``draft.shared_kv``) catches up over one token,
+the last committed one, a single-token step like the others: its whole propose is one replay (drafts
+1..k from the committed tokens, uploaded with the rest). :func:`draft_steps` is the loop itself
+(eager on any device, the reference the tests compare with the step-by-step path);
+:class:`DraftLoopGraphs` captures it per (rows, steps) on CUDA (``emulate``: replays re-run it, for
+CPU tests)."""
 
 from __future__ import annotations
 
@@ -38,10 +40,10 @@ logger = logging.getLogger(__name__)
 def draft_steps(
     model: LlamaForCausalLM,
     kv_cache: KVCache,
-    ids: torch.Tensor,  # [R] int64: each row's first input token (draft 1)
+    ids: torch.Tensor,  # [R] int64: each row's first input token (draft 1, or the last committed one)
     positions: torch.Tensor,  # [R] int64: the position of that token
     block_tables: torch.Tensor,  # [R, W] int32
-    num_steps: torch.Tensor,  # [R] int64: forwards this row runs (its k - 1; 0: a pad row)
+    num_steps: torch.Tensor,  # [R] int64: forwards this row runs (0: a pad row)
     out: torch.Tensor,  # [S, >= R] int64: step s's argmax of row r at out[s, r]
     block_size: int,
     max_k: int,  # keys a row may attend to at most (the metadata's host bound)
@@ -67,7 +69,7 @@ def draft_steps(
 
 class DraftLoopGraphs:
     """:func:`draft_steps` captured per (rows bucket, steps): ``rows`` the bucket sizes (the draft's
-    decode ladder), steps 1..``max_steps`` (spec.max_k - 1)."""
+    decode ladder), steps 1..``max_steps`` (spec.max_k: a shared-cache self-draft's whole propose)."""
 
     def __init__(
         self,
@@ -89,7 +91,7 @@ class DraftLoopGraphs:
         if self.device.type != "cuda" and not emulate:
             raise ValueError(f"draft loop graphs need the model on CUDA, not {self.device} (emulate: tests)")
         if max_steps < 1:
-            raise ValueError(f"draft loop graphs need max_steps >= 1 (spec.max_k >= 2), got {max_steps}")
+            raise ValueError(f"draft loop graphs need max_steps >= 1, got {max_steps}")
         self.rows = sorted(set(rows))
         if not self.rows or self.rows[0] < 1:
             raise ValueError(f"draft loop graphs need row buckets >= 1, got {self.rows}")
@@ -103,14 +105,14 @@ class DraftLoopGraphs:
         self.capture_s = 0.0
         self.graph_memory_bytes = 0
         r = self.rows[-1]
-        # one static byte buffer, [positions R | steps R] int64 then [R, W] int32 block tables: a
-        # bucket of b rows reads the first b of each, and its upload is the prefix up to its tables
-        self._tables_at = 16 * r
+        # one static byte buffer, [first ids R | positions R | steps R] int64 then [R, W] int32 block
+        # tables: a bucket of b rows reads the first b of each, and its upload is the prefix up to its
+        # tables
+        self._tables_at = 24 * r
         nbytes = self._tables_at + 4 * r * self.width
         self._staging = Staging(nbytes, self.device)
         with torch.inference_mode():
             self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)  # [bytes]
-            self.ids = torch.zeros(r, dtype=torch.int64, device=self.device)  # [R] draft 1 per row
             self.out = torch.zeros(max_steps, r, dtype=torch.int64, device=self.device)  # [S, R]
         self._pool = None if emulate else torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | EagerReplay] = {}
@@ -125,17 +127,16 @@ class DraftLoopGraphs:
                 "graph_memory_mib": round(self.graph_memory_bytes / 2**20, 1),
                 "num_replays": self.num_replays, "num_misses": self.num_misses}  # fmt: skip
 
-    def _views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(positions [rows] int64, steps [rows] int64, block tables [rows, W] int32) of the buffer."""
+    def _views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(first ids, positions, steps [rows] int64, block tables [rows, W] int32) of the buffer."""
         r, buf = self.rows[-1], self.buffer
-        pos = buf[: 8 * r].view(torch.int64)[:rows]
-        steps = buf[8 * r : 16 * r].view(torch.int64)[:rows]
+        ids, pos, steps = (buf[8 * r * j : 8 * r * (j + 1)].view(torch.int64)[:rows] for j in range(3))
         tables = buf[self._tables_at :].view(torch.int32).view(r, self.width)[:rows]
-        return pos, steps, tables
+        return ids, pos, steps, tables
 
     def _loop_fn(self, rows: int, steps: int) -> Callable[[], None]:
-        pos, num_steps, tables = self._views(rows)
-        ids, out = self.ids[:rows], self.out[:steps]
+        ids, pos, num_steps, tables = self._views(rows)
+        out = self.out[:steps]
 
         def loop() -> None:
             draft_steps(self.model, self.kv_cache, ids, pos, tables, num_steps, out, self.block_size,
@@ -174,16 +175,19 @@ class DraftLoopGraphs:
     @torch.inference_mode()
     def run(
         self,
-        first: torch.Tensor,  # [A] int64 on the device: each row's draft 1
-        positions: np.ndarray,  # [A] int64: the position of draft 1 (the draft's num_computed)
+        first: torch.Tensor | np.ndarray,  # [A] int64: each row's first input token (device or host)
+        positions: np.ndarray,  # [A] int64: the position of that token
         block_tables: np.ndarray,  # [A, w] int32, rows padded with 0
         num_blocks: np.ndarray,  # [A] int: real blocks of each row's table
-        num_steps: np.ndarray,  # [A] int: forwards per row (its k - 1), >= 0
+        num_steps: np.ndarray,  # [A] int: forwards per row, >= 0
     ) -> torch.Tensor | None:  # [S, A] int64, S = max(num_steps): a view, valid until the next run
-        """Drafts 2.. of each row (step s's token of row a at ``[s, a]``, read below ``num_steps[a]``),
-        from one upload and one replay; None when the batch does not fit the graphs (more rows or
-        steps than captured, a block table wider than captured, or a row whose steps would leave its
-        blocks: the caller's step-by-step path then runs, and raises where it should)."""
+        """Each row's next tokens (step s's of row a at ``[s, a]``, read below ``num_steps[a]``) from
+        one upload and one replay: drafts 2.. after a catch-up forward whose argmaxes are ``first``
+        (on the device), or every draft from the last committed tokens (``first`` on the host: a
+        self-draft on the target's cache, whose catch-up is that one token). None when the batch does
+        not fit the graphs (more rows or steps than captured, a block table wider than captured, or a
+        row whose steps would leave its blocks: the caller's step-by-step path then runs, and raises
+        where it should)."""
         a, w = len(positions), block_tables.shape[1]
         s = int(num_steps.max(initial=0))
         r = next((b for b in self.rows if b >= a), None)
@@ -194,16 +198,20 @@ class DraftLoopGraphs:
         i = self._staging.acquire()
         host = self._staging.arrays[i]
         big = self.rows[-1]
-        host[: 16 * big].view(np.int64)[:] = 0
-        host[: 8 * big].view(np.int64)[:a] = positions
-        host[8 * big : 16 * big].view(np.int64)[:a] = num_steps
+        host[: 24 * big].view(np.int64)[:] = 0
+        is_host_first = isinstance(first, np.ndarray)
+        if is_host_first:
+            host[: 8 * big].view(np.int64)[:a] = first
+        host[8 * big : 16 * big].view(np.int64)[:a] = positions
+        host[16 * big : 24 * big].view(np.int64)[:a] = num_steps
         n = self._tables_at + 4 * r * self.width  # the upload: the bucket's prefix of the buffer
         tables = host[self._tables_at : n].view(np.int32).reshape(r, self.width)
         tables[:] = 0
         tables[:a, :w] = block_tables
         self.buffer[:n].copy_(self._staging.host[i][:n], non_blocking=True)
         self._staging.copied(i)
-        self.ids[:a].copy_(first)
+        if not is_host_first:
+            self._views(a)[0].copy_(first)
         self._graphs[r, s].replay()
         self.num_replays += 1
         return self.out[:s, :a]

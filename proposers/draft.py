@@ -81,15 +81,27 @@ class DraftModelProposer(Proposer):
         starts = self._starts(reqs)
         tokens = [tokens_from(r, s) for r, s in zip(reqs, starts)]
         x = chunk_host_inputs(tokens, starts, [r.block_table for r in reqs], self.block_size)
-        tok = self._run(x).argmax(-1)  # [A] on the device
-        for r in reqs:
-            r.num_draft_computed = r.num_tokens
         tables, num_blocks = (
             x.block_tables,
             np.fromiter((len(r.block_table) for r in reqs), np.int64, len(reqs)),
         )
-        if self.loop_graphs is not None and self.is_loop_used:
-            out = self._propose_looped(batch, k, active, tok, tables, num_blocks)
+        is_loop = self.loop_graphs is not None and self.is_loop_used
+        if is_loop and self.is_shared_kv and all(len(t) == 1 for t in tokens):
+            # a catch-up of one token (the last committed one) is a step like the others: the whole
+            # propose in one replay
+            first = np.fromiter((t[0] for t in tokens), np.int64, len(tokens))
+            num_steps = np.fromiter((k[i] for i in active), np.int64, len(active))
+            out = self._propose_looped(batch, k, active, first, np.asarray(starts, np.int64), num_steps,
+                                       tables, num_blocks)  # fmt: skip
+            if out is not None:
+                return out
+        tok = self._run(x).argmax(-1)  # [A] on the device
+        for r in reqs:
+            r.num_draft_computed = r.num_tokens
+        if is_loop:
+            positions = np.fromiter((r.num_tokens for r in reqs), np.int64, len(reqs))
+            num_steps = np.fromiter((k[i] - 1 for i in active), np.int64, len(active))
+            out = self._propose_looped(batch, k, active, tok, positions, num_steps, tables, num_blocks)
             if out is not None:
                 return out
         rows = np.arange(len(active))  # the step-0 rows that run the current step
@@ -124,24 +136,26 @@ class DraftModelProposer(Proposer):
         batch: list[Request],
         k: list[int],
         active: list[int],
-        first: torch.Tensor,  # [A] int64 on the device: draft 1 of each active request
+        first: torch.Tensor | np.ndarray,  # [A] int64: draft 1 on the device, or the last tokens (host)
+        positions: np.ndarray,  # [A] int64: the position of that token
+        num_steps: np.ndarray,  # [A] int64: the forwards each active request runs
         tables: np.ndarray,  # [A, w] int32
         num_blocks: np.ndarray,  # [A] int
     ) -> Proposals | None:
-        """Drafts 2..k of every active request in one replay of the draft loop graphs (the module
-        docstring of models/draft_loop.py); None when the batch does not fit them (the step-by-step
-        loop runs instead). The drafts come back request-major, as the step-by-step path returns them."""
-        num_steps = np.fromiter((k[i] - 1 for i in active), np.int64, len(active))
-        if not num_steps.any():  # k = 1 everywhere: draft 1 is all
+        """The active requests' drafts from one replay of the draft loop graphs (models/draft_loop.py):
+        drafts 2..k after the catch-up's draft 1 (``first`` on the device), or all k from the last
+        committed tokens (``first`` on the host). None when the batch does not fit the graphs (or
+        runs no step): the step-by-step path runs instead. The drafts come back request-major, as the
+        step-by-step path returns them."""
+        if not num_steps.any():  # k = 1 everywhere after the catch-up: draft 1 is all
             return None
-        positions = np.fromiter((batch[i].num_draft_computed for i in active), np.int64, len(active))
         rest = self.loop_graphs.run(first, positions, tables, num_blocks, num_steps)  # [S, A]
         if rest is None:
             return None
-        for i, n in zip(active, num_steps.tolist()):
-            batch[i].num_draft_computed += n
-        tokens = torch.cat([first[None], rest])  # [1 + S, A], step-major
-        if num_steps.min() == num_steps.max():  # one k for all: request-major is the transpose
+        for i, p, n in zip(active, positions.tolist(), num_steps.tolist()):
+            batch[i].num_draft_computed = p + n
+        tokens = rest if isinstance(first, np.ndarray) else torch.cat([first[None], rest])  # [max k, A]
+        if min(k[i] for i in active) == max(k[i] for i in active):  # one k: request-major by a transpose
             flat = tokens.T.reshape(-1)
         else:
             num_active = len(active)

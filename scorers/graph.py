@@ -286,7 +286,8 @@ def attach_draft_graphs(proposer: Proposer, cfg: GraphConfig, block_size: int) -
     which never lags more, else q_len <= ``cfg.draft_max_q`` (after plain steps the draft lags by
     their tokens). Longer catch-ups (a new request's prompt) run eagerly. With ``cfg.draft_loop`` the
     proposer also gets ``loop_graphs``: drafts 2..k of a greedy propose in one replay
-    (models/draft_loop.py), for up to ``max_batch`` rows and ``max_k - 1`` steps.
+    (models/draft_loop.py; a shared-cache self-draft's whole propose), for up to ``max_batch`` rows and
+    ``max_k`` steps.
 
     Returns None when graphs are off, or (logged) when the proposer has no ``graph_forward`` hook."""
     model, kv_cache = proposer.model, proposer.kv_cache
@@ -304,9 +305,9 @@ def attach_draft_graphs(proposer: Proposer, cfg: GraphConfig, block_size: int) -
         graph_backend=cfg.backend, emulate=cfg.emulate, progress=cfg.progress, num_warmup=cfg.num_warmup,
     )  # fmt: skip
     proposer.graph_forward = GraphForward(runner)
-    if cfg.draft_loop and cfg.max_k >= 2 and hasattr(proposer, "loop_graphs"):
+    if cfg.draft_loop and cfg.max_k >= 1 and hasattr(proposer, "loop_graphs"):
         proposer.loop_graphs = DraftLoopGraphs(
-            model, kv_cache, size_ladder(cfg.max_batch), cfg.max_k - 1, cfg.max_blocks(block_size),
+            model, kv_cache, size_ladder(cfg.max_batch), cfg.max_k, cfg.max_blocks(block_size),
             proposer.num_layers, graph_backend=cfg.backend, emulate=cfg.emulate, progress=cfg.progress,
             num_warmup=cfg.num_warmup,
         )  # fmt: skip

@@ -142,9 +142,11 @@ def test_the_runner_pads_a_batch_into_its_bucket_and_equals_the_eager_loop():
                     torch.from_numpy(steps), want, BLOCK, WIDTH * BLOCK)  # fmt: skip
     for r, n in enumerate(steps):
         assert got[: int(n), r].tolist() == want[: int(n), r].tolist()
-
-
-def test_bad_arguments_are_named():
+    # the first tokens from the host (a shared-cache self-draft's last committed tokens), uploaded
+    # with the rest: the same tokens as from the device (each run writes a position before reading it)
+    from_host = loop.run(first.numpy(), positions, tables, np.full(3, WIDTH), steps).clone()
+    from_dev = loop.run(first, positions, tables, np.full(3, WIDTH), steps)
+    assert torch.equal(from_host, from_dev)
     model = tiny_model()
     kv = model.allocate_kv_cache(4, BLOCK)
     with pytest.raises(ValueError, match="need the model on CUDA"):

@@ -121,3 +121,35 @@ def test_a_draft_with_its_loop_switched_off_proposes_step_by_step(model):
             drafts.append(prop.propose(reqs, ks).draft_tokens.tolist())
         assert drafts[0] == drafts[1] and len(drafts[0]) == sum(ks)
     assert prop.loop_graphs.num_replays == 2
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_shared_self_drafts_whole_propose_on_the_loop_graphs_equals_dense_reference(model, seed):
+    """A self-draft on the target's cache (``is_shared_kv``) with the loop graphs: its catch-up is the
+    last committed token, so all k drafts come from one replay (none from its own graphs), and they
+    are the dense reference's, ragged k (0 and 1 among them)."""
+    rng = random.Random(100 + seed)
+    kv = model.allocate_kv_cache(300, BLOCK, LAYERS)  # the target's cache of the draft's layers
+    prop = DraftModelProposer(model, kv, BLOCK, LAYERS, is_shared_kv=True)
+    cfg = GraphConfig(max_batch=8, max_k=6, max_model_len=128, emulate=True, progress=False, draft_loop=True)
+    fwd = attach_draft_graphs(prop, cfg, BLOCK)
+    free = list(range(1, 300))
+    rng.shuffle(free)
+    reqs = []
+    for i in range(rng.randint(2, 6)):
+        prompt = [rng.randrange(3, 256) for _ in range(rng.randint(2, 30))]
+        r = Request(f"s{i}", prompt, SamplingParams(), block_table=[free.pop() for _ in range(12)])
+        n = len(prompt) - 1  # the target computed the prompt but its last token (a prefill's K/V)
+        meta = build_metadata([n], [n], [r.block_table], BLOCK)
+        with torch.inference_mode():
+            model(torch.tensor(prompt[:n]), torch.arange(n), meta, kv, None, num_layers=LAYERS)
+        r.num_computed = n
+        reqs.append(r)
+    ks = [rng.choice([0, 1, rng.randint(0, 6), 6]) for _ in reqs]
+    ks[0] = 6
+    out = prop.propose(reqs, ks)
+    flat, cu = out.draft_tokens.tolist(), out.cu_num_draft.tolist()
+    for i, (r, k) in enumerate(zip(reqs, ks, strict=True)):
+        assert flat[cu[i] : cu[i + 1]] == dense_greedy(model, r.token_ids, k), (i, ks)
+        assert r.num_draft_computed == (r.num_tokens - 1 + k if k else 0)
+    assert prop.loop_graphs.num_replays == 1 and fwd.runner.num_replays == 0 and fwd.num_eager_calls == 0

@@ -104,3 +104,51 @@ def test_a_shared_self_draft_leaves_the_whole_budget_to_the_target():
         (layers + LAYERS) / layers, rel=0.02
     )
     assert len(own.proposers["draft"].kv_cache) == LAYERS
+
+
+def test_a_shared_self_draft_on_the_loop_graphs_proposes_in_one_replay():
+    """``draft.loop_graphs`` (emulated on the CPU) with the shared cache: the catch-up is the last
+    committed token, a step like the others, so each propose is one replay of the loop graphs (the
+    draft's own graphs replay no catch-up), and the output is the non-speculative one."""
+    from specsched.engine.request import SpecParams
+    from specsched.scorers.graph import GraphConfig, attach_draft_graphs
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 7, 8, 9], [20, 21, 22, 20, 21], [40, 41, 42, 43, 44, 45, 46]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (19, 11, 14)]
+    want = make_engine(True).generate(prompts, params, SpecParams(proposer="none"))
+    engine = make_engine(True)
+    draft = engine.proposers["draft"]
+    gcfg = GraphConfig(max_batch=4, max_k=4, max_model_len=128, emulate=True, progress=False, draft_loop=True)
+    fwd = attach_draft_graphs(draft, gcfg, BLOCK)
+    records = []
+    engine.on_step = records.append
+    assert engine.generate(prompts, params) == want
+    drafted = [r for r in records if r.kind == "decode" and any(q.k for q in r.requests)]
+    assert drafted and draft.loop_graphs.num_replays == len(drafted) and draft.loop_graphs.num_misses == 0
+    assert fwd.runner.num_replays == 0 and fwd.num_eager_calls == 0  # no catch-up forward of its own
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scorer", ["batch_expansion", "mqa_graph"])
+def test_cuda_shared_self_draft_on_the_loop_graphs_is_lossless(scorer):
+    """The daemon's build (build_parts: graphs captured, ``draft.loop_graphs=true``) on a GPU: the
+    shared self-draft proposes in one replay a step and greedy output equals non-speculative."""
+    from specsched.engine.request import SpecParams
+
+    cfg = EngineConfig(
+        model=ModelConfig(source="tiny", device="cuda", dtype="float32"),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128),
+        spec=SpecConfig(proposer="draft", scorers=["batch_expansion", "mqa_graph"], max_k=4,
+                        draft=DraftConfig(source="self", num_layers=LAYERS, loop_graphs=True)),
+        policy={"name": "fixed", "k": 3, "scorer": scorer},
+    )  # fmt: skip
+    engine = Engine(cfg)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 7, 8, 9], [20, 21, 22, 20, 21], [40, 41, 42, 43, 44, 45, 46]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (19, 11, 14)]
+    want = engine.generate(prompts, params, SpecParams(proposer="none"))
+    assert engine.generate(prompts, params) == want
+    loop = engine.proposers["draft"].loop_graphs
+    print("GPU shared self-draft loop:", loop.stats())
+    assert loop.num_replays > 0 and loop.num_misses == 0
