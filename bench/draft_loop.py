@@ -2,15 +2,18 @@
 
 ``draft.loop_graphs`` (models/draft_loop.py) runs a greedy draft's single-token steps 2..k in one CUDA
 graph replay instead of an upload and a launch each. This times ``DraftModelProposer.propose`` both
-ways on the same model, cache and requests: each propose starts on an idle device after a catch-up of
-two tokens (the steady state after a verification: the last draft and the bonus token) at a context of
-``--ctx`` keys, and is timed to the end of its device work (bench/common.py ``time_ms``: what the
-engine's ``propose`` phase sees). The two ways alternate repeat by repeat; the drafts are compared
-(the same tokens but where bf16 rounds a row of a batched step unlike a one-row one).
+ways on the same model, cache and requests: each propose starts on an idle device after the catch-up of
+a verified step at a context of ``--ctx`` keys (a draft with its own cache: two tokens, the last draft
+and the bonus token; a self-draft on the target's cache: the last committed token, so that its whole
+propose is the loop's one replay), and is timed to the end of its device work (bench/common.py
+``time_ms``: what the engine's ``propose`` phase sees). The two ways alternate repeat by repeat; the
+drafts are compared (the same tokens but where bf16 rounds a row of a batched step unlike a one-row
+one).
 
 ``python -m specsched.bench.draft_loop [--drafts llama-68m smollm2-135m:8] [--batches 1 4 16 64]
 [--ks 3 8] [--ctx 512] [--iters 100] [--repeats 3]`` (CUDA; ``--device cpu`` emulates both for a
-smoke run). ``preset:L`` is a preset's first L layers (a self-draft's shape, over its own cache).
+smoke run). ``preset:L`` is a preset's first L layers as a self-draft on the target's cache (the
+default draft, ``draft.shared_kv``); a plain preset is a draft with its own cache.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ def requests(batch: int, ctx: int, vocab: int, blocks_per_row: int) -> list[Requ
     for i in range(batch):
         table = list(range(1 + i * blocks_per_row, 1 + (i + 1) * blocks_per_row))
         prompt = torch.randint(3, vocab, (ctx,), generator=gen).tolist()
-        out.append(Request(f"b{batch}-{i}", prompt, SamplingParams(), block_table=table))
+        r = Request(f"b{batch}-{i}", prompt, SamplingParams(), block_table=table)
+        r.num_computed = r.num_tokens - 1  # the target's: a shared-cache self-draft catches up over 1
+        out.append(r)
     return out
 
 
@@ -74,9 +79,10 @@ def time_draft(draft: str, batches: list[int], ks: list[int], args, device: torc
     max_len = blocks_per_row * BLOCK
     cfg = GraphConfig(max_batch=max(batches), max_k=max(ks), max_model_len=max_len, progress=False,
                       emulate=device.type != "cuda", draft_loop=True)  # fmt: skip
-    looped = DraftModelProposer(model, kv, BLOCK, layers)
+    is_shared = layers is not None  # preset:L, a self-draft on the target's cache
+    looped = DraftModelProposer(model, kv, BLOCK, layers, is_shared_kv=is_shared)
     attach_draft_graphs(looped, cfg, BLOCK)
-    stepped = DraftModelProposer(model, kv, BLOCK, layers)  # the same graphs, no loop
+    stepped = DraftModelProposer(model, kv, BLOCK, layers, is_shared_kv=is_shared)  # same graphs, no loop
     stepped.graph_forward = looped.graph_forward
     rows = []
     for b in batches:
