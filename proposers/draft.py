@@ -95,6 +95,7 @@ class DraftModelProposer(Proposer):
                                        tables, num_blocks)  # fmt: skip
             if out is not None:
                 return out
+            is_loop = False  # the batch does not fit the graphs: step by step (one miss counted)
         tok = self._run(x).argmax(-1)  # [A] on the device
         for r in reqs:
             r.num_draft_computed = r.num_tokens
