@@ -101,9 +101,10 @@ class DraftConfig:
     # the same tokens give the same K/V): no cache of its own and no catch-up over a new request's
     # prompt (proposers/draft.py). false: a separate cache, filled by the draft itself.
     shared_kv: bool = True
-    # On CUDA graphs: a greedy propose's single-token steps 2..k in one graph replay, their inputs
-    # computed on the device (models/draft_loop.py), instead of an upload and a launch each. Off until
-    # bench.draft_loop measures it on the GPU.
+    # On CUDA graphs: a greedy propose's single-token steps in one graph replay, their inputs computed
+    # on the device (models/draft_loop.py), instead of an upload and a launch each: drafts 2..k after
+    # the catch-up, all k for a self-draft on the target's cache. Off until bench.draft_loop measures
+    # it on the GPU.
     loop_graphs: bool = False
 
     def __post_init__(self) -> None:

@@ -67,7 +67,7 @@ class GraphConfig:
     # for a request that drafted nothing last step as much; above it the catch-up runs eagerly
     # (2026-12-06 H100, 7B pair at batch 64: 4-11 ms a step against ~1 ms on graphs)
     draft_max_q: int = 6
-    # a greedy draft's steps 2..k in one replay per propose (models/draft_loop.py; draft.loop_graphs)
+    # a greedy draft's single-token steps in one replay per propose (models/draft_loop.py; draft.loop_graphs)
     draft_loop: bool = False
 
     def __post_init__(self) -> None:
