@@ -482,3 +482,36 @@ def test_a_config_may_ask_for_the_draft_loop_graphs_and_only_it_uses_them():
                             "policy_args": {"goodput@x": {"draft_loop": "yes"}}})  # fmt: skip
     with pytest.raises(ValueError, match="policy_args.goodput@x.draft_loop must be true or false, got 'yes'"):
         policy_configs(bad, ["mqa"])
+
+
+def test_a_cell_with_a_loop_config_captures_the_loop_graphs_and_only_that_config_replays_them():
+    """bench=regret_cpu on emulated graphs with a config asking ``draft_loop: true``: the cell's draft
+    gets the loop graphs, and only that config's window replays them (the others go step by step)."""
+    from omegaconf import OmegaConf
+
+    from specsched.bench.regret import profile_state
+    from specsched.bench.regret_cells import synthetic_cells
+    from specsched.bench.regret_windows import run_window
+
+    loop_args = "{fixed@loop: {k: 2, scorer: mqa, draft_loop: true}}"
+    overrides = ["bench=regret_cpu", "bench.graphs.enabled=true", "bench.graphs.emulate=true",
+                 "bench.graphs.progress=false", "bench.regret.synthetic.policies=[goodput,fixed@loop]",
+                 f"+bench.regret.synthetic.policy_args={loop_args}"]  # fmt: skip
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        bench = compose("bench", overrides=overrides).bench
+    plain = OmegaConf.to_container(bench.regret, resolve=True)  # the suite's section, as run_regret
+    common = {k: v for k, v in plain.items() if k not in ("synthetic", "real")}  # merges it
+    cfg = OmegaConf.merge(OmegaConf.create(common), OmegaConf.create(plain["synthetic"]))
+    cell = next(synthetic_cells(cfg, bench.graphs, torch.device("cpu"), torch.float32, 4, 0))
+    draft = cell.runs[-1].proposers["synthetic"].draft
+    loop = draft.loop_graphs
+    assert loop is not None and loop.num_graphs > 0
+    state = profile_state(cell, cfg)
+    assert loop.num_replays == 0  # the shared warm-up profiles the step-by-step path
+    for run in cell.runs:
+        before = loop.num_replays
+        run_window(run, state, cell, 6)
+        assert (loop.num_replays > before) is run.draft_loop, run.label
+    assert [r.label for r in cell.runs if r.draft_loop] == [
+        "policy fixed (k=2, scorer=mqa, draft.loop_graphs=true)"
+    ]
