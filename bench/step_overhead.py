@@ -19,7 +19,7 @@ third, profiled generate (cProfile with a clock that stops inside the forward, s
 time is host time) lists the top functions by cumulative host time.
 
     python -m specsched.bench.step_overhead [--source tiny|smollm2] [--batches 1 16] [--tokens 96]
-        [--graphs off|emulate] [--top 12] [--repeat 1] [--clock cpu|wall]
+        [--graphs off|emulate [--draft-loop]] [--top 12] [--repeat 1] [--clock cpu|wall]
         [--configs none ngram-fixed ngram-goodput draft-goodput draft-fixed]
 
 ``--graphs emulate`` runs the graph scorers' and the self-draft's host path (``metadata_gpu`` inputs,
@@ -69,6 +69,7 @@ CONFIGS = {  # name -> (proposer, policy, label)
 }
 PHASES = ("schedule", "view", "decide", "reserve", "propose", "score", "verify", "commit", "observe", "other")
 DECODE_STEPS = [1]  # --decode-steps: scheduler.decode_steps of every engine built (runs of plain steps)
+DRAFT_LOOP = [False]  # --draft-loop: the self-draft's propose on the (emulated) draft loop graphs
 
 
 @dataclass
@@ -117,7 +118,8 @@ def build_engine(source: str, name: str, graphs: str) -> Engine:
     cfg = engine_config(source, proposer, policy, ["batch_expansion", mqa])
     parts = build_parts(cfg)
     if graphs == "emulate":
-        gcfg = GraphConfig(max_batch=64, max_k=8, max_model_len=2048, emulate=True, progress=False)
+        gcfg = GraphConfig(max_batch=64, max_k=8, max_model_len=2048, emulate=True, progress=False,
+                           draft_loop=DRAFT_LOOP[0])  # fmt: skip
         parts.scorers = build_scorers(cfg.spec.scorers, parts.model, parts.kv_cache, 16, gcfg)
         if "draft" in parts.proposers:  # the draft's single-token steps on (emulated) graphs too
             attach_draft_graphs(parts.proposers["draft"], gcfg, 16)
@@ -316,8 +318,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="thread CPU time or wall time")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per row; the least median host wins")
     ap.add_argument("--decode-steps", type=int, default=1, help="scheduler.decode_steps")
+    ap.add_argument("--draft-loop", action="store_true", help="with --graphs emulate: the draft loop graphs")
     args = ap.parse_args(argv)
-    DECODE_STEPS[0] = args.decode_steps
+    if args.draft_loop and args.graphs != "emulate":
+        ap.error("--draft-loop needs --graphs emulate")
+    DECODE_STEPS[0], DRAFT_LOOP[0] = args.decode_steps, args.draft_loop
     CLOCK.now = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -328,7 +333,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"done: {name} batch {batch}", flush=True)
     print(
         f"\nsource={args.source} graphs={args.graphs} tokens={args.tokens} threads={args.threads} "
-        f"clock={args.clock} repeat={args.repeat} decode_steps={args.decode_steps}"
+        f"clock={args.clock} repeat={args.repeat} decode_steps={args.decode_steps} "
+        f"draft_loop={args.draft_loop}"
     )
     print_tables(results)
     if args.top:

@@ -20,3 +20,20 @@ def test_the_bench_prints_a_row_per_config_and_batch_with_every_phase(capsys):
     assert by_phase["score"] > 0 and by_phase["decide"] > 0, by_phase  # the engine's timers were read
     steps = int(rows[0].split("|")[3])
     assert steps > 0 and re.search(r"decode_steps=1", out)
+
+
+def test_the_draft_loop_option_moves_the_self_drafts_uploads_into_its_one_replay(capsys):
+    """``--draft-loop``: the self-draft's propose on the (emulated) loop graphs; its host-to-device
+    copies a step go (the step-by-step path uploads each step's inputs), and it needs emulated graphs."""
+    import pytest
+
+    copies = {}
+    for flag in ("", " --draft-loop"):
+        main(f"--batches 2 --tokens 10 --graphs emulate --configs draft-fixed --top 0{flag}".split())
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("| self-draft + fixed k=4 mqa | 2 |"))
+        copies[flag] = float(row.strip("|").split("|")[-1].split("/")[1])
+        assert f"draft_loop={bool(flag)}" in out
+    assert copies[""] >= 1.0 and copies[" --draft-loop"] < copies[""], copies
+    with pytest.raises(SystemExit):
+        main("--graphs off --draft-loop".split())
