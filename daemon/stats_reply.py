@@ -9,6 +9,7 @@ import time
 from collections.abc import Mapping
 
 from specsched.daemon.messages import ProposerStats, ScorerStats, StatsReply
+from specsched.engine.graph_report import graph_stats
 from specsched.engine.stats import EngineStats
 
 # while the engine is busy, the snapshot's engine-wide figures (tokens/s, per proposer and scorer, the
@@ -32,9 +33,14 @@ def scorer_stats(stats: EngineStats) -> dict[str, ScorerStats]:
 
 def engine_counters(engine) -> dict:
     """The engine's own counters (``stats()`` in the API notes; an :class:`EngineStats` with
-    ``to_dict`` in the implementation), with values made msgpack-safe."""
+    ``to_dict`` in the implementation) and, where it holds CUDA graphs, each runner's stats under
+    ``graphs`` (engine/graph_report.py), with values made msgpack-safe."""
     stats = getattr(engine, "stats", None)
     raw = stats() if callable(stats) else stats.to_dict() if stats is not None else {}
+    if hasattr(engine, "scorers") and hasattr(engine, "proposers"):
+        graphs = graph_stats(engine)  # the graph runners' replays and eager fallbacks (CUDA)
+        if graphs:
+            raw = {**raw, "graphs": graphs}
 
     def plain(v):
         if isinstance(v, dict):
