@@ -56,11 +56,12 @@ class Propose:
     """One greedy propose of ``k`` drafts for every request, after the catch-up of a verified step (the
     last draft and the bonus token); the last call's drafts in ``drafts``."""
 
-    def __init__(self, prop: DraftModelProposer, reqs: list[Request], k: int) -> None:
-        self.prop, self.reqs, self.k = prop, reqs, k
+    def __init__(self, prop: DraftModelProposer, reqs: list[Request], k: int, is_loop: bool) -> None:
+        self.prop, self.reqs, self.k, self.is_loop = prop, reqs, k, is_loop
         self.drafts: torch.Tensor | None = None
 
     def __call__(self) -> None:
+        self.prop.is_loop_used = self.is_loop
         for r in self.reqs:
             r.num_draft_computed = r.num_tokens - 2
         self.drafts = self.prop.propose(self.reqs, [self.k] * len(self.reqs)).draft_tokens
@@ -80,10 +81,8 @@ def time_draft(draft: str, batches: list[int], ks: list[int], args, device: torc
     cfg = GraphConfig(max_batch=max(batches), max_k=max(ks), max_model_len=max_len, progress=False,
                       emulate=device.type != "cuda", draft_loop=True)  # fmt: skip
     is_shared = layers is not None  # preset:L, a self-draft on the target's cache
-    looped = DraftModelProposer(model, kv, BLOCK, layers, is_shared_kv=is_shared)
-    attach_draft_graphs(looped, cfg, BLOCK)
-    stepped = DraftModelProposer(model, kv, BLOCK, layers, is_shared_kv=is_shared)  # same graphs, no loop
-    stepped.graph_forward = looped.graph_forward
+    prop = DraftModelProposer(model, kv, BLOCK, layers, is_shared_kv=is_shared)
+    attach_draft_graphs(prop, cfg, BLOCK)  # its own graphs and the loop's (is_loop_used picks the way)
     rows = []
     for b in batches:
         reqs = requests(b, args.ctx, model.cfg.vocab_size, blocks_per_row)
@@ -91,8 +90,8 @@ def time_draft(draft: str, batches: list[int], ks: list[int], args, device: torc
             ms: dict[str, list[float]] = {"steps": [], "loop": []}
             drafts: dict[str, torch.Tensor] = {}
             for _ in range(args.repeats):  # the two ways alternate: the machine's drift hits both
-                for prop, name in ((stepped, "steps"), (looped, "loop")):
-                    call = Propose(prop, reqs, k)
+                for name in ("steps", "loop"):
+                    call = Propose(prop, reqs, k, is_loop=name == "loop")
                     ms[name] += time_ms(call, device, 5, args.iters)
                     drafts[name] = call.drafts
             equal = (drafts["steps"] == drafts["loop"]).float().mean().item()
@@ -100,11 +99,11 @@ def time_draft(draft: str, batches: list[int], ks: list[int], args, device: torc
             rows.append({"draft": draft, "batch": b, "k": k, "steps_ms": med["steps"], "loop_ms": med["loop"],
                          "steps_p90": sorted(ms["steps"])[int(0.9 * (len(ms["steps"]) - 1))],
                          "loop_p90": sorted(ms["loop"])[int(0.9 * (len(ms["loop"]) - 1))],
-                         "equal": equal, "misses": looped.loop_graphs.num_misses})  # fmt: skip
-    capture = looped.loop_graphs.stats()
+                         "equal": equal, "misses": prop.loop_graphs.num_misses})  # fmt: skip
+    capture = prop.loop_graphs.stats()
     print(f"{draft}: {capture['num_graphs']} loop graphs captured in {capture['capture_s']} s, "
           f"{capture['graph_memory_mib']} MiB (the draft's own graphs: "
-          f"{looped.graph_forward.runner.stats()['capture_s']} s)", file=sys.stderr)  # fmt: skip
+          f"{prop.graph_forward.runner.stats()['capture_s']} s)", file=sys.stderr)  # fmt: skip
     return rows
 
 

@@ -116,7 +116,7 @@ def scheduler_overrides(entry: str, options: dict) -> dict:
 
 
 def policy_configs(cfg, scorers: list[str]) -> list[PolicyEntry]:
-    """``(label, factory, scheduler)`` for the fixed (k, scorer) grid and each named policy of ``cfg``
+    """A :class:`PolicyEntry` for each config of the fixed (k, scorer) grid and each named policy of ``cfg``
     (``policies``: registry names, or ``name@tag`` for a variant whose options are ``policy_args``'
     entry ``name@tag``; labels ``policy name (option=value, ...)``). An entry's ``scheduler`` mapping
     is no policy option: it sets SchedulerConfig options of that config's engine alone (e.g.

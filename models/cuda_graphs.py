@@ -33,7 +33,14 @@ from tqdm.auto import tqdm
 
 from specsched.kernels.metadata import AttentionMetadata
 from specsched.models.graph_buckets import GraphBucket, HostInputs, InputLayout, as_bucket, pad_inputs
-from specsched.models.graph_capture import CaptureMemory, EagerReplay, Staging, capture_graph, graph_stats
+from specsched.models.graph_capture import (
+    CaptureMemory,
+    EagerReplay,
+    Staging,
+    capture_graph,
+    captured_backend,
+    graph_stats,
+)
 from specsched.models.llama import KVCache, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -180,22 +187,18 @@ class GraphRunner:
         return capture_graph(fn, self.device, self._pool, self._warmup_stream, self.num_warmup)
 
     def _capture_all(self, graph_backend: str | None, progress: bool) -> None:
-        prev = self.model.attn_backend
-        switch = not self.is_emulated and graph_backend is not None and graph_backend != prev
-        if switch:
-            self.model.set_attn_backend(graph_backend)
         t0 = time.perf_counter()
-        try:
-            order = sorted(self.buckets, key=lambda b: (b.tokens, b.rows, b.max_q), reverse=True)
-            desc = f"capturing {self.name} CUDA graphs" + (" (emulated)" if self.is_emulated else "")
-            with torch.inference_mode(), CaptureMemory(self.device) as memory:
-                for b in tqdm(order, desc=desc, disable=not progress, unit="graph"):
-                    self._load_padding(b)
-                    self._graphs[b] = self._capture(self._forward_fn(b))
-            self.graph_memory_bytes = memory.bytes
-        finally:
-            if switch:
-                self.model.set_attn_backend(prev)
+        order = sorted(self.buckets, key=lambda b: (b.tokens, b.rows, b.max_q), reverse=True)
+        desc = f"capturing {self.name} CUDA graphs" + (" (emulated)" if self.is_emulated else "")
+        with (
+            captured_backend(self.model, graph_backend, self.is_emulated),
+            torch.inference_mode(),
+            CaptureMemory(self.device) as memory,
+        ):
+            for b in tqdm(order, desc=desc, disable=not progress, unit="graph"):
+                self._load_padding(b)
+                self._graphs[b] = self._capture(self._forward_fn(b))
+        self.graph_memory_bytes = memory.bytes
         self.capture_s = time.perf_counter() - t0
         logger.info(
             "%s: captured %d graphs (largest %d rows / %d tokens, max_q %d) in %.1f s, "

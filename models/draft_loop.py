@@ -31,7 +31,13 @@ from tqdm.auto import tqdm
 
 from specsched.kernels.metadata import AttentionMetadata
 from specsched.models.graph_buckets import PAD_SLOT
-from specsched.models.graph_capture import CaptureMemory, EagerReplay, Staging, capture_graph
+from specsched.models.graph_capture import (
+    CaptureMemory,
+    EagerReplay,
+    Staging,
+    capture_graph,
+    captured_backend,
+)
 from specsched.models.llama import KVCache, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -145,28 +151,24 @@ class DraftLoopGraphs:
         return loop
 
     def _capture_all(self, graph_backend: str | None, progress: bool) -> None:
-        model, prev = self.model, self.model.attn_backend
-        switch = not self.is_emulated and graph_backend is not None and graph_backend != prev
-        if switch:
-            model.set_attn_backend(graph_backend)
         t0 = time.perf_counter()
-        try:
-            stream = None if self.is_emulated else torch.cuda.Stream(device=self.device)
-            shapes = [(r, s) for r in reversed(self.rows) for s in range(self.max_steps, 0, -1)]
-            desc = "capturing draft loop graphs" + (" (emulated)" if self.is_emulated else "")
-            # the buffer is all zeros while capturing: pad rows, every K/V to the pad slot
-            with torch.inference_mode(), CaptureMemory(self.device) as memory:
-                for r, s in tqdm(shapes, desc=desc, disable=not progress, unit="graph"):
-                    fn = self._loop_fn(r, s)
-                    self._graphs[r, s] = (
-                        EagerReplay(fn)
-                        if self.is_emulated
-                        else capture_graph(fn, self.device, self._pool, stream, self.num_warmup)
-                    )
-            self.graph_memory_bytes = memory.bytes
-        finally:
-            if switch:
-                model.set_attn_backend(prev)
+        stream = None if self.is_emulated else torch.cuda.Stream(device=self.device)
+        shapes = [(r, s) for r in reversed(self.rows) for s in range(self.max_steps, 0, -1)]
+        desc = "capturing draft loop graphs" + (" (emulated)" if self.is_emulated else "")
+        # the buffer is all zeros while capturing: pad rows, every K/V to the pad slot
+        with (
+            captured_backend(self.model, graph_backend, self.is_emulated),
+            torch.inference_mode(),
+            CaptureMemory(self.device) as memory,
+        ):
+            for r, s in tqdm(shapes, desc=desc, disable=not progress, unit="graph"):
+                fn = self._loop_fn(r, s)
+                self._graphs[r, s] = (
+                    EagerReplay(fn)
+                    if self.is_emulated
+                    else capture_graph(fn, self.device, self._pool, stream, self.num_warmup)
+                )
+        self.graph_memory_bytes = memory.bytes
         self.capture_s = time.perf_counter() - t0
         logger.info("draft loop: captured %d graphs (rows up to %d, steps up to %d) in %.1f s, %.1f MiB",
                     self.num_graphs, self.rows[-1], self.max_steps, self.capture_s,

@@ -1,11 +1,12 @@
 """What the graph runners share (models/cuda_graphs.py, models/piecewise_graphs.py,
-models/draft_loop.py): a graph's capture after its warm-up, the CPU stand-in for a graph in tests, the
-pinned staging ring of the per-step upload, the device memory a set of captures takes, and the stats
-every runner reports."""
+models/draft_loop.py): a graph's capture after its warm-up, the attention backend it is captured on,
+the CPU stand-in for a graph in tests, the pinned staging ring of the per-step upload, the device memory
+a set of captures takes, and the stats every runner reports."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -97,3 +98,18 @@ class CaptureMemory:
     def __exit__(self, exc_type, *exc) -> None:
         if self.device.type == "cuda" and exc_type is None:
             self.bytes = max(0, self._free0 - self._free())
+
+
+@contextmanager
+def captured_backend(model, backend: str | None, is_emulated: bool) -> Iterator[None]:
+    """The model's attention on ``backend`` while its graphs are captured (the one the graphs replay;
+    None: the model's own), its own again afterwards; nothing switches for emulated graphs."""
+    prev = model.attn_backend
+    switch = not is_emulated and backend is not None and backend != prev
+    if switch:
+        model.set_attn_backend(backend)
+    try:
+        yield
+    finally:
+        if switch:
+            model.set_attn_backend(prev)
