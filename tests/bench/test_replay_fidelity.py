@@ -177,9 +177,11 @@ def test_own_policy_predicts_its_own_tokens_per_s_and_a_wrong_one_does_not(logs)
     k8, k0 = load_log(str(logs / "k8.sqlite")), load_log(str(logs / "k0.sqlite"))
     live8, live0 = live_rates(k8), live_rates(k0)
     own, wrong = predicted_rates(k8, K8), predicted_rates(k8, K0)
-    # the same steps, the same definition of tok/s: only the cost model's residual, 2% over the run;
-    # a pass of a few dozen CPU steps on a shared 2-core box misses by up to ~3% (1 run in ~30 at 2%)
-    for n, rel in ((1, 0.05), (2, 0.05), (0, 0.02)):
+    # the same steps, the same definition of tok/s: only the cost model's residual; a pass of a few
+    # dozen CPU steps on a shared 2-core box misses by up to ~3%, and the whole run by 2.4 % once in a
+    # fresh-clone CI (2026-12-07 13:20: 144.9 against 141.4 live), so 3 % there; the wrong policy
+    # below is > 50 % off
+    for n, rel in ((1, 0.05), (2, 0.05), (0, 0.03)):
         assert own[n].tokens_per_s == pytest.approx(live8[n].tokens_per_s, rel=rel), n
     assert live0[0].tokens_per_s > 2 * live8[0].tokens_per_s  # the test means something
     # k=0 replayed on k=8's log: far from k=8's own rate, and nearer k=0's live rate than k=8's rate is,
