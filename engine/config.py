@@ -209,13 +209,26 @@ class SchedulerConfig:
     # 775 without), while a request that comes to a busy engine never waits for a run to end (TTFT p50
     # at N = 4 with runs of 8 at any batch: 6.7 ms against 4.0 without).
     decode_steps_max_batch: int | None = None
+    # Runs of this many plain steps for a decode batch of one request that cannot draft at all (its
+    # proposer is none or its spec.max_k is 0) while none waits for admission, whatever decode_steps
+    # says: nothing speculative is given up and no newcomer waits for the run. The non-speculative
+    # server's batch-1 path: SmolLM2 on an H100 (2026-12-07 14:03, bench=serve_runs_alone_ab) 970 tok/s
+    # against 648 one step at a time, TTFT p50 at N = 4 5.7 ms against 5.6. 1: off.
+    plain_decode_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.decide_cost not in ("exposed", "step", "host"):
             raise ValueError(f"scheduler.decide_cost must be exposed, step or host, got {self.decide_cost!r}")
         if self.decide_budget is not None and not self.decide_budget > 0:
             raise ValueError(f"scheduler.decide_budget must be > 0 or null, got {self.decide_budget}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "max_plan_age", "decode_steps"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_queue",
+            "max_plan_age",
+            "decode_steps",
+            "plain_decode_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.max_joined_share <= 1.0:

@@ -274,12 +274,17 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         spec = self.cfg.spec
         peek = [spec.max_k] * len(reqs) if is_ahead else peek_caps(self.proposers, reqs, names)
         views = request_views(reqs, names, peek, self.acceptance, spec.max_k, self.max_model_len)
-        sched, max_steps = self.scheduler, self.cfg.scheduler.decode_steps
+        sched, sched_cfg = self.scheduler, self.cfg.scheduler
+        max_steps = sched_cfg.decode_steps
         run = 1
-        if max_steps > 1 and reqs and self._runs_allowed(len(reqs)):  # what a plan with every k = 0
-            # would run (the policy weighs it; the step runs it when its plan drafts nothing)
-            # the proposers' own offer, not the views' caps: a request one token from its max_tokens
-            # has a cap of 0 for lack of room, which is no reason to run the batch one step at a time
+        if self._is_plain_alone(reqs, names):  # scheduler.plain_decode_steps: nothing to draft
+            max_steps = max(max_steps, sched_cfg.plain_decode_steps)
+        elif not self._runs_allowed(len(reqs)):
+            max_steps = 1
+        if max_steps > 1 and reqs:  # what a plan with every k = 0 would run (the policy weighs
+            # it; the step runs it when its plan drafts nothing); the proposers' own offer, not the
+            # views' caps: a request one token from its max_tokens has a cap of 0 for lack of room,
+            # which is no reason to run the batch one step at a time
             run = num_decode_steps(reqs, [0] * len(reqs), peek, names, max_steps, self.max_model_len)
         return BatchView(
             views, sched.num_free_blocks, self.cfg.cache.block_size, list(self.scorers), self.num_steps, run,
@@ -291,6 +296,13 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         ``scheduler.decode_steps_max_batch`` requests and none waiting (when that is set)."""
         cap = self.cfg.scheduler.decode_steps_max_batch
         return cap is None or (batch_size <= cap and not self.scheduler.waiting)
+
+    def _is_plain_alone(self, reqs: list[Request], names: list[str]) -> bool:
+        """A decode batch of one request that cannot draft (proposer none, or its spec.max_k 0) with
+        none waiting: it runs ``scheduler.plain_decode_steps`` plain steps at a time."""
+        if len(reqs) != 1 or self.cfg.scheduler.plain_decode_steps <= 1 or self.scheduler.waiting:
+            return False
+        return names[0] == "none" or reqs[0].spec.max_k == 0 or self.cfg.spec.max_k == 0
 
     def _proposer_names(self, reqs: list[Request]) -> list[str]:
         default = self.cfg.spec.proposer

@@ -197,7 +197,9 @@ def _load(db, path: str, run_id: int | None, allow_runs: bool = False) -> Record
         if num_steps != 1 and not allow_runs:
             raise ReplayError(
                 f"{path}: run {run_id} step {row['step']} ran {num_steps} plain decode steps back to back "
-                "(scheduler.decode_steps); the replay models one forward per step: record with decode_steps=1"
+                "(scheduler.decode_steps, or plain_decode_steps for a request without a proposer "
+                "decoding alone); the replay models one forward per step: record with decode_steps=1 "
+                "plain_decode_steps=1"
             )
         steps[row["step"]] = StepRecord(**row)
     rows: dict[str, list[tuple[int, StepRequestRecord]]] = {}

@@ -188,9 +188,11 @@ def test_each_timed_window_is_one_run_of_its_cell_s_decision_log(result):
             sample = next(
                 s for s in c["samples"] if (s["config"], s["repeat"]) == (run["config"], run["repeat"])
             )
-            n = db.execute(
-                "select count(*) from steps where run_id = ? and kind = 'decode'", [run_id]
-            ).fetchone()[0]
+            infos = db.execute(
+                "select plan_info from steps where run_id = ? and kind = 'decode'", [run_id]
+            ).fetchall()
+            # a run of S plain steps (non-speculative alone: scheduler.plain_decode_steps) counts S
+            n = sum(json.loads(i).get("decode_steps", 1) if i else 1 for (i,) in infos)
             assert n == sample["num_steps"]
             assert db.execute("select count(*) from cost_models where run_id = ?", [run_id]).fetchone()[0] > 0
     last = read_log(str(logs / "real_ngram_b1.sqlite"), [1])[1]  # the last run: a window at batch 1
@@ -202,7 +204,8 @@ def test_each_timed_window_is_one_run_of_its_cell_s_decision_log(result):
     for run_id, config in (
         (r["id"], json.loads(r["config"])) for r in db.query("select id, config from runs")
     ):
-        settings = load_run(str(logs / "real_ngram_b1.sqlite"), run_id).settings
+        # allow_runs: the non-speculative window at batch 1 ran plain steps in runs (plain_decode_steps)
+        settings = load_run(str(logs / "real_ngram_b1.sqlite"), run_id, allow_runs=True).settings
         assert settings.defaulted == [], (config["config"], settings.defaulted)
         assert settings.scorers == list(cfg.real.scorers) and settings.max_k == cfg.real.max_k
         assert settings.proposer == ("none" if config["config"] == NON_SPEC else "ngram")

@@ -20,7 +20,7 @@ def reference(options: dict, prompts: list[list[int]], max_tokens: int) -> list[
     from specsched.engine.engine import Engine
     from specsched.engine.request import SamplingParams, SpecParams
 
-    sched = {**options["scheduler"], "decode_steps": 1}
+    sched = {**options["scheduler"], "decode_steps": 1, "plain_decode_steps": 1}
     cfg = EngineConfig(
         model=ModelConfig(**options["model"]), cache=CacheConfig(**options["cache"]),
         scheduler=SchedulerConfig(**sched), spec=SpecConfig(**options["spec"]),
@@ -34,12 +34,17 @@ def reference(options: dict, prompts: list[list[int]], max_tokens: int) -> list[
         torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("max_batch", [None, 1], ids=["any_batch", "alone"])
+@pytest.mark.parametrize("max_batch", [None, 1, "default"], ids=["any_batch", "alone", "default"])
 def test_runs_of_plain_steps_stream_the_single_step_tokens(start_daemon, max_batch):
-    """``alone``: scheduler.decode_steps_max_batch=1, each request served alone: still runs."""
-    sched = (
-        {"decode_steps": 4} if max_batch is None else {"decode_steps": 4, "decode_steps_max_batch": max_batch}
-    )
+    """``alone``: scheduler.decode_steps_max_batch=1, each request served alone: still runs.
+    ``default``: no scheduler option; a request without a proposer served alone runs
+    ``scheduler.plain_decode_steps`` (8) at a time."""
+    if max_batch == "default":
+        sched = {}
+    elif max_batch is None:
+        sched = {"decode_steps": 4}
+    else:
+        sched = {"decode_steps": 4, "decode_steps_max_batch": max_batch}
     d = start_daemon(scheduler=sched, log_db=True)
     rng = random.Random(4)
     # the requests ask for no proposer (an n-gram proposer without a match runs no runs: it may

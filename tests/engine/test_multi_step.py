@@ -13,7 +13,7 @@ from specsched.engine.components import EngineParts
 from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specsched.engine.engine import Engine
 from specsched.engine.multi_step import num_decode_steps
-from specsched.engine.request import Request, SamplingParams
+from specsched.engine.request import Request, SamplingParams, SpecParams
 from specsched.models.loader import load_model
 from specsched.policies.acceptance import AcceptanceEstimator
 from specsched.policies.base import BatchView, Plan, Policy
@@ -49,6 +49,7 @@ def engine(
     graphs=True,
     num_blocks: int = NUM_BLOCKS,
     max_batch: int | None = None,  # scheduler.decode_steps_max_batch
+    plain: int = 1,  # scheduler.plain_decode_steps (off: these tests are about decode_steps)
 ) -> Engine:
     mcfg = ModelConfig(source="tiny", device=device, dtype="float32")
     model = load_model(mcfg, progress=False).model
@@ -60,6 +61,7 @@ def engine(
             max_num_batched_tokens=64,
             decode_steps=decode_steps,
             decode_steps_max_batch=max_batch,
+            plain_decode_steps=plain,
         ),  # fmt: skip
         spec=SpecConfig(proposer=proposer, scorers=["batch_expansion", "mqa", "mqa_graph"], max_k=4),
     )
@@ -266,6 +268,47 @@ def test_a_tight_cache_falls_back_to_single_steps_and_stays_lossless():
     assert e.scheduler.num_preemptions > 0 and short, "the cache must refuse some run its slots"
     assert any(r.num_decode_steps > 1 for r in recs)
     assert all(r.num_decode_steps == 1 for r in recs if r.step in short)  # those ran one step
+
+
+def test_a_request_that_cannot_draft_runs_alone_by_default():
+    """``scheduler.plain_decode_steps`` (8 by default, whatever ``decode_steps`` says): a decode batch
+    of one request that cannot draft (proposer none, or its spec.max_k 0) with none waiting runs its
+    plain steps in runs; a request that can draft (n-gram), a batch of two, or a request waiting for
+    admission keeps single steps. The tokens are the single steps' either way."""
+    rng = random.Random(11)
+    ps = prompts(rng, 6)  # more than max_num_seqs (4): some wait while others decode
+    params = [SamplingParams(max_tokens=rng.randint(9, 20), ignore_eos=True) for _ in ps]
+    want, _ = run(engine("mqa", 1), ps, params)
+    assert SchedulerConfig().plain_decode_steps == 8 and SchedulerConfig().decode_steps == 1
+    e = engine("mqa", 1, plain=SchedulerConfig().plain_decode_steps)
+    waiting_at_step: dict[int, int] = {}
+    inner = e.step
+
+    def step():
+        waiting_at_step[e.num_steps] = len(e.scheduler.waiting)
+        return inner()
+
+    e.step = step
+    got, recs = run(e, ps, params)
+    assert got == want
+    runs = [r for r in recs if r.num_decode_steps > 1]
+    assert runs, "the last request alone must run in runs"
+    assert all(r.batch_size == 1 and waiting_at_step[r.step] == 0 and r.num_decode_steps <= 8 for r in runs)
+    assert all(r.num_decode_steps == 1 for r in recs if r.batch_size > 1)
+    # n-gram requests can draft: alone they step one at a time (k = 0 here is the policy's choice)
+    got, recs = run(engine("mqa", 1, proposer="ngram", plain=8), ps[:1], params[:1])
+    assert got == want[:1] and all(r.num_decode_steps == 1 for r in recs)
+    # ... unless the request turned speculation off
+    e = engine("mqa", 1, proposer="ngram", plain=8)
+    r0 = Request("off", ps[0], params[0], SpecParams(max_k=0))
+    e.add_request(r0)
+    recs = []
+    e.on_step = recs.append
+    while not r0.is_finished:
+        e.step()
+    assert r0.output_ids == want[0] and any(r.num_decode_steps > 1 for r in recs)
+    with pytest.raises(ValueError, match="scheduler.plain_decode_steps must be >= 1, got 0"):
+        SchedulerConfig(plain_decode_steps=0)
 
 
 def test_a_run_is_not_a_cost_model_observation():
