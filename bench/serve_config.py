@@ -78,6 +78,12 @@ class ServeConfig:
     # at N = 64 one round's loop differs from the next by 20-60 % on the H200 (2026-12-04), at N = 1-16
     # by 2-15 %, so the high N get more rounds
     rounds_per_n: list[int] | None = None
+    # rounds mode: each config served by this many daemon processes, all up at once; round r at the
+    # i-th N runs on replica (r + i) mod replicas. A daemon's host speed is set for its whole life
+    # (where its threads and memory landed): on an H100 on 2026-12-07 two configs' daemons ran the same
+    # step shape 6 % apart, an offset that no number of rounds averages out. Replicas put it in the
+    # rounds' spread and in a table of their own (bench/serve_replicas.py). 1: one daemon a config
+    replicas: int = 1
     # every daemon's extra overrides in rounds mode: a fixed KV cache (a share of the memory still
     # free at its start would shrink from daemon to daemon)
     round_overrides: list[str] = field(default_factory=lambda: ["cache.num_blocks=4096"])
@@ -169,6 +175,9 @@ class ServeConfig:
             raise ValueError("bench.serve.rounds needs oracle_override null: the oracle comes from the "
                              "baseline's outputs, which rounds mode has only after every daemon "
                              "started")  # fmt: skip
+        if self.replicas < 1 or (self.replicas > 1 and not self.rounds):
+            raise ValueError(f"bench.serve.replicas must be >= 1, and 1 unless rounds mode (rounds > 0); got "
+                             f"{self.replicas} with rounds {self.rounds}")  # fmt: skip
         if self.prompt_vocab < 4:
             raise ValueError(f"bench.serve.prompt_vocab must be >= 4, got {self.prompt_vocab}")
 

@@ -10,6 +10,7 @@ from collections import defaultdict
 from specsched.bench.markdown import fmt, table
 from specsched.bench.serve_host import host_note, host_table, step_mix_table
 from specsched.bench.serve_plans import plan_table
+from specsched.bench.serve_replicas import replica_note, replica_table
 from specsched.bench.serve_shapes import shape_table
 
 SPREAD_GOAL = 0.05  # the two passes of a row within 5%
@@ -198,6 +199,15 @@ def _ramps(rows: list[dict]) -> str:
 
 
 def _window(s: dict) -> str:
+    text = _window_text(s)
+    if s.get("rounds") and (s.get("replicas") or 1) > 1:
+        r = s["replicas"]
+        text += f"; each config served by {r} daemon processes (replicas), round r at the i-th N on "
+        text += f"replica (r + i) mod {r}"
+    return text
+
+
+def _window_text(s: dict) -> str:
     if s.get("rounds") and s.get("rounds_per_n"):
         s = {
             **s,
@@ -274,6 +284,7 @@ def serve_section(res: dict) -> str:
           if slices_table(res["rows"], "round_tok_s", "round") else []),
         *(["Tok/s of each slice of the interleaved loops:", "", slices_table(res["rows"]), ""]
           if slices_table(res["rows"]) else []),
+        *([replica_note(), "", replicas, ""] if (replicas := replica_table(res["rows"])) else []),
         "Targets (issue 12):", "", targets_table(res), "",
         *(["The targets per round (the configs' loops of one round ran in the same seconds):", "",
            paired, ""] if (paired := paired_table(res)) else []),

@@ -16,7 +16,11 @@ beside them (``round_tok_s``). The baseline's first round at each N also covers 
 every client (its outputs are the references of ``same_output``, computed once all rounds are
 done). Every daemon gets
 ``round_overrides`` (by default a fixed KV cache: a share of the GPU memory still free at its start
-would shrink from daemon to daemon).
+would shrink from daemon to daemon). With ``replicas`` R > 1 each config has R daemons (replica k's
+decision log is ``<config>_replica_k.sqlite``; the log-based tables read replica 1's), all started
+before the first round, and round r at the i-th N runs on replica (r + i) mod R
+(:func:`replica_of`): a daemon's own host speed then shows in the rounds' spread and in the replica
+table (bench/serve_replicas.py) instead of hiding in the config's mean.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from specsched.bench.serve_config import DaemonRun, ServeConfig
@@ -50,6 +55,16 @@ def round_order(names: list[str], n: int, r: int, seed: int) -> list[str]:
     return order
 
 
+def replica_of(r: int, n_index: int, replicas: int) -> int:
+    """The replica (0-based) that serves round ``r`` at the ``n_index``-th concurrency."""
+    return (r + n_index) % replicas
+
+
+def replica_run(run: DaemonRun, k: int) -> DaemonRun:
+    """Replica ``k`` (0-based) of ``run``: the same overrides, its own name (its logs' file names)."""
+    return run if k == 0 else replace(run, name=f"{run.name} replica {k + 1}")
+
+
 def run_rounds(
     cfg: ServeConfig, prompts: list[dict], out: Path, log_dir: Path | None,
     reference: dict[int, dict[int, list[int]]] | None, progress, daemon_cpus: set[int] | None = None,
@@ -64,34 +79,55 @@ def run_rounds(
     at its time limit still returns them."""
     runs = cfg.ordered
     infos: dict[str, dict] = {}
-    daemons: dict[str, Daemon] = {}
+    daemons: dict[str, list[Daemon]] = {}  # config -> its replicas' daemons
     results: dict[tuple[str, int], list[PassResult]] = {}
+    served_by: dict[tuple[str, int], list[int]] = {}  # (config, N) -> each loop's replica (0-based)
     try:
-        for run in runs:  # one at a time: each start-up is measured alone
-            infos[run.name], daemon = _start(cfg, run, prompts, out, log_dir, daemon_cpus)
-            if daemon is not None:
-                daemons[run.name] = daemon
+        for k in range(cfg.replicas):  # one at a time: each start-up is measured alone
+            for run in runs:
+                if k and run.name not in daemons:  # its first replica failed: the config is out
+                    continue
+                info, daemon = _start(cfg, replica_run(run, k), prompts, out, log_dir, daemon_cpus)
+                if k == 0:
+                    infos[run.name] = info
+                    if cfg.replicas > 1:
+                        info["replicas"] = []
+                else:
+                    infos[run.name]["replicas"].append(info)
+                if daemon is not None:
+                    daemons.setdefault(run.name, []).append(daemon)
+                elif k:  # a replica that failed takes its config out with it
+                    infos[run.name]["error"] = f"replica {k + 1}: {info['error']}"
         kinds = {run.name: run.kind for run in runs}
         fill = reference is not None and not reference
         covering = set(cfg.referenced)  # first rounds that cover every prompt: they give references
         if fill:
             covering |= {name for name, kind in kinds.items() if kind == "baseline"}
-        for n in cfg.concurrency:
+        for i, n in enumerate(cfg.concurrency):
             for r in range(cfg.rounds_at(n)):
+                k = replica_of(r, i, cfg.replicas)
                 for name in round_order([run.name for run in runs if run.name in daemons], n, r, cfg.seed):
                     progress.set_postfix_str(f"N={n} round {r + 1}: {name}")
-                    _one_loop(cfg, name, daemons, infos, results, prompts, n,
-                              cover=r == 0 and name in covering)  # fmt: skip
+                    if _one_loop(cfg, name, daemons[name][k], infos, results, prompts, n,
+                                 cover=r == 0 and name in covering):  # fmt: skip
+                        served_by.setdefault((name, n), []).append(k)
             progress.update(1)
             if on_n is not None:
-                on_n([infos[run.name] for run in runs], _rows_so_far(cfg, runs, results, n, len(prompts)))
-        for name, daemon in daemons.items():
-            if daemon.is_alive():
-                with Client(daemon.endpoint, timeout_s=cfg.request_timeout_s) as c:
-                    infos[name]["compiles_total"] = getattr(c.stats(), "num_compiles_after_start", None)
+                rows = _rows_so_far(cfg, runs, results, served_by, n, len(prompts))
+                on_n([infos[run.name] for run in runs], rows)
+        for name, group in daemons.items():
+            counts = []
+            for daemon in group:
+                if daemon.is_alive():
+                    with Client(daemon.endpoint, timeout_s=cfg.request_timeout_s) as c:
+                        counts.append(getattr(c.stats(), "num_compiles_after_start", None))
+            if counts and None not in counts:
+                infos[name]["compiles_total"] = sum(counts)
     finally:
-        for name, daemon in daemons.items():
-            infos[name]["exit_status"] = daemon.stop(cfg.stop_timeout_s)
+        for name, group in daemons.items():
+            for k, daemon in enumerate(group):
+                info = infos[name] if k == 0 else infos[name]["replicas"][k - 1]
+                info["exit_status"] = daemon.stop(cfg.stop_timeout_s)
 
     def first_round(name: str, into: dict[int, dict[int, list[int]]]) -> None:
         """``name``'s first-round outputs per N and prompt into ``into`` (N -> prompt -> ids)."""
@@ -114,38 +150,45 @@ def run_rounds(
                 ref = own.get(run.reference, {}).get(n)
             else:
                 ref = None if reference is None or not reference else reference.get(n)
-            rows += _rows(cfg, run, n, loops, ref, len(prompts))
+            rows += _rows(cfg, run, n, loops, ref, len(prompts), served_by.get((run.name, n), []))
     return [infos[run.name] for run in runs], rows
 
 
 def _rows_so_far(
-    cfg: ServeConfig, runs: list[DaemonRun], results: dict, n: int, num_prompts: int
+    cfg: ServeConfig, runs: list[DaemonRun], results: dict, served_by: dict, n: int, num_prompts: int
 ) -> list[dict]:
     """The table rows of every config at the concurrencies up to ``n``, without references."""
     done = cfg.concurrency[: cfg.concurrency.index(n) + 1]
     return [row for run in runs for m in done
-            for row in _rows(cfg, run, m, results.get((run.name, m), []), None, num_prompts)]  # fmt: skip
+            for row in _rows(cfg, run, m, results.get((run.name, m), []), None, num_prompts,
+                             served_by.get((run.name, m), []))]  # fmt: skip
 
 
 def _rows(
-    cfg: ServeConfig, run: DaemonRun, n: int, loops: list[PassResult], ref, num_prompts: int
-) -> list[dict]:
-    """The table rows of one (config, N): a row per round, or with ``interleave_s`` a row per dealt
-    pass pooled over the rounds (each loop's requests dealt to the passes, :func:`split_interleaved`),
-    with every round's tok/s (``round_tok_s``) and every slice's (``slice_tok_s``) beside them."""
+    cfg: ServeConfig, run: DaemonRun, n: int, loops: list[PassResult], ref, num_prompts: int,
+    replicas: list[int],
+) -> list[dict]:  # fmt: skip
+    """The table rows of one (config, N): a row per round (its ``replica``), or with ``interleave_s`` a
+    row per dealt pass pooled over the rounds (each loop's requests dealt to the passes,
+    :func:`split_interleaved`), with every round's tok/s (``round_tok_s``) and replica
+    (``round_replica``, 1-based) and every slice's tok/s (``slice_tok_s``) beside them."""
     head = {"config": run.name, "kind": run.kind, "concurrency": n}
     if not loops:  # the daemon never served (it failed to start): its config row says why
         return []
     if not cfg.interleave_s or any(loop.error or not loop.timed for loop in loops):
         groups = [[loop] for loop in loops]
-        extra: dict = {"slice_tok_s": None, "round_tok_s": None}
+        extra: dict = {"slice_tok_s": None, "round_tok_s": None, "round_replica": None}
+        each = [{"replica": k + 1} for k in replicas] if cfg.replicas > 1 else [{}] * len(groups)
     else:
         period = cycle_length(n, num_prompts)
         split = [split_interleaved(loop, cfg.passes, period, cfg.interleave_s) for loop in loops]
         groups = [[parts[p] for parts, _ in split] for p in range(cfg.passes)]
         extra = {"slice_tok_s": [x for _, rates in split for x in rates],
-                 "round_tok_s": [summarize(loop)["tokens_per_s"] for loop in loops]}  # fmt: skip
-    return [{**pass_row({**head, "pass": p}, parts, ref), **extra} for p, parts in enumerate(groups, 1)]
+                 "round_tok_s": [summarize(loop)["tokens_per_s"] for loop in loops],
+                 "round_replica": [k + 1 for k in replicas] if cfg.replicas > 1 else None}  # fmt: skip
+        each = [{}] * len(groups)
+    return [{**pass_row({**head, "pass": p}, parts, ref), **extra, **own}
+            for p, (parts, own) in enumerate(zip(groups, each, strict=True), 1)]  # fmt: skip
 
 
 def _start(
@@ -165,12 +208,12 @@ def _start(
         return info, None
 
 
-def _one_loop(cfg: ServeConfig, name: str, daemons: dict[str, Daemon], infos: dict[str, dict],
-              results: dict, prompts: list[dict], n: int, cover: bool) -> None:  # fmt: skip
-    """One timed loop of ``name`` at concurrency ``n``; a daemon that fails is reported and dropped."""
-    daemon = daemons[name]
+def _one_loop(cfg: ServeConfig, name: str, daemon: Daemon, infos: dict[str, dict],
+              results: dict, prompts: list[dict], n: int, cover: bool) -> bool:  # fmt: skip
+    """One timed loop of ``name`` at concurrency ``n`` on ``daemon`` (one of its replicas); a daemon
+    that fails is reported and its config dropped. Whether a loop ran."""
     if infos[name]["error"] is not None:
-        return
+        return False
     window = cfg.duration_s * (cfg.passes if cfg.interleave_s else 1)  # dealt passes share one loop
     res = run_pass(daemon.endpoint, prompts, max(cfg.num_requests, n), n, cfg.max_tokens,
                    cfg.request_timeout_s, daemon.is_alive, window, cfg.ramp_s, cover=cover,
@@ -179,3 +222,4 @@ def _one_loop(cfg: ServeConfig, name: str, daemons: dict[str, Daemon], infos: di
     if res.error:
         infos[name]["error"] = f"RuntimeError: concurrency {n}: {res.error}; see {daemon.log_file}"[:1000]
         logger.error("serve %s failed: %s", name, res.error)
+    return True

@@ -15,7 +15,9 @@ import specsched.bench.cli as cli
 import specsched.bench.serve_report as serve_report
 import specsched.bench.serve_rounds as serve_rounds
 from specsched.bench.serve_config import ServeConfig
+from specsched.bench.serve_daemon import safe_name
 from specsched.bench.serve_rounds import round_order
+from tests.bench.test_serve_cpu import pid_gone
 
 CONF_DIR = str(Path(cli.__file__).parent / "conf")
 CONFIGS = [
@@ -180,3 +182,70 @@ def test_a_config_checks_its_outputs_against_its_own_reference(tmp_path):
     assert same["non-speculative"] == 1.0
     assert same["ngram seed 7"] == 1.0  # against its own reference: lossless
     assert same["non-spec seed 7"] < 1.0 and same["ngram seed 7 vs baseline"] < 1.0  # other weights
+
+
+def test_replicas_need_rounds_mode_and_alternate_by_round_and_n():
+    from specsched.bench.serve_rounds import replica_of
+
+    with pytest.raises(ValueError, match="replicas must be >= 1, and 1 unless rounds mode"):
+        ServeConfig(configs=CONFIGS, duration_s=1, replicas=2)
+    with pytest.raises(ValueError, match="replicas must be >= 1"):
+        ServeConfig(configs=CONFIGS, duration_s=1, rounds=2, replicas=0)
+    assert ServeConfig(configs=CONFIGS, duration_s=1, rounds=2, replicas=2).replicas == 2
+    # 3 rounds on 2 replicas: 0, 1, 0 at the first N, 1, 0, 1 at the second (each replica's share evens out)
+    assert [replica_of(r, 0, 2) for r in range(3)] == [0, 1, 0]
+    assert [replica_of(r, 1, 2) for r in range(3)] == [1, 0, 1]
+    assert {replica_of(r, 0, 1) for r in range(4)} == {0}
+
+
+def test_the_replica_table_sets_each_replica_s_rounds_side_by_side():
+    from specsched.bench.serve_replicas import replica_rates, replica_table
+
+    dealt = {"config": "a", "concurrency": 4, "num_errors": 0, "error": None,
+             "round_tok_s": [100.0, 120.0, 104.0], "round_replica": [1, 2, 1]}  # fmt: skip
+    rows = [{**dealt, "pass": 1}, {**dealt, "pass": 2},  # both dealt passes carry the same rounds
+            {"config": "b", "concurrency": 4, "pass": 1, "num_errors": 0, "replica": 2, "tokens_per_s": 50.0},
+            {"config": "b", "concurrency": 4, "pass": 2, "num_errors": 0, "replica": 1, "tokens_per_s": 40.0},
+            {"config": "c", "concurrency": 4, "pass": 1, "num_errors": 2, "replica": 1,
+             "tokens_per_s": 9.0}]  # fmt: skip
+    assert replica_rates(rows) == {
+        ("a", 4): {1: [100.0, 104.0], 2: [120.0]},
+        ("b", 4): {2: [50.0], 1: [40.0]},
+    }
+    text = replica_table(rows)
+    assert "| a | 4 | 102.0 (2) | 120.0 (1) | 17.6% |" in text
+    assert "| b | 4 | 40.0 (1) | 50.0 (1) | 25.0% |" in text and "| c |" not in text
+    assert replica_table([{k: v for k, v in rows[0].items() if k != "round_replica"}]) == ""
+
+
+@pytest.mark.slow
+def test_each_config_runs_in_two_daemons_that_take_the_rounds_in_turn(tmp_path):
+    """bench.serve.replicas=2: every config has two daemons (two pids, two decision logs), round r at
+    the i-th N is served by replica (r + i) mod 2, both replicas' decode steps are in their logs, and
+    the tables show each replica's tok/s."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("bench", overrides=[
+            "bench=serve_tiny", f"bench.out_dir={tmp_path}", f"bench.serve.log_dir={tmp_path / 'dblogs'}",
+            "bench.serve.duration_s=0.3", "bench.serve.rounds=3", "bench.serve.round_overrides=[]",
+            "bench.serve.interleave_s=0.1", "bench.serve.replicas=2",
+        ]).bench  # fmt: skip
+    cfg.serve.configs = OmegaConf.create([CONFIGS[0], CONFIGS[2]])
+    res = cli.run_bench(cfg, "test")
+    assert res["errors"] == {}
+    serve = res["serve"]
+    for c in serve["configs"]:
+        assert c["error"] is None and c["exit_status"] == 0
+        (twin,) = c["replicas"]
+        assert twin["error"] is None and twin["exit_status"] == 0 and twin["startup_s"] > 0
+        assert twin["pid"] != c["pid"] and pid_gone(twin["pid"]) and pid_gone(c["pid"])
+        assert twin["name"] == f"{c['name']} replica 2"
+        for name in (c["name"], twin["name"]):  # each replica served decode steps into its own log
+            db = sqlite3.connect(tmp_path / "dblogs" / f"{safe_name(name)}.sqlite")
+            assert db.execute("select count(*) from steps where kind = 'decode'").fetchone()[0] > 0
+            db.close()
+    for r in serve["rows"]:
+        assert r["round_replica"] == ([1, 2, 1] if r["concurrency"] == 1 else [2, 1, 2])
+        assert len(r["round_tok_s"]) == 3 and r["same_output"] == 1.0
+    text = (tmp_path / "tables.md").read_text()
+    assert "Tok/s by daemon replica" in text and "replica 2: median tok/s (rounds)" in text
+    assert "each config served by 2 daemon processes (replicas)" in text
