@@ -107,6 +107,8 @@ def run_rounds(
             for r in range(cfg.rounds_at(n)):
                 k = replica_of(r, i, cfg.replicas)
                 for name in round_order([run.name for run in runs if run.name in daemons], n, r, cfg.seed):
+                    if k >= len(daemons[name]):  # that replica failed to start: its config is out
+                        continue
                     progress.set_postfix_str(f"N={n} round {r + 1}: {name}")
                     if _one_loop(cfg, name, daemons[name][k], infos, results, prompts, n,
                                  cover=r == 0 and name in covering):  # fmt: skip

@@ -277,8 +277,9 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         sched, sched_cfg = self.scheduler, self.cfg.scheduler
         max_steps = sched_cfg.decode_steps
         run = 1
-        if self._is_plain_alone(reqs, names):  # scheduler.plain_decode_steps: nothing to draft
-            max_steps = max(max_steps, sched_cfg.plain_decode_steps)
+        is_plain = self._is_plain_alone(reqs, names)
+        if is_plain:  # scheduler.plain_decode_steps: nothing to draft, as with proposer none
+            max_steps, names = max(max_steps, sched_cfg.plain_decode_steps), ["none"]
         elif not self._runs_allowed(len(reqs)):
             max_steps = 1
         if max_steps > 1 and reqs:  # what a plan with every k = 0 would run (the policy weighs

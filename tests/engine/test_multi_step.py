@@ -50,6 +50,7 @@ def engine(
     num_blocks: int = NUM_BLOCKS,
     max_batch: int | None = None,  # scheduler.decode_steps_max_batch
     plain: int = 1,  # scheduler.plain_decode_steps (off: these tests are about decode_steps)
+    max_k: int = 4,  # spec.max_k
 ) -> Engine:
     mcfg = ModelConfig(source="tiny", device=device, dtype="float32")
     model = load_model(mcfg, progress=False).model
@@ -63,7 +64,7 @@ def engine(
             decode_steps_max_batch=max_batch,
             plain_decode_steps=plain,
         ),  # fmt: skip
-        spec=SpecConfig(proposer=proposer, scorers=["batch_expansion", "mqa", "mqa_graph"], max_k=4),
+        spec=SpecConfig(proposer=proposer, scorers=["batch_expansion", "mqa", "mqa_graph"], max_k=max_k),
     )
     kv = model.allocate_kv_cache(num_blocks, BLOCK)
     gcfg = GraphConfig.for_engine(cfg, MAX_LEN, enabled=graphs, emulate=device == "cpu", progress=False)
@@ -307,6 +308,9 @@ def test_a_request_that_cannot_draft_runs_alone_by_default():
     while not r0.is_finished:
         e.step()
     assert r0.output_ids == want[0] and any(r.num_decode_steps > 1 for r in recs)
+    # ... or the engine's spec.max_k is 0 (speculation off for every request)
+    got, recs = run(engine("mqa", 1, proposer="ngram", plain=8, max_k=0), ps[:1], params[:1])
+    assert got == want[:1] and any(r.num_decode_steps > 1 for r in recs)
     with pytest.raises(ValueError, match="scheduler.plain_decode_steps must be >= 1, got 0"):
         SchedulerConfig(plain_decode_steps=0)
 
