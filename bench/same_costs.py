@@ -1,0 +1,113 @@
+"""Policies compared on one daemon's costs (issue 12): a policy's log replayed under itself and under
+other logs' policies, so that every policy is priced by the same cost models.
+
+``python -m specsched.bench.same_costs --replayed goodput.sqlite --other k8.sqlite [--other k5.sqlite
+...] [--out table.md]``
+
+``bench=serve`` runs each config in a daemon of its own, and a daemon keeps the host speed it started
+with: on an H100 on 2026-12-07 goodput's tok/s against fixed k = 8 went −13.7 / +10.6 % live in two
+cells where, replayed on goodput's log, the two came within 0.3 % (docs/benchmarks.md, "Replay on the
+same daemon's costs"). Live ratios there compare daemons as much as policies. Here the ``--replayed``
+log's policy (its ``runs.config``) is replayed on its own match bits and refitted cost models
+(:func:`specsched.bench.replay_fidelity.predicted_rates`: pass by pass, closed loop, windowed as live),
+and so is each ``--other`` log's recorded policy; per concurrency the table sets the replayed policy's
+predicted tok/s against each other policy's on the same costs, and beside it the live ratio of the two
+logs. A gap between the two ratios is the daemons, not the policies; the same-cost ratio is itself a
+replay, within its self-replay error (the ``self error`` column: predicted against live for the
+replayed log), and a policy whose steps the replayed log rarely ran (another scorer, another batch
+range) is priced from thin data (the last column; e.g. non-speculative batch expansion at batch 64 on
+goodput's log, which ran the MQA graph there; the column counts scorer and batch range only, so a
+drafting policy replayed on a non-speculative log is priced with proposal costs that log never
+measured). The replayed log's decide spill is left out for a
+policy that does not decide ahead (:func:`specsched.policies.replay.costs_for`), as in the fidelity
+table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from specsched.bench.markdown import fmt, table
+from specsched.bench.replay_fidelity import THIN_STEPS, LoadedLog, Rate, live_rates, load_log, predicted_rates
+from specsched.policies.replay import policy_label
+
+__all__ = ["same_cost_rows", "main"]
+
+HEADER = ["N", "policy (replayed log)", "other policy (its log)", "policy tok/s, same costs",
+          "other tok/s, same costs", "policy / other, same costs", "policy / other, live",
+          "policy self error %", f"other: % steps priced from < {THIN_STEPS} logged"]  # fmt: skip
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b - 1:+.1%}" if a and b else "–"
+
+
+def same_cost_rows(
+    replayed: LoadedLog, others: Sequence[tuple[str, LoadedLog]], name: str
+) -> list[list[str]]:
+    """One row per other log and concurrency (``all``: every pass): the replayed log's policy and the
+    other log's policy, both replayed on ``replayed``; their ratio, and the two logs' live ratio."""
+    policy = replayed.run.settings.policy
+    if policy is None:
+        raise ValueError(f"{name}: no policy recorded in the log's runs.config")
+    own, own_live = predicted_rates(replayed, policy), live_rates(replayed)
+    rows = []
+    for other_name, other in others:
+        theirs = other.run.settings.policy
+        if theirs is None:
+            raise ValueError(f"{other_name}: no policy recorded in the log's runs.config")
+        pred, their_live = predicted_rates(replayed, theirs), live_rates(other)
+        for n in sorted(own, key=lambda n: (n == 0, n)):
+            mine, p = own[n], pred.get(n, Rate())
+            live_mine, live_theirs = own_live.get(n, Rate()), their_live.get(n, Rate())
+            self_error = (
+                (mine.tokens_per_s / live_mine.tokens_per_s - 1) * 100
+                if mine.tokens_per_s and live_mine.tokens_per_s
+                else None
+            )
+            rows.append([
+                "all" if n == 0 else str(n), f"{name} (`{policy_label(policy)}`)",
+                f"{other_name} (`{policy_label(theirs)}`)", fmt(mine.tokens_per_s, 1), fmt(p.tokens_per_s, 1),
+                _ratio(mine.tokens_per_s, p.tokens_per_s),
+                _ratio(live_mine.tokens_per_s, live_theirs.tokens_per_s), fmt(self_error, 1),
+                "–" if p.thin_share is None else f"{100 * p.thin_share:.0f}",
+            ])  # fmt: skip
+    return rows
+
+
+def _name(path: str) -> str:
+    return path.rsplit("/", 1)[-1].removesuffix(".sqlite")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], prog="python -m specsched.bench.same_costs"
+    )
+    ap.add_argument(
+        "--replayed", required=True, help="the policy's log: its bits and costs price every policy"
+    )
+    ap.add_argument("--other", action="append", default=[], help="a log whose policy to compare (repeat)")
+    ap.add_argument("--out", help="also write the markdown here")
+    ap.add_argument("--seed", type=int, default=0, help="of the imputed match bits")
+    args = ap.parse_args(argv)
+    if not args.other:
+        ap.error("give at least one --other log")
+    replayed = load_log(args.replayed, seed=args.seed)
+    others = [(_name(p), load_log(p, seed=args.seed)) for p in args.other]
+    try:
+        rows = same_cost_rows(replayed, others, _name(args.replayed))
+    except ValueError as e:
+        sys.stderr.write(f"same_costs: {e}\n")
+        return 2
+    text = f"Costs of `{_name(args.replayed)}`'s daemon for every policy.\n\n{table(HEADER, rows)}\n"
+    sys.stdout.write(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""Policies on one daemon's costs (bench/same_costs.py) on real decision logs of a tiny CPU engine:
+fixed k = 8 with a draft that rarely agrees, and k = 0, each log with two passes (N = 1, N = 2), as
+bench=serve writes them (tests/bench/test_replay_fidelity.py records them)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from specsched.bench.replay_fidelity import live_rates, load_log, predicted_rates
+from specsched.bench.same_costs import main, same_cost_rows
+from specsched.policies.replay import policy_label
+from tests.bench.test_replay_fidelity import K0, K8, record
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("same_costs")
+    for name, policy in (("k8", K8), ("k0", K0)):
+        record(policy, root / f"{name}.sqlite")
+    torch.set_num_threads(threads)
+    return root
+
+
+def _pct(cell: str) -> float:
+    return float(cell.rstrip("%"))
+
+
+def test_both_policies_are_priced_on_the_replayed_log_and_the_live_ratio_stands_beside(logs):
+    k8, k0 = load_log(str(logs / "k8.sqlite")), load_log(str(logs / "k0.sqlite"))
+    rows = same_cost_rows(k8, [("k0", k0)], "k8")
+    assert [r[0] for r in rows] == ["1", "2", "all"]
+    own, other = predicted_rates(k8, K8), predicted_rates(k8, K0)
+    live8, live0 = live_rates(k8), live_rates(k0)
+    assert live0[0].tokens_per_s > 2 * live8[0].tokens_per_s  # the test means something
+    for row, n in zip(rows, (1, 2, 0), strict=True):
+        assert row[1] == f"k8 (`{policy_label(K8)}`)" and row[2] == f"k0 (`{policy_label(K0)}`)"
+        assert float(row[3]) == pytest.approx(own[n].tokens_per_s, abs=0.06)
+        assert float(row[4]) == pytest.approx(other[n].tokens_per_s, abs=0.06)
+        same = own[n].tokens_per_s / other[n].tokens_per_s - 1
+        live = live8[n].tokens_per_s / live0[n].tokens_per_s - 1
+        assert _pct(row[5]) == pytest.approx(100 * same, abs=0.06)
+        assert _pct(row[6]) == pytest.approx(100 * live, abs=0.06)
+        assert _pct(row[5]) < -40 and _pct(row[6]) < -40  # k = 8 with a bad draft: far slower either way
+        assert row[8] == "0"  # k = 0 on the MQA scorer: the k = 8 log ran it at both batch sizes
+
+
+def test_a_log_without_a_recorded_policy_is_named(logs):
+    k8 = load_log(str(logs / "k8.sqlite"))
+    bare = dataclasses.replace(k8, run=dataclasses.replace(k8.run, settings=dataclasses.replace(
+        k8.run.settings, policy=None)))  # fmt: skip
+    with pytest.raises(ValueError, match="bare: no policy recorded"):
+        same_cost_rows(k8, [("bare", bare)], "k8")
+
+
+def test_cli_writes_the_table_and_needs_another_log(logs, tmp_path, capsys):
+    out = tmp_path / "t.md"
+    k8, k0 = str(logs / "k8.sqlite"), str(logs / "k0.sqlite")
+    assert main(["--replayed", k8, "--other", k0, "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text == capsys.readouterr().out and text.startswith("Costs of `k8`'s daemon for every policy.")
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "k8 (`" in line]
+    assert [r.split(" | ")[0] for r in rows] == ["| 1", "| 2", "| all"]
+    assert all(_pct(r.split(" | ")[5]) < -40 for r in rows)  # k = 8 far slower than k = 0 on its costs
+    with pytest.raises(SystemExit):
+        main(["--replayed", k8])
