@@ -20,7 +20,9 @@ goodput's log, which ran the MQA graph there; the column counts scorer and batch
 drafting policy replayed on a non-speculative log is priced with proposal costs that log never
 measured). The replayed log's decide spill is left out for a
 policy that does not decide ahead (:func:`specsched.policies.replay.costs_for`), as in the fidelity
-table.
+table. Only the policy node is replayed: options outside it (``scheduler.*``, ``model.*``) are the
+replayed log's, so two logs of one policy price alike and their live ratio is their daemons' (and
+those options') difference.
 """
 
 from __future__ import annotations
