@@ -154,14 +154,16 @@ def live_rates(log: LoadedLog) -> dict[int, Rate]:
 THIN_STEPS = 20  # a (scorer, batch group) with fewer logged decode steps prices from its prior
 
 
-def coverage(run: RecordedRun) -> dict[tuple[str, tuple[int, int]], int]:
-    """The log's decode steps per (scorer, batch group of cost_error_table): what its refitted cost
-    models have seen. A replayed step of a (scorer, group) with few is priced by extrapolation or by
-    the device's seed coefficients (on 2026-12-04 those are llama2-7b's: a SmolLM2 log that never ran
-    batch expansion above batch 4 priced it 3-9x too slow at 16-64)."""
-    counts: dict[tuple[str, tuple[int, int]], int] = {}
+def coverage(run: RecordedRun) -> dict[tuple[str, tuple[int, int], bool], int]:
+    """The log's decode steps per (scorer, batch group of cost_error_table, whether the step drafted):
+    what its refitted cost models have seen. A replayed step of a (scorer, group) with few is priced by
+    extrapolation or by the device's seed coefficients (on 2026-12-04 those are llama2-7b's: a SmolLM2
+    log that never ran batch expansion above batch 4 priced it 3-9x too slow at 16-64), and a drafting
+    step on a log that drafted little in that (scorer, group) (a non-speculative log) is priced with
+    proposal and verification costs the log never measured."""
+    counts: dict[tuple[str, tuple[int, int], bool], int] = {}
     for s in run.decode_steps:
-        key = (s.scorer, group_of(s.batch_size))
+        key = (s.scorer, group_of(s.batch_size), any(r.k for r in s.requests))
         counts[key] = counts.get(key, 0) + 1
     return counts
 
@@ -187,7 +189,9 @@ def predicted_rates(
         res = simulate(x.run, x.bits, instance, costs, label, closed_loop=closed, segments=x.segments,
                        think_ms=x.think_ms if closed and (client_gaps or windowed) else None,
                        window_ms=x.window_ms if closed and windowed else None)  # fmt: skip
-        thin = sum(seen.get((t.scorer, group_of(t.batch_size)), 0) < THIN_STEPS for t in res.trace)
+        thin = sum(
+            seen.get((t.scorer, group_of(t.batch_size), t.mean_k > 0), 0) < THIN_STEPS for t in res.trace
+        )
         for n in (x.p.concurrency, 0):
             rate = out.setdefault(n, Rate())
             rate.add(res, x.run, measured=False)

@@ -16,9 +16,9 @@ logs. A gap between the two ratios is the daemons, not the policies; the same-co
 replay, within its self-replay error (the ``self error`` column: predicted against live for the
 replayed log), and a policy whose steps the replayed log rarely ran (another scorer, another batch
 range) is priced from thin data (the last column; e.g. non-speculative batch expansion at batch 64 on
-goodput's log, which ran the MQA graph there; the column counts scorer and batch range only, so a
-drafting policy replayed on a non-speculative log is priced with proposal costs that log never
-measured). The replayed log's decide spill is left out for a
+goodput's log, which ran the MQA graph there; a drafting policy on a log that drafted little in
+that scorer and batch range counts too: bench/replay_fidelity.py ``coverage``). The replayed log's
+decide spill is left out for a
 policy that does not decide ahead (:func:`specsched.policies.replay.costs_for`), as in the fidelity
 table. Only the policy node is replayed: options outside it (``scheduler.*``, ``model.*``) are the
 replayed log's, so two logs of one policy price alike and their live ratio is their daemons' (and

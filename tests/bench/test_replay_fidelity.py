@@ -197,12 +197,20 @@ def test_own_policy_predicts_its_own_tokens_per_s_and_a_wrong_one_does_not(logs)
 def test_predicted_steps_of_an_unlogged_scorer_count_as_priced_from_thin_data(logs):
     log = load_log(str(logs / "k8.sqlite"))
     seen = coverage(log.run)
-    assert {scorer for scorer, _ in seen} == {"mqa"} and sum(seen.values()) == len(log.run.decode_steps)
+    assert {scorer for scorer, _, _ in seen} == {"mqa"} and sum(seen.values()) == len(log.run.decode_steps)
     own = predicted_rates(log, K8)[0]
     other = predicted_rates(log, {"name": "fixed", "k": 2, "scorer": "batch_expansion"})[0]
     assert other.steps > 0 and other.thin_share == 1.0  # never logged: every step from the prior
-    thin_groups = {g for (_, g), n in seen.items() if n < THIN_STEPS}
-    assert own.thin_share < 1.0 and (own.thin_share > 0) == bool(thin_groups)
+    assert own.thin_share < 0.1  # its own log: covered but for a few steps that drafted nothing
+
+
+def test_drafting_steps_on_a_log_that_never_drafted_count_as_priced_from_thin_data(logs):
+    """k = 0's log ran the MQA scorer at both batch sizes but drafted nothing: k = 8 replayed on it is
+    priced with proposal and verification costs that log never measured."""
+    log = load_log(str(logs / "k0.sqlite"))
+    assert not any(drafted for _, _, drafted in coverage(log.run))
+    assert predicted_rates(log, K8)[0].thin_share > 0.9  # all but its steps that drafted nothing
+    assert predicted_rates(log, K0)[0].thin_share < 0.1
 
 
 def test_cli_writes_the_table(logs, tmp_path, capsys):

@@ -46,7 +46,8 @@ def test_both_policies_are_priced_on_the_replayed_log_and_the_live_ratio_stands_
         assert _pct(row[5]) == pytest.approx(100 * same, abs=0.06)
         assert _pct(row[6]) == pytest.approx(100 * live, abs=0.06)
         assert _pct(row[5]) < -40 and _pct(row[6]) < -40  # k = 8 with a bad draft: far slower either way
-        assert row[8] == "0"  # k = 0 on the MQA scorer: the k = 8 log ran it at both batch sizes
+        # k = 0 on the k = 8 log: steps that draft nothing, which that log ran only near requests' ends
+        assert int(row[8]) > 50
 
 
 def test_a_log_without_a_recorded_policy_is_named(logs):
