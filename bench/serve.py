@@ -36,7 +36,7 @@ from specsched.bench.serve_daemon import (
     split_cpus,
     start_up,
 )
-from specsched.bench.serve_host import host_phase_rows, step_mix_row
+from specsched.bench.serve_host import host_counters, host_phase_rows, step_mix_row
 from specsched.bench.serve_load import cycle_length, load_procs, run_pass
 from specsched.bench.serve_outputs import add_references, pass_row
 from specsched.bench.serve_paired import serve_by_prompt
@@ -94,7 +94,9 @@ def run_config(
             if res.error:
                 raise RuntimeError(f"pass {p}, concurrency {n}: {res.error}; see {daemon.log_file}")
         with Client(daemon.endpoint, timeout_s=cfg.request_timeout_s) as c:
-            info["compiles_total"] = getattr(c.stats(), "num_compiles_after_start", None)
+            stats = c.stats()
+        info["compiles_total"] = getattr(stats, "num_compiles_after_start", None)
+        info["host"] = host_counters(stats)
     except Exception as e:
         logger.error("serve %s failed: %s", run.name, e)
         info["error"] = f"{type(e).__name__}: {e}"[:1000]

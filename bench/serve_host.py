@@ -145,3 +145,36 @@ def step_mix_table(rows: list[dict]) -> str:
             fmt(r["prefill_s"], 2), fmt(r["prefill_share"]), fmt(r["prefill_score_ms"], 3),
             fmt(r["decides_per_step"])] for r in rows]  # fmt: skip
     return table(header, out)
+
+
+def host_counters(stats) -> dict | None:
+    """A daemon's ``stats`` ``host`` map (daemon/host_stats.py: the engine thread's context switches and
+    last CPU, the process's transparent huge pages and threads) as a plain dict; None without one."""
+    host = getattr(stats, "host", None)
+    return None if host is None else {k: getattr(host, k) for k in vars(host)}
+
+
+def daemon_host_rows(configs: list[dict]) -> list[list[str]]:
+    """One row per daemon (each config's, then its replicas') that reported host counters at the end
+    of its rounds: a daemon slower than another of the same run on the same code path may show why."""
+    out = []
+    for c in configs:
+        for info in [c, *(c.get("replicas") or [])]:
+            h = info.get("host")
+            if not h:
+                continue
+            huge = h.get("anon_huge_pages_bytes")
+            huge_mib = "–" if huge is None else fmt(huge / 2**20, 1)
+            out.append([info.get("name", c["name"]), fmt(h.get("engine_nonvoluntary_switches"), 0),
+                        fmt(h.get("engine_voluntary_switches"), 0), fmt(h.get("engine_last_cpu"), 0),
+                        huge_mib, fmt(h.get("num_threads"), 0)])  # fmt: skip
+    return out
+
+
+def daemon_host_table(configs: list[dict]) -> str:
+    rows = daemon_host_rows(configs)
+    if not rows:
+        return ""
+    header = ["daemon", "engine thread: CPU taken away (nonvoluntary switches)", "its own waits (voluntary)",
+              "its last CPU", "transparent huge pages MiB", "threads"]  # fmt: skip
+    return table(header, rows)

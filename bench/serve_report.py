@@ -8,7 +8,7 @@ import statistics
 from collections import defaultdict
 
 from specsched.bench.markdown import fmt, table
-from specsched.bench.serve_host import host_note, host_table, step_mix_table
+from specsched.bench.serve_host import daemon_host_table, host_note, host_table, step_mix_table
 from specsched.bench.serve_plans import plan_table
 from specsched.bench.serve_replicas import replica_note, replica_table
 from specsched.bench.serve_shapes import shape_table
@@ -294,6 +294,9 @@ def serve_section(res: dict) -> str:
            res["by_prompt"]]
           if res.get("by_prompt") else []),
         *([host_note(), "", host_table(res["host_phases"]), ""] if res.get("host_phases") else []),
+        *(["The kernel's counters for each daemon at the end of its passes (daemon/host_stats.py; a daemon "
+           "slower than another on the same code path may show why):", "", hosts, ""]
+          if (hosts := daemon_host_table(res["configs"])) else []),
         *(["Where each daemon's time went (decision logs, every pass and N; step wall ms + the loop's "
            "time before it):", "", step_mix_table(mix), ""] if (mix := _step_mix(res)) else []),
         *(["The same step shape in each daemon (decode steps of batch size N at the shapes most configs "

@@ -40,6 +40,7 @@ from specsched.bench.serve_daemon import (
     safe_name,
     start_up,
 )
+from specsched.bench.serve_host import host_counters
 from specsched.bench.serve_load import cycle_length, load_procs, run_pass
 from specsched.bench.serve_outputs import add_references, pass_row
 from specsched.bench.serve_results import PassResult, split_interleaved, summarize
@@ -119,10 +120,12 @@ def run_rounds(
                 on_n([infos[run.name] for run in runs], rows)
         for name, group in daemons.items():
             counts = []
-            for daemon in group:
+            for k, daemon in enumerate(group):
                 if daemon.is_alive():
                     with Client(daemon.endpoint, timeout_s=cfg.request_timeout_s) as c:
-                        counts.append(getattr(c.stats(), "num_compiles_after_start", None))
+                        stats = c.stats()
+                    counts.append(getattr(stats, "num_compiles_after_start", None))
+                    (infos[name] if k == 0 else infos[name]["replicas"][k - 1])["host"] = host_counters(stats)
             if counts and None not in counts:
                 infos[name]["compiles_total"] = sum(counts)
     finally:

@@ -38,6 +38,7 @@ from specsched.daemon.messages import (
     Generate,
     Health,
     HealthReply,
+    HostStats,
     Message,
     ProposerStats,
     ProtocolError,
@@ -156,7 +157,7 @@ _LENIENT = {
     "list[int]": list_(int_(None, None), 0, None),
     "dict": map_(),
 }
-_NESTED = {c.__name__: c for c in (Usage, SpecUsage, ProposerStats, ScorerStats, StartupStats)}
+_NESTED = {c.__name__: c for c in (Usage, SpecUsage, ProposerStats, ScorerStats, StartupStats, HostStats)}
 
 
 def _lenient(cls, value, path: str):

@@ -27,6 +27,7 @@ import zmq
 
 from specsched.daemon.admission import early_rejection, tokenize_prompt
 from specsched.daemon.commands import Admit, CancelRequest, DropClient
+from specsched.daemon.host_stats import host_stats
 from specsched.daemon.limits import DaemonConfig
 from specsched.daemon.log import LogWriter
 from specsched.daemon.protocol import (
@@ -92,6 +93,7 @@ class ServerView(Protocol):
     uptime_s: float
     max_queue: int
     startup_stats: StartupStats | None  # the start-up's breakdown, once listening
+    engine_tid: int | None  # the engine thread's kernel id, once it runs (daemon/host_stats.py)
 
     def health_reply(self, request_id: str | None) -> HealthReply: ...
 
@@ -318,4 +320,5 @@ class IOThread:
             num_kernels_built_at_start=watch.num_built - watch.num_after_ready,
             num_compiles_after_start=watch.num_after_ready,
             startup=server.startup_stats,
+            host=host_stats(server.engine_tid),
         )

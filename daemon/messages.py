@@ -189,6 +189,18 @@ class StartupStats:
 
 
 @dataclass
+class HostStats:
+    """The kernel's counters for the daemon's process and engine thread (daemon/host_stats.py; null:
+    not on this platform): what may make one daemon's host slower than another's."""
+
+    engine_voluntary_switches: int | None = None  # the engine thread's own waits (GPU, lock, queue)
+    engine_nonvoluntary_switches: int | None = None  # its CPU taken away by another thread or process
+    engine_last_cpu: int | None = None  # the CPU it last ran on
+    anon_huge_pages_bytes: int | None = None  # the process's anonymous memory in transparent huge pages
+    num_threads: int | None = None  # the process's threads
+
+
+@dataclass
 class StatsReply:
     TYPE: ClassVar[str] = "stats_reply"
     id: str | None = None
@@ -217,6 +229,7 @@ class StatsReply:
     num_kernels_built_at_start: int = 0  # Triton kernel variants built before the daemon listened
     num_compiles_after_start: int = 0  # Triton variants built while serving (a stall each; 0 = warm)
     startup: StartupStats | None = None  # the start-up's breakdown (null: the server did not time it)
+    host: HostStats | None = None  # the process's and engine thread's kernel counters (null: not Linux)
 
 
 @dataclass

@@ -56,6 +56,7 @@ class Server:
         self.engine, self.cfg, self.log = engine, cfg or DaemonConfig(), log
         self.startup = startup
         self.startup_stats: StartupStats | None = None  # set once listening (read by the IO thread)
+        self.engine_tid: int | None = None  # the engine thread's kernel id, once started (host stats)
         self.bound_endpoint: str | None = None
         self.started_at = time.monotonic()
         self._inbox: queue.Queue = queue.Queue()  # IO -> engine thread: serving commands
@@ -153,6 +154,7 @@ class Server:
                         self._switch_interval_s * 1e3)  # fmt: skip
         for t in self._threads:
             t.start()
+        self.engine_tid = self._threads[0].native_id
         if cfg.engine_cpu is not None:
             pin_engine_thread(self._threads[0].native_id, cfg.engine_cpu)
         if self.startup is not None:

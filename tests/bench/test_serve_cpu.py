@@ -102,6 +102,12 @@ def test_serve_bench_tiny_hf_chat(tmp_path, tiny_hf_dir):
     text = (tmp_path / "tables.md").read_text()
     assert "### Serving benchmark (bench=serve)" in text and "exited with status" in text
     assert "Host ms per decode step by phase" in text and "Where each daemon's time went" in text
+    # the kernel's counters of each daemon that served (daemon/host_stats.py), Linux
+    hosts = [c for c in info.values() if c.get("host")]
+    assert len(hosts) == (len(info) if os.path.isdir("/proc/self/task") else 0)
+    for c in hosts:
+        assert c["host"]["engine_voluntary_switches"] > 0 and c["host"]["num_threads"] >= 2
+        assert f"| {c['name']} | " in text.split("The kernel's counters for each daemon")[1]
     assert "staggered start" in text and "then a 0.25 s window" in text
     assert json.loads((tmp_path / "results.json").read_text())["serve"]["rows"] == json.loads(
         json.dumps(rows)

@@ -4,6 +4,7 @@ a seeded order; real daemons (tiny preset, CPU) on loopback, real decision logs.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from pathlib import Path
 
@@ -239,6 +240,8 @@ def test_each_config_runs_in_two_daemons_that_take_the_rounds_in_turn(tmp_path):
         assert twin["error"] is None and twin["exit_status"] == 0 and twin["startup_s"] > 0
         assert twin["pid"] != c["pid"] and pid_gone(twin["pid"]) and pid_gone(c["pid"])
         assert twin["name"] == f"{c['name']} replica 2"
+        if os.path.isdir("/proc/self/task"):  # each replica's own kernel counters (daemon/host_stats.py)
+            assert c["host"]["num_threads"] >= 2 and twin["host"]["num_threads"] >= 2
         for name in (c["name"], twin["name"]):  # each replica served decode steps into its own log
             db = sqlite3.connect(tmp_path / "dblogs" / f"{safe_name(name)}.sqlite")
             assert db.execute("select count(*) from steps where kind = 'decode'").fetchone()[0] > 0
@@ -249,3 +252,5 @@ def test_each_config_runs_in_two_daemons_that_take_the_rounds_in_turn(tmp_path):
     text = (tmp_path / "tables.md").read_text()
     assert "Tok/s by daemon replica" in text and "replica 2: median tok/s (rounds)" in text
     assert "each config served by 2 daemon processes (replicas)" in text
+    if os.path.isdir("/proc/self/task"):
+        assert "| ngram k=2 MQA replica 2 | " in text.split("The kernel's counters for each daemon")[1]
