@@ -2,7 +2,10 @@
 other logs' policies, so that every policy is priced by the same cost models.
 
 ``python -m specsched.bench.same_costs --replayed goodput.sqlite --other k8.sqlite [--other k5.sqlite
-...] [--out table.md]``
+...] [--out table.md]``, or ``--run DIR`` for what a device call of ``bench/lease.sh`` brings back (its
+``out.tar.part_*`` joined and unpacked: ``DIR/bench/results.json`` and ``DIR/logs/*.sqlite[.gz]``): the
+default config's log replayed against the fixed rows' and the non-speculative row's
+(:func:`run_logs`).
 
 ``bench=serve`` runs each config in a daemon of its own, and a daemon keeps the host speed it started
 with: on an H100 on 2026-12-07 goodput's tok/s against fixed k = 8 went −13.7 / +10.6 % live in two
@@ -28,14 +31,19 @@ those options') difference.
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
+import shutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from specsched.bench.markdown import fmt, table
 from specsched.bench.replay_fidelity import THIN_STEPS, LoadedLog, Rate, live_rates, load_log, predicted_rates
+from specsched.bench.serve_daemon import safe_name
 from specsched.policies.replay import policy_label
 
-__all__ = ["same_cost_rows", "main"]
+__all__ = ["same_cost_rows", "run_logs", "main"]
 
 HEADER = ["N", "policy (replayed log)", "other policy (its log)", "policy tok/s, same costs",
           "other tok/s, same costs", "policy / other, same costs", "policy / other, live",
@@ -79,6 +87,34 @@ def same_cost_rows(
     return rows
 
 
+def run_logs(run_dir: str) -> tuple[str, list[str]]:
+    """The logs of a ``bench=serve`` run (``run_dir/bench/results.json`` and ``run_dir/logs``): the default
+    config's (kind ``default``) and the fixed and baseline configs', by the bench's file names
+    (bench/serve_daemon.py ``safe_name``); a gzipped log is unpacked beside itself once. Raises
+    ValueError naming what is missing."""
+    root = Path(run_dir)
+    results = root / "bench" / "results.json"
+    if not results.is_file():
+        raise ValueError(f"{results}: no results.json (unpack the run's out.tar.part_* into {root})")
+    configs = json.loads(results.read_text()).get("serve", {}).get("configs", [])
+
+    def log_of(name: str) -> str:
+        path = root / "logs" / f"{safe_name(name)}.sqlite"
+        packed = path.with_name(path.name + ".gz")
+        if not path.is_file() and packed.is_file():
+            with gzip.open(packed, "rb") as src, open(path, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        if not path.is_file():
+            raise ValueError(f"{path}: the decision log of config {name!r} is missing")
+        return str(path)
+
+    served = [c for c in configs if c.get("error") is None]
+    default = [c["name"] for c in served if c.get("kind") == "default"]
+    if not default:
+        raise ValueError(f"{results}: no config of kind default served in this run")
+    return log_of(default[0]), [log_of(c["name"]) for c in served if c.get("kind") in ("fixed", "baseline")]
+
+
 def _name(path: str) -> str:
     return path.rsplit("/", 1)[-1].removesuffix(".sqlite")
 
@@ -87,15 +123,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], prog="python -m specsched.bench.same_costs"
     )
-    ap.add_argument(
-        "--replayed", required=True, help="the policy's log: its bits and costs price every policy"
-    )
+    ap.add_argument("--replayed", help="the policy's log: its bits and costs price every policy")
     ap.add_argument("--other", action="append", default=[], help="a log whose policy to compare (repeat)")
+    ap.add_argument("--run", help="an unpacked bench=serve run: its default config against its fixed rows")
     ap.add_argument("--out", help="also write the markdown here")
     ap.add_argument("--seed", type=int, default=0, help="of the imputed match bits")
     args = ap.parse_args(argv)
-    if not args.other:
-        ap.error("give at least one --other log")
+    if args.run:
+        if args.replayed or args.other:
+            ap.error("--run picks the logs itself: give it alone")
+        try:
+            args.replayed, args.other = run_logs(args.run)
+        except ValueError as e:
+            sys.stderr.write(f"same_costs: {e}\n")
+            return 2
+    if not args.replayed or not args.other:
+        ap.error("give --replayed and at least one --other log, or --run")
     replayed = load_log(args.replayed, seed=args.seed)
     others = [(_name(p), load_log(p, seed=args.seed)) for p in args.other]
     try:

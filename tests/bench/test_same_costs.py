@@ -69,3 +69,40 @@ def test_cli_writes_the_table_and_needs_another_log(logs, tmp_path, capsys):
     assert all(_pct(r.split(" | ")[5]) < -40 for r in rows)  # k = 8 far slower than k = 0 on its costs
     with pytest.raises(SystemExit):
         main(["--replayed", k8])
+
+
+def test_a_serve_run_s_logs_are_found_by_its_results(logs, tmp_path, capsys):
+    """--run DIR: the default config's log against the fixed and baseline rows', by the bench's file
+    names, gzipped as bench/lease.sh brings them back; a config that failed is left out."""
+    import gzip
+    import json
+    import shutil
+
+    from specsched.bench.same_costs import run_logs
+
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "logs").mkdir()
+    configs = [{"name": "ngram k=8 draft", "kind": "default", "error": None},
+               {"name": "no draft", "kind": "baseline", "error": None},
+               {"name": "broken row", "kind": "fixed", "error": "RuntimeError: exited"},
+               {"name": "an A/B row", "kind": "policy", "error": None}]  # fmt: skip
+    (tmp_path / "bench" / "results.json").write_text(json.dumps({"serve": {"configs": configs}}))
+    for name, src in (("ngram_k_8_draft", "k8"), ("no_draft", "k0")):
+        with (
+            open(logs / f"{src}.sqlite", "rb") as f,
+            gzip.open(tmp_path / "logs" / f"{name}.sqlite.gz", "wb") as g,
+        ):
+            shutil.copyfileobj(f, g)
+    replayed, others = run_logs(str(tmp_path))
+    assert replayed == str(tmp_path / "logs" / "ngram_k_8_draft.sqlite")
+    assert others == [str(tmp_path / "logs" / "no_draft.sqlite")]  # not the failed row, not the A/B row
+    assert main(["--run", str(tmp_path)]) == 0
+    assert "| 1 | ngram_k_8_draft (`" in capsys.readouterr().out
+    (tmp_path / "logs" / "no_draft.sqlite").unlink()
+    (tmp_path / "logs" / "no_draft.sqlite.gz").unlink()
+    assert main(["--run", str(tmp_path)]) == 2
+    assert "decision log of config 'no draft' is missing" in capsys.readouterr().err
+    assert main(["--run", str(tmp_path / "nowhere")]) == 2
+    assert "no results.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--run", str(tmp_path), "--replayed", replayed])
