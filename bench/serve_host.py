@@ -48,8 +48,8 @@ def host_phase_rows(log_path: str | Path, config: str, concurrency: list[int]) -
     out = []
     for n in concurrency:
         steps = list(db.query(
-            "select host_ms, total_ms, propose_ms, score_ms, verify_ms from steps where run_id = ? "
-            "and kind = 'decode' and batch_size = ? and host_ms is not null", [run, n],
+            "select host_ms, total_ms, propose_ms, score_ms, verify_ms, plan_info from steps "
+            "where run_id = ? and kind = 'decode' and batch_size = ? and host_ms is not null", [run, n],
         ))  # fmt: skip
         if not steps:
             continue
@@ -57,11 +57,13 @@ def host_phase_rows(log_path: str | Path, config: str, concurrency: list[int]) -
         walls = [s["total_ms"] for s in steps]
         median = statistics.median(walls)
         slow = sum(w > 2 * median for w in walls) / len(walls)  # the tail a median hides (stalls)
+        idle = [s["total_ms"] + h.get("between", 0.0) - (s["propose_ms"] or 0) - (s["score_ms"] or 0)
+                - (s["verify_ms"] or 0) for s, h in zip(steps, host)]  # fmt: skip
+        # a run of plain steps (scheduler.decode_steps / plain_decode_steps) is one row for S forwards
+        forwards = [json.loads(s["plan_info"]).get("decode_steps", 1) if s["plan_info"] else 1 for s in steps]
         row = {"config": config, "concurrency": n, "num_steps": len(steps), "total_ms": median,
-               "mean_ms": statistics.fmean(walls), "slow_share": slow,
-               "gpu_idle_ms": statistics.median(
-                   s["total_ms"] + h.get("between", 0.0) - (s["propose_ms"] or 0) - (s["score_ms"] or 0)
-                   - (s["verify_ms"] or 0) for s, h in zip(steps, host))}  # fmt: skip
+               "mean_ms": statistics.fmean(walls), "slow_share": slow, "gpu_idle_ms": statistics.median(idle),
+               "gpu_idle_per_forward_ms": sum(idle) / sum(forwards)}  # fmt: skip
         for p in PHASES:
             row[p] = statistics.median(h.get(p, 0.0) for h in host)
         out.append(row)
@@ -69,14 +71,15 @@ def host_phase_rows(log_path: str | Path, config: str, concurrency: list[int]) -
 
 
 def host_table(rows: list[dict]) -> str:
-    header = ["config", "N", "steps", "step ms", "mean", "> 2x", "GPU-idle ms (goal)", *PHASES]
+    header = ["config", "N", "steps", "step ms", "mean", "> 2x", "GPU-idle ms (goal)",
+              "GPU-idle ms a forward (mean)", *PHASES]  # fmt: skip
     out = []
     for r in rows:
         goal = HOST_GOAL_MS.get(r["concurrency"])
         idle = fmt(r["gpu_idle_ms"], 3) + (f" (≤ {goal})" if goal else "")
         out.append([r["config"], str(r["concurrency"]), str(r["num_steps"]), fmt(r["total_ms"], 3),
                     fmt(r.get("mean_ms"), 3), _pct(r.get("slow_share")), idle,
-                    *(fmt(r[p], 3) for p in PHASES)])  # fmt: skip
+                    fmt(r.get("gpu_idle_per_forward_ms"), 3), *(fmt(r[p], 3) for p in PHASES)])  # fmt: skip
     return table(header, out)
 
 
@@ -96,7 +99,8 @@ def host_note() -> str:
         "first_event = the step's first CUDA event record (its first release of the interpreter lock, "
         "where the daemon's other threads do the work the last step gave them); events = the other "
         "event records around the timed phases (3-5 calls into torch). "
-        "GPU-idle = between + step wall − (propose + score + verify) device ms."
+        "GPU-idle = between + step wall − (propose + score + verify) device ms; a forward's: the steps' "
+        "GPU-idle summed over their forwards (a run of S plain steps is one step of S forwards)."
     )
 
 

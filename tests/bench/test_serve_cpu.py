@@ -90,6 +90,7 @@ def test_serve_bench_tiny_hf_chat(tmp_path, tiny_hf_dir):
     assert {c for c, _ in host} == set(info) and all((c, 1) in host for c in info)
     for h in host.values():
         assert h["num_steps"] > 0 and h["gpu_idle_ms"] > 0 and h["between"] > 0  # the daemon's loop
+        assert 0 < h["gpu_idle_per_forward_ms"] <= 4 * h["gpu_idle_ms"]  # a mean beside a median
         inside = sum(h[p] for p in PHASES if p != "between")  # medians of the parts: about the whole
         assert 0 < inside <= 1.5 * h["total_ms"]
         assert h["mean_ms"] > 0 and 0.0 <= h["slow_share"] < 0.5  # the tail beside the median
