@@ -11,6 +11,10 @@ one CPU, so the cause is elsewhere; these counters are the first suspects, cheap
 - the CPU it last ran on (``processor`` of its ``stat``);
 - the process's anonymous memory in transparent huge pages (``AnonHugePages`` of ``smaps_rollup``): a
   heap that got huge pages walks its objects with fewer TLB misses than one that did not.
+
+Read on the IO thread when a ``stats`` reply is built, not per step: ``smaps_rollup`` walks the
+process's mappings (a millisecond or so on a large CUDA process), so a client polling ``stats`` in a
+tight loop pays for it.
 """
 
 from __future__ import annotations
