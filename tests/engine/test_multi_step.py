@@ -114,9 +114,13 @@ def test_num_decode_steps_only_for_plain_greedy_steps_within_the_limits():
     assert steps(two, [0, 0], max_steps=1) == 1  # off
     assert steps(two, [0, 1]) == 1  # a request drafts: one speculative step
     assert steps([req(10), req(5, temperature=0.7)], [0, 0]) == 1  # sampled
-    # a request near its max_tokens does not cut the run: the commit drops its tokens past the stop
+    # a request near its max_tokens does not cut a batch's run: the commit drops its tokens past the
+    # stop, and a run cut for it would run the other one step at a time
     assert steps([req(10, 5, max_tokens=7), req(3)], [0, 0]) == 4  # 2 tokens left
-    assert steps([req(10, 6, max_tokens=7)], [0]) == 4
+    # alone, it does: the forwards past its max_tokens would buy nothing
+    assert steps([req(10, 6, max_tokens=7)], [0]) == 1
+    assert steps([req(10, 4, max_tokens=7)], [0]) == 3
+    assert steps([req(10, 2, max_tokens=7)], [0]) == 4
     # the token of the last step sits at position num_tokens - 1 + (S - 1) < max_model_len
     assert steps([req(250)], [0], max_steps=8) == 7
     assert steps([req(256)], [0], max_steps=8) == 1
@@ -156,8 +160,10 @@ def test_runs_of_plain_steps_give_the_single_step_tokens(scorer, steps):
         # each request keeps the run's tokens up to its stop
         assert all(1 <= q.num_emitted <= r.num_decode_steps for q in r.requests)
         assert r.num_emitted == sum(q.num_emitted for q in r.requests)
-    # the context is far: every run takes its full length, even where a request stops inside it
-    assert all(r.num_decode_steps == steps for r in runs)
+    # the context is far: every run of a batch takes its full length, even where a request stops
+    # inside it; a request alone runs no further than its max_tokens
+    assert all(r.num_decode_steps == steps for r in runs if r.batch_size > 1)
+    assert any(r.batch_size > 1 for r in runs)
     assert any(any(q.num_emitted < r.num_decode_steps for q in r.requests) for r in runs)
     if scorer != "mqa":
         runner = e.scorers[scorer].runner
