@@ -12,6 +12,9 @@
 #   bash bench/lease.sh again PRESET [...]   # a later call on the same warm machine, carry [".whl"]
 #   bash bench/lease.sh run CMD [ARGS...]    # any command with the wheels and `import specsched`, e.g.
 #                                            # run python3 -m specsched.bench.fused_linear --models smollm2
+#   bash bench/lease.sh unpack FILES_AT DEST # here, after a call: its out.tar.part_* joined and unpacked
+#                                            # into DEST, then a serve run's same-costs table
+#                                            # (python -m specsched.bench.same_costs --run DEST)
 #
 # A device machine keeps /root/m only while warm (~30 s after a call): chain the calls at once.
 # BENCH_LIMIT_S (default 540) bounds the bench inside the 600 s a call may run.
@@ -57,6 +60,15 @@ case "$verb" in
     ls -l "$GGUF" || echo "!!! no $GGUF on this machine (not warm since 'second'?)" >&2
     run_bench "${1:?again needs a preset}" "${@:2}"
     ;;
+  unpack)
+    [ $# -eq 2 ] || { echo "unpack needs FILES_AT DEST" >&2; exit 2; }
+    ls "$1"/out.tar.part_* > /dev/null 2>&1 || { echo "no out.tar.part_* in $1" >&2; exit 1; }
+    mkdir -p "$2" && cat "$1"/out.tar.part_* | tar x -C "$2" || exit 1
+    if [ -f "$2/bench/results.json" ] && [ -d "$2/logs" ]; then
+      python3 -m specsched.bench.same_costs --run "$2" --out "$2/same_costs.md" ||
+        echo "(no same-costs table: see above)" >&2
+    fi
+    ;;
   run)
     [ $# -gt 0 ] || { echo "run needs a command" >&2; exit 2; }
     install_wheels || exit 1
@@ -65,7 +77,7 @@ case "$verb" in
     ;;
   *)
     echo "usage: bash bench/lease.sh stage | first [pytest paths] | second PRESET [overrides] |" \
-      "again PRESET [overrides] | run CMD [ARGS...]" >&2
+      "again PRESET [overrides] | run CMD [ARGS...] | unpack FILES_AT DEST" >&2
     exit 2
     ;;
 esac
