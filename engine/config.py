@@ -215,6 +215,11 @@ class SchedulerConfig:
     # server's batch-1 path: SmolLM2 on an H100 (2026-12-07 14:03, bench=serve_runs_alone_ab) 970 tok/s
     # against 648 one step at a time, TTFT p50 at N = 4 5.7 ms against 5.6. 1: off.
     plain_decode_steps: int = 8
+    # ... and each such run lasts about this long at most: plain_decode_steps capped by this over the
+    # measured ms of a plain forward alone (an EMA of the engine's own; before the first, one step), at
+    # least 1: a newcomer waits for at most one run. SmolLM2 on an H100 (~0.96 ms a forward in a run)
+    # runs 8; a 7B target (~7 ms a forward, a host share of a few %) runs one step at a time. null: no cap.
+    plain_decode_ms: float | None = 8.0
 
     def __post_init__(self) -> None:
         if self.decide_cost not in ("exposed", "step", "host"):
@@ -241,6 +246,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduler.decode_steps_max_batch must be >= 1 or null, got {self.decode_steps_max_batch}"
             )
+        if self.plain_decode_ms is not None and not self.plain_decode_ms > 0:
+            raise ValueError(f"scheduler.plain_decode_ms must be > 0 or null, got {self.plain_decode_ms}")
         if self.plan_ahead not in ("auto", "on", "off"):
             raise ValueError(f"scheduler.plan_ahead must be auto, on or off, got {self.plan_ahead!r}")
 

@@ -80,6 +80,9 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         self._last_end: float | None = None  # perf_counter at the end of the last step, while busy
         self.num_steps = 0
         self._is_after_run = False  # the last decode step drafted nothing (a run, or one plain step)
+        self._plain_forward_ms: float | None = (
+            None  # EMA: ms a plain forward alone (scheduler.plain_decode_ms)
+        )
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> Engine:
@@ -211,6 +214,7 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         timer.mark("reserve")
         with self._timed(rec, "propose_ms"):
             props = self._propose(reqs, ks, names)
+        t_launch = time.perf_counter()
         with self._timed(rec, "score_ms", is_adjacent=True):
             scored = self._score(plan.scorer, reqs, props, num_steps)  # logits, or [S, B] tokens
         with self._timed(rec, "verify_ms", is_adjacent=True):  # queued behind the forward; read later
@@ -221,6 +225,8 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         timer.mark("overlap")  # on CUDA while the GPU scores and verifies: off the critical path up to then
         emitted, match_bits = self._read_verify(pending)  # waits for the device
         timer.mark_tail(rec, "verify_ms")
+        if len(reqs) == 1 and not any(ks):  # a plain forward alone: what a run of them lasts
+            self._observe_plain(time.perf_counter() - t_launch, num_steps)
         outputs = self._commit(reqs, emitted, props.num_draft, names)
         timer.mark("commit")
         args = (reqs, names, plan, props, views, emitted, match_bits, outputs, num_steps, self._is_after_run)
@@ -279,7 +285,7 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         run = 1
         is_plain = self._is_plain_alone(reqs, names)
         if is_plain:  # scheduler.plain_decode_steps: nothing to draft, as with proposer none
-            max_steps, names = max(max_steps, sched_cfg.plain_decode_steps), ["none"]
+            max_steps, names = max(max_steps, self._plain_steps()), ["none"]
         elif not self._runs_allowed(len(reqs)):
             max_steps = 1
         if max_steps > 1 and reqs:  # what a plan with every k = 0 would run (the policy weighs
@@ -304,6 +310,23 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         if len(reqs) != 1 or self.cfg.scheduler.plain_decode_steps <= 1 or self.scheduler.waiting:
             return False
         return names[0] == "none" or reqs[0].spec.max_k == 0 or self.cfg.spec.max_k == 0
+
+    def _plain_steps(self) -> int:
+        """``scheduler.plain_decode_steps`` capped by ``plain_decode_ms`` over the measured ms of a
+        plain forward alone (1 before the first is measured)."""
+        sched = self.cfg.scheduler
+        if sched.plain_decode_ms is None:
+            return sched.plain_decode_steps
+        if self._plain_forward_ms is None:
+            return 1
+        return max(1, min(sched.plain_decode_steps, int(sched.plain_decode_ms / self._plain_forward_ms)))
+
+    def _observe_plain(self, seconds: float, num_steps: int) -> None:
+        """A plain step or run alone took ``seconds`` from its scoring launch to its read: the EMA of
+        its ms a forward that :meth:`_plain_steps` divides."""
+        ms = seconds * 1e3 / num_steps
+        old = self._plain_forward_ms
+        self._plain_forward_ms = ms if old is None else 0.8 * old + 0.2 * ms
 
     def _proposer_names(self, reqs: list[Request]) -> list[str]:
         default = self.cfg.spec.proposer

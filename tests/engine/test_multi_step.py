@@ -51,6 +51,7 @@ def engine(
     max_batch: int | None = None,  # scheduler.decode_steps_max_batch
     plain: int = 1,  # scheduler.plain_decode_steps (off: these tests are about decode_steps)
     max_k: int = 4,  # spec.max_k
+    plain_ms: float | None = None,  # scheduler.plain_decode_ms (None: no time cap, whatever the CPU's speed)
 ) -> Engine:
     mcfg = ModelConfig(source="tiny", device=device, dtype="float32")
     model = load_model(mcfg, progress=False).model
@@ -63,6 +64,7 @@ def engine(
             decode_steps=decode_steps,
             decode_steps_max_batch=max_batch,
             plain_decode_steps=plain,
+            plain_decode_ms=plain_ms,
         ),  # fmt: skip
         spec=SpecConfig(proposer=proposer, scorers=["batch_expansion", "mqa", "mqa_graph"], max_k=max_k),
     )
@@ -319,6 +321,32 @@ def test_a_request_that_cannot_draft_runs_alone_by_default():
     assert got == want[:1] and any(r.num_decode_steps > 1 for r in recs)
     with pytest.raises(ValueError, match="scheduler.plain_decode_steps must be >= 1, got 0"):
         SchedulerConfig(plain_decode_steps=0)
+
+
+def test_a_run_alone_lasts_about_plain_decode_ms_at_most():
+    """``scheduler.plain_decode_ms``: the run's length is plain_decode_steps capped by the bound over the
+    measured ms of a plain forward alone (one step before any is measured), at least 1; the forwards
+    are measured (a run's time over its forwards) and the tokens are the single steps'."""
+    assert SchedulerConfig().plain_decode_ms == 8.0
+    with pytest.raises(ValueError, match="scheduler.plain_decode_ms must be > 0 or null, got 0"):
+        SchedulerConfig(plain_decode_ms=0)
+    e = engine("mqa", 1, plain=8, plain_ms=8.0)
+    assert e._plain_forward_ms is None and e._plain_steps() == 1  # nothing measured: one step
+    for fwd_ms, want in ((0.5, 8), (0.96, 8), (2.0, 4), (3.0, 2), (7.5, 1), (20.0, 1)):
+        e._plain_forward_ms = fwd_ms
+        assert e._plain_steps() == want, fwd_ms
+    assert engine("mqa", 1, plain=8, plain_ms=None)._plain_steps() == 8  # no cap
+    rng = random.Random(3)
+    ps = prompts(rng, 1)
+    params = [SamplingParams(max_tokens=20, ignore_eos=True)]
+    want, _ = run(engine("mqa", 1), ps, params)
+    e = engine("mqa", 1, plain=8, plain_ms=1e-6)  # no forward is that fast: one step at a time
+    got, recs = run(e, ps, params)
+    assert got == want and all(r.num_decode_steps == 1 for r in recs)
+    assert e._plain_forward_ms is not None and e._plain_forward_ms > 0  # measured all along
+    e = engine("mqa", 1, plain=8, plain_ms=1e6)  # any forward fits: runs of 8 once one is measured
+    got, recs = run(e, ps, params)
+    assert got == want and recs[0].num_decode_steps == 1 and max(r.num_decode_steps for r in recs) == 8
 
 
 def test_a_run_is_not_a_cost_model_observation():
