@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -30,20 +31,24 @@ def test_the_parsers_read_the_fields_they_name():
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 def test_host_stats_of_a_live_thread_count_its_switches():
-    started, release = threading.Event(), threading.Event()
+    waited, release = threading.Event(), threading.Event()
     tid: list[int] = []
 
     def body() -> None:
         tid.append(threading.get_native_id())
-        started.set()
-        for _ in range(20):  # voluntary switches: it waits
-            release.wait(0.001)
+        for _ in range(20):  # voluntary switches: it sleeps
+            time.sleep(0.001)
+        waited.set()
+        release.wait(10)  # alive while its counters are read
 
     t = threading.Thread(target=body)
     t.start()
-    started.wait(10)
-    got = host_stats(tid[0])
-    t.join()
+    try:
+        assert waited.wait(10)
+        got = host_stats(tid[0])
+    finally:
+        release.set()
+        t.join()
     assert (
         got is not None and got.engine_voluntary_switches is not None and got.engine_voluntary_switches >= 1
     )
