@@ -20,11 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specsched.bench.markdown import fmt, table
+from specsched.bench.markdown import emit, fmt, log_name, table
 from specsched.bench.serve_host import PHASES
 from specsched.engine.log_schema import open_log
 
@@ -124,8 +123,8 @@ def delta_rows(logs: dict[str, dict[int, dict[str, StepGroup]]]) -> list[list[st
 
 
 def compare(paths: Sequence[str], batch_sizes: Sequence[int]) -> str:
-    logs = {_name(p): decode_groups(p, batch_sizes) for p in paths}
-    first = _name(paths[0])
+    logs = {log_name(p): decode_groups(p, batch_sizes) for p in paths}
+    first = log_name(paths[0])
     parts = [
         "Decode steps by batch size and group (ahead = the step decided the next plan during its "
         "scoring); phase cells are median / mean host ms.",
@@ -142,10 +141,6 @@ def compare(paths: Sequence[str], batch_sizes: Sequence[int]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def _name(path: str) -> str:
-    return path.rsplit("/", 1)[-1].removesuffix(".sqlite")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], prog="python -m specsched.bench.host_compare"
@@ -155,10 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args(argv)
     text = compare(args.logs, args.batch)
-    sys.stdout.write(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(text, args.out)
     return 0
 
 

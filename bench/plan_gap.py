@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specsched.bench.markdown import fmt, table
+from specsched.bench.markdown import emit, fmt, log_name, table
 from specsched.engine.log_schema import open_log
 
 
@@ -173,7 +173,7 @@ def compare(logs: Sequence[str], batch_sizes: Sequence[int], decide_ms: float = 
     read = {}
     for spec in logs:
         path, run_id = split_run(spec)
-        read[_name(path) + (f":{run_id}" if run_id is not None else "")] = read_log(
+        read[log_name(path) + (f":{run_id}" if run_id is not None else "")] = read_log(
             path, batch_sizes, decide_ms, run_id
         )
     return table(HEAD, gap_rows(read, batch_sizes))
@@ -183,11 +183,6 @@ def split_run(spec: str) -> tuple[str, int | None]:
     """``"a.sqlite:3"`` -> ``("a.sqlite", 3)``; a path without ``:N`` -> ``(path, None)``."""
     path, sep, tail = spec.rpartition(":")
     return (path, int(tail)) if sep and tail.isdigit() else (spec, None)
-
-
-def _name(path: str) -> str:
-    base = path.rsplit("/", 1)[-1]
-    return base.removesuffix(".sqlite")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,10 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the table here")
     args = parser.parse_args(argv)
     text = compare(args.logs, args.batch, args.decide_ms)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(text + "\n", args.out)
     return 0
 
 

@@ -48,12 +48,11 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specsched.bench.cost_error_table import group_of
-from specsched.bench.markdown import fmt, table
+from specsched.bench.markdown import emit, fmt, log_name, table
 from specsched.bench.replay_passes import (
     PassPart,
     RequestTimes,
@@ -289,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="replay every policy on the recorded costs, the replayed policy's decide spill "
                          "included (policies/replay.py: costs_for)")  # fmt: skip
     args = ap.parse_args(argv)
-    names = [_name(p) for p in args.live]
+    names = [log_name(p) for p in args.live]
     bias = not args.no_bucket_bias
     replayed = load_log(
         args.replayed, seed=args.seed, bucket_bias=bias, decide_spill=not args.keep_decide_spill
@@ -300,23 +299,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     header = HEADER + ATTRIBUTION * args.attribute_overhead
     rows = fidelity_rows(replayed, lives, args.attribute_overhead, args.client_gaps, not args.no_window)
-    parts = [f"Replayed log: `{_name(args.replayed)}`.", "", table(header, rows), "",
-             passes_note(replayed, _name(args.replayed))]  # fmt: skip
+    parts = [f"Replayed log: `{log_name(args.replayed)}`.", "", table(header, rows), "",
+             passes_note(replayed, log_name(args.replayed))]  # fmt: skip
     if args.cost_error:
         from specsched.bench.cost_error_table import cost_error_markdown
 
         paths = list(dict.fromkeys([args.replayed, *args.live]))
-        parts += ["", cost_error_markdown([(_name(p), load_run(p)) for p in paths])]
+        parts += ["", cost_error_markdown([(log_name(p), load_run(p)) for p in paths])]
     text = "\n".join(parts) + "\n"
-    sys.stdout.write(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(text, args.out)
     return 0
-
-
-def _name(path: str) -> str:
-    return path.rsplit("/", 1)[-1].removesuffix(".sqlite")
 
 
 if __name__ == "__main__":

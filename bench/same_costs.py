@@ -38,7 +38,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from specsched.bench.markdown import fmt, table
+from specsched.bench.markdown import emit, fmt, log_name, table
 from specsched.bench.replay_fidelity import THIN_STEPS, LoadedLog, Rate, live_rates, load_log, predicted_rates
 from specsched.bench.serve_daemon import safe_name
 from specsched.policies.replay import policy_label
@@ -115,10 +115,6 @@ def run_logs(run_dir: str) -> tuple[str, list[str]]:
     return log_of(default[0]), [log_of(c["name"]) for c in served if c.get("kind") in ("fixed", "baseline")]
 
 
-def _name(path: str) -> str:
-    return path.rsplit("/", 1)[-1].removesuffix(".sqlite")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], prog="python -m specsched.bench.same_costs"
@@ -140,17 +136,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.replayed or not args.other:
         ap.error("give --replayed and at least one --other log, or --run")
     replayed = load_log(args.replayed, seed=args.seed)
-    others = [(_name(p), load_log(p, seed=args.seed)) for p in args.other]
+    others = [(log_name(p), load_log(p, seed=args.seed)) for p in args.other]
     try:
-        rows = same_cost_rows(replayed, others, _name(args.replayed))
+        rows = same_cost_rows(replayed, others, log_name(args.replayed))
     except ValueError as e:
         sys.stderr.write(f"same_costs: {e}\n")
         return 2
-    text = f"Costs of `{_name(args.replayed)}`'s daemon for every policy.\n\n{table(HEADER, rows)}\n"
-    sys.stdout.write(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    text = f"Costs of `{log_name(args.replayed)}`'s daemon for every policy.\n\n{table(HEADER, rows)}\n"
+    emit(text, args.out)
     return 0
 
 

@@ -11,6 +11,7 @@ the GPU works, ``verify`` includes the wait for it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -155,7 +156,7 @@ def host_counters(stats) -> dict | None:
     """A daemon's ``stats`` ``host`` map (daemon/host_stats.py: the engine thread's context switches and
     last CPU, the process's transparent huge pages and threads) as a plain dict; None without one."""
     host = getattr(stats, "host", None)
-    return None if host is None else {k: getattr(host, k) for k in vars(host)}
+    return None if host is None else dataclasses.asdict(host)
 
 
 def daemon_host_rows(configs: list[dict]) -> list[list[str]]:

@@ -80,9 +80,8 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         self._last_end: float | None = None  # perf_counter at the end of the last step, while busy
         self.num_steps = 0
         self._is_after_run = False  # the last decode step drafted nothing (a run, or one plain step)
-        self._plain_forward_ms: float | None = (
-            None  # EMA: ms a plain forward alone (scheduler.plain_decode_ms)
-        )
+        # EMA: ms a plain forward alone took (scheduler.plain_decode_ms caps a lone request's run by it)
+        self._plain_forward_ms: float | None = None
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> Engine:

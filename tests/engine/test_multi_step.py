@@ -172,6 +172,19 @@ def test_runs_of_plain_steps_give_the_single_step_tokens(scorer, steps):
         assert runner.num_replays > 0 and runner.num_eager_fallbacks == 0
 
 
+def count_waiting(e: Engine) -> dict[int, int]:
+    """Wraps ``e.step``: step number -> requests waiting for admission when it began."""
+    waiting_at_step: dict[int, int] = {}
+    inner = e.step
+
+    def step():
+        waiting_at_step[e.num_steps] = len(e.scheduler.waiting)
+        return inner()
+
+    e.step = step
+    return waiting_at_step
+
+
 def test_runs_only_while_the_batch_is_small_and_nobody_waits():
     """``scheduler.decode_steps_max_batch=1``: a request decoding alone runs its plain steps in runs,
     a batch of two (or one with a request waiting to be admitted) one step at a time; the tokens are
@@ -181,14 +194,7 @@ def test_runs_only_while_the_batch_is_small_and_nobody_waits():
     params = [SamplingParams(max_tokens=rng.randint(8, 20), ignore_eos=True) for _ in ps]
     want, _ = run(engine("mqa", 1), ps, params)
     e = engine("mqa", 4, max_batch=1)
-    waiting_at_step: dict[int, int] = {}
-    inner = e.step
-
-    def step():
-        waiting_at_step[e.num_steps] = len(e.scheduler.waiting)
-        return inner()
-
-    e.step = step
+    waiting_at_step = count_waiting(e)
     got, recs = run(e, ps, params)
     assert got == want
     assert any(r.num_decode_steps > 1 for r in recs), "the last request alone must run in runs"
@@ -290,14 +296,7 @@ def test_a_request_that_cannot_draft_runs_alone_by_default():
     want, _ = run(engine("mqa", 1), ps, params)
     assert SchedulerConfig().plain_decode_steps == 8 and SchedulerConfig().decode_steps == 1
     e = engine("mqa", 1, plain=SchedulerConfig().plain_decode_steps)
-    waiting_at_step: dict[int, int] = {}
-    inner = e.step
-
-    def step():
-        waiting_at_step[e.num_steps] = len(e.scheduler.waiting)
-        return inner()
-
-    e.step = step
+    waiting_at_step = count_waiting(e)
     got, recs = run(e, ps, params)
     assert got == want
     runs = [r for r in recs if r.num_decode_steps > 1]
