@@ -143,13 +143,13 @@ def read_log(path: str, all_runs: bool = False) -> RecordedRun:
     """The log's last run, or (``all_runs``) its runs' steps one after another, in run order (runs of
     plain steps are read and left out of the table: they are not one step)."""
     if not all_runs:
-        return load_run(path, allow_runs=True)
+        return load_run(path)
     db = open_log(path)
     try:
         ids = [r[0] for r in db.execute("select id from runs order by id")]
     finally:
         db.close()
-    runs = [load_run(path, i, allow_runs=True) for i in ids]
+    runs = [load_run(path, i) for i in ids]
     if not runs:
         raise LogFormatError(f"{path}: the log holds no runs")
     return dataclasses.replace(runs[-1], steps=[s for r in runs for s in r.steps])

@@ -72,10 +72,11 @@ from specsched.policies.replay import (
     refit_costs,
     simulate,
 )
-from specsched.policies.replay_log import MatchBits, RecordedRun, complete_bits, load_run
+from specsched.policies.replay_log import MatchBits, RecordedRun, RunSettings, complete_bits, load_run
+from specsched.policies.replay_runs import RunRules
 
 __all__ = ["RequestTimes", "split_passes", "think_times", "load_log", "live_rates", "predicted_rates",
-           "coverage", "fidelity_rows", "main"]  # fmt: skip
+           "coverage", "engine_options", "fidelity_rows", "main"]  # fmt: skip
 
 
 @dataclass
@@ -168,7 +169,11 @@ def coverage(run: RecordedRun) -> dict[tuple[str, tuple[int, int], bool], int]:
 
 
 def predicted_rates(
-    log: LoadedLog, policy: dict, client_gaps: bool = False, windowed: bool = True
+    log: LoadedLog,
+    policy: dict,
+    client_gaps: bool = False,
+    windowed: bool = True,
+    engine: RunSettings | None = None,
 ) -> dict[int, Rate]:
     """Rates per concurrency (0: every pass) of ``policy`` replayed on ``log``, pass by pass: with
     clients, closed loop (each client's requests one at a time), the batch drained between the
@@ -177,8 +182,12 @@ def predicted_rates(
     ones did in each busy period, going round their requests again (``simulate``'s ``window_ms``),
     each after its recorded round trip (as ``client_gaps``: the live batch ran short while a client
     was between requests, 27 % of k = 8's steps at N = 4 on the H200 on 2026-12-06).
-    Each rate counts its steps priced from thin data (:func:`coverage`)."""
+    Each rate counts its steps priced from thin data (:func:`coverage`). ``engine``: the settings of
+    the log whose policy this is (another daemon's): its runs of plain steps, and its proposer where
+    that is ``none`` (a non-speculative config on a drafting log), replace ``log``'s
+    (:func:`engine_options`)."""
     label, instance = policy_label(policy), build_policy(policy)
+    proposer, runs = engine_options(engine)
     seen = coverage(log.run)
     out: dict[int, Rate] = {}
     for x in log.passes:
@@ -187,7 +196,8 @@ def predicted_rates(
         costs = costs_for(instance, log.costs, log.costs_without_spill)
         res = simulate(x.run, x.bits, instance, costs, label, closed_loop=closed, segments=x.segments,
                        think_ms=x.think_ms if closed and (client_gaps or windowed) else None,
-                       window_ms=x.window_ms if closed and windowed else None)  # fmt: skip
+                       window_ms=x.window_ms if closed and windowed else None, proposer=proposer,
+                       runs=runs)  # fmt: skip
         thin = sum(
             seen.get((t.scorer, group_of(t.batch_size), t.mean_k > 0), 0) < THIN_STEPS for t in res.trace
         )
@@ -196,6 +206,16 @@ def predicted_rates(
             rate.add(res, x.run, measured=False)
             rate.num_thin += thin
     return out
+
+
+def engine_options(engine: RunSettings | None) -> tuple[str | None, RunRules | None]:
+    """(proposer, runs) of another log's settings to replay its policy with: its runs of plain steps
+    (scheduler.decode_steps / plain_decode_steps: how it served, e.g. non-speculative's runs alone),
+    and its proposer only where that is ``none`` (another proposer would need its own match bits).
+    (None, None) without settings: the replayed log's own."""
+    if engine is None:
+        return None, None
+    return ("none" if engine.proposer == "none" else None), engine.runs
 
 
 def with_overhead(log: LoadedLog, other: LoadedLog) -> LoadedLog:
@@ -228,11 +248,11 @@ def fidelity_rows(
             continue
         measured, predicted, own = (
             live_rates(live),
-            predicted_rates(replayed, policy, client_gaps, windowed),
+            predicted_rates(replayed, policy, client_gaps, windowed, live.run.settings),
             predicted_rates(live, policy, client_gaps, windowed),
         )
         swapped = (
-            predicted_rates(with_overhead(replayed, live), policy, client_gaps, windowed)
+            predicted_rates(with_overhead(replayed, live), policy, client_gaps, windowed, live.run.settings)
             if attribute_overhead
             else {}
         )

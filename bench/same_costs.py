@@ -23,9 +23,12 @@ goodput's log, which ran the MQA graph there; a drafting policy on a log that dr
 that scorer and batch range counts too: bench/replay_fidelity.py ``coverage``). The replayed log's
 decide spill is left out for a
 policy that does not decide ahead (:func:`specsched.policies.replay.costs_for`), as in the fidelity
-table. Only the policy node is replayed: options outside it (``scheduler.*``, ``model.*``) are the
-replayed log's, so two logs of one policy price alike and their live ratio is their daemons' (and
-those options') difference.
+table. The other log's policy node is replayed with how its daemon served: its runs of plain steps
+(``scheduler.decode_steps`` / ``plain_decode_steps``: non-speculative serving's runs alone, goodput's
+runs for declined drafts; policies/replay_runs.py) and a proposer of ``none``
+(:func:`specsched.bench.replay_fidelity.engine_options`). Other options (the rest of ``scheduler.*``,
+``model.*``) are the replayed log's, so two logs of one policy and run options price alike and their
+live ratio is their daemons' (and those options') difference.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def same_cost_rows(
         theirs = other.run.settings.policy
         if theirs is None:
             raise ValueError(f"{other_name}: no policy recorded in the log's runs.config")
-        pred, their_live = predicted_rates(replayed, theirs), live_rates(other)
+        pred, their_live = predicted_rates(replayed, theirs, engine=other.run.settings), live_rates(other)
         for n in sorted(own, key=lambda n: (n == 0, n)):
             mine, p = own[n], pred.get(n, Rate())
             live_mine, live_theirs = own_live.get(n, Rate()), their_live.get(n, Rate())

@@ -33,6 +33,8 @@ from specsched.policies.replay_log import (
     RunSettings,
     complete_bits,
 )
+from specsched.policies.replay_runs import RunRules, run_length
+from specsched.policies.run_cost import plain_stats
 from specsched.policies.shapes import StepShape
 
 _UNBOUNDED = 1 << 30
@@ -69,12 +71,19 @@ def refit_costs(
     if churn:
         costs.churn = ChurnResidual.fit(
             run.decode_steps,
-            lambda rec: (
-                costs.predict(rec.scorer, rec.proposer or run.settings.proposer, record_shape(rec)).total_ms
-            ),
+            lambda rec: record_ms(costs, rec, run.settings.proposer),
             lambda rec: costs.step_ms(rec) - spill.get(rec.step, 0.0),
         )
     return costs
+
+
+def record_ms(costs: CostModels, rec: StepRecord, proposer: str) -> float:
+    """A decode record's predicted ms: one step at its shape, or a run of ``num_decode_steps`` plain
+    steps (:meth:`CostModels.predict_run`)."""
+    if rec.num_decode_steps > 1:
+        ctx = [r.context_len + 1 for r in rec.requests]
+        return costs.predict_run(rec.scorer, plain_stats(ctx), rec.num_decode_steps)
+    return costs.predict(rec.scorer, rec.proposer or proposer, record_shape(rec)).total_ms
 
 
 def record_shape(rec: StepRecord) -> StepShape:
@@ -137,7 +146,8 @@ class PolicyResult:
 
     label: str
     source: str  # "recorded" (the log as it is) | "replayed"
-    num_steps: int = 0  # decode steps
+    num_steps: int = 0  # decode steps (a run of plain steps is one, as in the log)
+    num_run_steps: int = 0  # the plain forwards of those runs
     num_prefill_steps: int = 0
     num_admitted: int = 0  # requests the replay ran (``simulate``'s ``window_ms``: sent again, or not sent)
     num_tokens: int = 0  # output tokens, the prefills' first tokens included
@@ -187,15 +197,15 @@ def recorded_result(run: RecordedRun, costs: CostModels) -> PolicyResult:
     res.measured_ms = sum(map(costs.step_ms, run.steps))
     last: set[str] | None = None
     for rec in run.decode_steps:
-        shape = record_shape(rec)
-        ks = shape.k
-        pred = costs.predict(rec.scorer, rec.proposer or run.settings.proposer, shape).total_ms
+        ks = [r.k for r in rec.requests]
+        pred = record_ms(costs, rec, run.settings.proposer)
         if costs.churn is not None:  # as the replay charges its steps
             ids = {q.request_id for q in rec.requests}
             pred, last = costs.churn.charged(pred, last, ids), ids
         res.predicted_ms += pred
         res.trace.append(StepTrace(len(ks), sum(ks) / len(ks), rec.scorer, pred, costs.step_ms(rec)))
         res.num_steps += 1
+        res.num_run_steps += rec.num_decode_steps if rec.num_decode_steps > 1 else 0
         res.num_request_steps += len(ks)
         res.num_drafts += sum(ks)
         res.scorer_steps[rec.scorer] = res.scorer_steps.get(rec.scorer, 0) + 1
@@ -226,13 +236,25 @@ class _Live:
     last_accepted: int = 0
 
 
-def _max_k(live: _Live, settings: RunSettings) -> int:
-    cap = min(settings.max_k, live.req.output_len - live.s - 2)  # leave the last token to the target
-    if settings.proposer == "none":
+def _offer(live: _Live, settings: RunSettings, proposer: str) -> int:
+    """Drafts the proposer has on offer at the request's index (the engine's peek): an n-gram's match
+    length as recorded there (else unknown: ``max_k``), a draft model's ``max_k``."""
+    if proposer == "none":
         return 0
-    if settings.proposer == "ngram":  # the match length: as recorded at this index, else unknown
-        cap = min(cap, live.req.recorded_k.get(live.s, settings.max_k))
-    return max(cap, 0)
+    if proposer == "ngram":
+        return live.req.recorded_k.get(live.s, settings.max_k)
+    return settings.max_k
+
+
+def _max_k(live: _Live, settings: RunSettings, proposer: str) -> int:
+    cap = min(settings.max_k, live.req.output_len - live.s - 2)  # leave the last token to the target
+    return max(min(cap, _offer(live, settings, proposer)), 0)
+
+
+def _plain_forward_ms(costs: CostModels, scorers: Sequence[str], ctx: list[int]) -> float:
+    """A plain forward's predicted scoring ms on the cheapest scorer (the engine measures its own)."""
+    stats = plain_stats(ctx)
+    return min(costs.predict_stats(s, "none", stats).score_ms for s in scorers)
 
 
 def simulate(
@@ -246,8 +268,12 @@ def simulate(
     segments: Sequence[int] | None = None,
     think_ms: Sequence[float] | None = None,
     window_ms: Sequence[float] | None = None,
+    proposer: str | None = None,
+    runs: RunRules | None = None,
 ) -> PolicyResult:
-    """Replay the run's requests under ``policy`` (see the module docstring). Who joins when —
+    """Replay the run's requests under ``policy`` (see the module docstring). ``proposer`` ("none":
+    a non-speculative config replayed on a drafting log) and ``runs`` (the runs of plain steps,
+    policies/replay_runs.py) replace the run's own. Who joins when —
     ``closed_loop`` (each client one request at a time), ``segments`` (busy periods), ``think_ms``
     (each client's round trips) and ``window_ms`` (each period's clients send for as long as they did
     live, their requests sent again or not at all): :mod:`specsched.policies.replay_clients`. With
@@ -256,6 +282,7 @@ def simulate(
     (e.g. it names a scorer that ``scorers`` lacks)."""
     st = run.settings
     scorers = list(scorers or st.scorers)
+    proposer, rules = proposer or st.proposer, runs or st.runs
     res = _base_result(run, label, "replayed", costs)
     acceptance = AcceptanceEstimator()
     prefill = sum(map(costs.step_ms, run.prefill_steps))
@@ -280,16 +307,24 @@ def simulate(
             RequestView(
                 live.req.key,
                 c,
-                st.proposer,
-                _max_k(live, st),
-                acceptance.mean(live.req.key, st.proposer),
-                acceptance.std(live.req.key, st.proposer),
+                proposer,
+                _max_k(live, st, proposer),
+                acceptance.mean(live.req.key, proposer),
+                acceptance.std(live.req.key, proposer),
                 live.last_k,
                 live.last_accepted,
             )
             for live, c in zip(running, ctx, strict=True)
         ]
-        batch = BatchView(views, free, st.block_size, scorers, res.num_steps, acceptance=acceptance)
+        steps = 1  # forwards a plan with every k = 0 runs (policies/replay_runs.py)
+        if not rules.is_off:
+            offers = [_offer(live, st, proposer) for live in running]
+            left = [live.req.output_len - 1 - live.s for live in running]
+            forward = _plain_forward_ms(costs, scorers, ctx) if len(running) == 1 else None
+            steps = run_length(rules, offers, left, proposer, st.max_k, arrivals.has_waiting, forward)
+        batch = BatchView(
+            views, free, st.block_size, scorers, res.num_steps, decode_steps=steps, acceptance=acceptance
+        )
         plan = policy.decide(batch, costs)
         if len(plan.k) != len(views) or plan.scorer not in scorers:
             raise ValueError(
@@ -297,7 +332,11 @@ def simulate(
                 f"{plan.scorer!r} (available: {', '.join(scorers)})"
             )
         ks = [min(k, v.max_k) for k, v in zip(plan.k, views, strict=True)]
-        pred = costs.predict(plan.scorer, st.proposer, StepShape(ks, ctx)).total_ms
+        is_run = steps > 1 and not any(ks)
+        if is_run:
+            pred = costs.predict_run(plan.scorer, plain_stats(ctx), steps)
+        else:
+            pred = costs.predict(plan.scorer, proposer, StepShape(ks, ctx)).total_ms
         if churn is not None:
             ids = {live.req.key for live in running}
             pred, last_ids = churn.charged(pred, last_ids, ids), ids
@@ -310,13 +349,14 @@ def simulate(
                 if not world[m]:
                     break
                 a += 1
-            emitted = min(a + 1, live.req.output_len - 1 - live.s)
-            acceptance.observe(live.req.key, st.proposer, k, a)
+            emitted = min(steps if is_run else a + 1, live.req.output_len - 1 - live.s)
+            acceptance.observe(live.req.key, proposer, k, a)
             live.s, live.last_k, live.last_accepted = live.s + emitted, k, a
             res.num_tokens, res.num_decode_tokens = res.num_tokens + emitted, res.num_decode_tokens + emitted
             accepted.append(a)
         policy.observe(plan, accepted)
         res.num_steps += 1
+        res.num_run_steps += steps if is_run else 0
         res.num_request_steps += len(ks)
         res.num_drafts += sum(ks)
         res.predicted_ms += pred

@@ -120,6 +120,19 @@ class Arrivals:
                 is_admitted = True
         return out
 
+    @property
+    def has_waiting(self) -> bool:
+        """A request that could join now is held for lack of a slot (call after :meth:`admit`): the
+        engine's ``scheduler.waiting``, which stops a run of plain steps (policies/replay_runs.py)."""
+        is_open = self.is_open
+        for client, queue in self.queues.items():
+            if not queue or client in self.busy or self.period_of(queue[0]) > self.segment:
+                continue
+            if self.is_waiting(queue[0]) or (not is_open and client in self.sent):
+                continue
+            return True
+        return False
+
     def finish(self, i: int) -> None:
         """Request ``i`` finished: its client may send its next one, after its round trip."""
         client = self.requests[i].client if self.closed_loop else None

@@ -28,6 +28,7 @@ from specsched.engine.config import SchedulerConfig, SpecConfig
 from specsched.engine.log_schema import READABLE_VERSIONS, LogFormatError, open_log
 from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.policies.registry import POLICIES
+from specsched.policies.replay_runs import RunRules
 
 PRIOR_STRENGTH = 2.0  # pseudo-observations of the run mean in a request's imputation rate
 _MEASURED = ("propose_ms", "score_ms", "verify_ms", "total_ms")
@@ -67,6 +68,7 @@ class RunSettings:
     policy: dict | None  # the recorded policy's config
     graph_buckets: dict[str, list[int]] = field(default_factory=dict)
     defaulted: list[str] = field(default_factory=list)
+    runs: RunRules = field(default_factory=RunRules)  # runs of plain steps (policies/replay_runs.py)
 
     @classmethod
     def from_config(cls, config: dict, steps: Sequence[StepRecord]) -> RunSettings:
@@ -103,6 +105,7 @@ class RunSettings:
             num_blocks=get("cache.num_blocks"),
             policy=dict(policy) if policy is not None else None,
             defaulted=defaulted,
+            runs=RunRules.from_scheduler(get("scheduler")),
         )
 
 
@@ -145,14 +148,14 @@ class RecordedRun:
         return [s for s in self.steps if s.kind == "prefill"]
 
 
-def load_run(path: str, run_id: int | None = None, allow_runs: bool = False) -> RecordedRun:
+def load_run(path: str, run_id: int | None = None) -> RecordedRun:
     """Read run ``run_id`` (None: the latest) of a decision log. Raises :class:`LogFormatError` for a
-    file that is not a log of this schema version, :class:`ReplayError` for anything else, and for a
-    run with runs of plain steps (``scheduler.decode_steps``) unless ``allow_runs`` (readers that
-    use the steps' times only, e.g. the cost-error table; the replay models one forward per step)."""
+    file that is not a log of this schema version, :class:`ReplayError` for anything else. A record of
+    a run of plain steps (``num_decode_steps`` > 1) is kept as one record; the replay runs them by the
+    run's scheduler options (``settings.runs``, policies/replay_runs.py)."""
     db = open_log(path)
     try:
-        return _load(db, str(path), run_id, allow_runs)
+        return _load(db, str(path), run_id)
     except sqlite3.DatabaseError as e:
         raise LogFormatError(f"{path}: damaged log ({e})") from e
     except (ReplayError, LogFormatError):
@@ -163,7 +166,7 @@ def load_run(path: str, run_id: int | None = None, allow_runs: bool = False) -> 
         db.close()
 
 
-def _load(db, path: str, run_id: int | None, allow_runs: bool = False) -> RecordedRun:
+def _load(db, path: str, run_id: int | None) -> RecordedRun:
     ids = [r[0] for r in db.execute("select id from runs order by id")]
     if not ids:
         raise ReplayError(f"{path}: the log holds no runs")
@@ -192,15 +195,8 @@ def _load(db, path: str, run_id: int | None, allow_runs: bool = False) -> Record
         row["host_ms"] = _host_ms(row.pop("host_ms", None))
         is_ahead, age = row.pop("is_planned_ahead"), row.pop("plan_age")
         row["plan_info"] = {"is_planned_ahead": True, "plan_age": age or 0} if is_ahead else {}
-        row["num_decode_steps"] = num_steps = row.pop("decode_steps") or 1
+        row["num_decode_steps"] = row.pop("decode_steps") or 1
         row["is_after_run"] = bool(row.pop("is_after_run"))
-        if num_steps != 1 and not allow_runs:
-            raise ReplayError(
-                f"{path}: run {run_id} step {row['step']} ran {num_steps} plain decode steps back to back "
-                "(scheduler.decode_steps, or plain_decode_steps for a request without a proposer "
-                "decoding alone); the replay models one forward per step: record with decode_steps=1 "
-                "plain_decode_steps=1"
-            )
         steps[row["step"]] = StepRecord(**row)
     rows: dict[str, list[tuple[int, StepRequestRecord]]] = {}
     max_k = ", max_k" if "max_k" in db["step_requests"].columns_dict else ""  # schema >= 3
@@ -224,6 +220,8 @@ def _load(db, path: str, run_id: int | None, allow_runs: bool = False) -> Record
     )
     ordered = list(steps.values())
     settings = RunSettings.from_config(config, ordered)
+    if settings.runs.is_off and any(s.num_decode_steps > 1 for s in ordered):
+        settings.defaulted.append("runs")  # its config holds no run options: replayed one step at a time
     settings.graph_buckets = _saved_buckets(db, run_id)
     requests, conflicts = _requests(rows, finished, steps)
     return RecordedRun(

@@ -204,8 +204,8 @@ def test_each_timed_window_is_one_run_of_its_cell_s_decision_log(result):
     for run_id, config in (
         (r["id"], json.loads(r["config"])) for r in db.query("select id, config from runs")
     ):
-        # allow_runs: the non-speculative window at batch 1 ran plain steps in runs (plain_decode_steps)
-        settings = load_run(str(logs / "real_ngram_b1.sqlite"), run_id, allow_runs=True).settings
+        # the non-speculative window at batch 1 ran plain steps in runs: its run options are read too
+        settings = load_run(str(logs / "real_ngram_b1.sqlite"), run_id).settings
         assert settings.defaulted == [], (config["config"], settings.defaulted)
         assert settings.scorers == list(cfg.real.scorers) and settings.max_k == cfg.real.max_k
         assert settings.proposer == ("none" if config["config"] == NON_SPEC else "ngram")

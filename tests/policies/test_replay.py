@@ -25,6 +25,7 @@ from specsched.engine.request import Request, SamplingParams
 from specsched.policies.registry import build_policy
 from specsched.policies.replay import ReplayOptions, policy_label, refit_costs, replay, simulate
 from specsched.policies.replay_log import ReplayError, RunSettings, complete_bits, load_run
+from specsched.policies.replay_runs import RunRules
 
 # ---- hand-built logs ------------------------------------------------------------------------------
 
@@ -189,14 +190,19 @@ def test_bad_logs_raise_clear_errors(tmp_path):
     run_of_steps = decode_step(1, [("a", 3, 0, 0)])  # scheduler.decode_steps: 3 forwards in one record
     run_of_steps.plan_info, run_of_steps.num_decode_steps = {"decode_steps": 3}, 3
     write_log(tmp_path / "m.sqlite", CONFIG, [decode_step(0, [("a", 2, 0, 0)]), run_of_steps], [("a", 2, 5)])
-    with pytest.raises(ReplayError, match="step 1 ran 3 plain decode steps back to back"):
-        load_run(tmp_path / "m.sqlite")
+    # a run's record is one record; a config without the run options says so in ``defaulted``
+    assert "runs" in load_run(tmp_path / "m.sqlite").settings.defaulted
+    with_runs = {**CONFIG, "scheduler": {"max_num_seqs": 2, "decode_steps": 3}}
+    steps = [decode_step(0, [("a", 2, 0, 0)]), run_of_steps]
+    write_log(tmp_path / "m3.sqlite", with_runs, steps, [("a", 2, 5)])
+    settings = load_run(tmp_path / "m3.sqlite").settings
+    assert settings.runs == RunRules(decode_steps=3) and "runs" not in settings.defaulted
     after = decode_step(2, [("a", 5, 1, 1)])  # the step after the run: a draft model caught up
     after.plan_info, after.is_after_run = {"is_after_run": True}, True
     write_log(
         tmp_path / "r.sqlite", CONFIG, [decode_step(0, [("a", 2, 0, 0)]), run_of_steps, after], [("a", 2, 7)]
     )
-    steps = load_run(tmp_path / "r.sqlite", allow_runs=True).steps  # readers of times only
+    steps = load_run(tmp_path / "r.sqlite").steps
     assert [(s.num_decode_steps, s.is_after_run) for s in steps] == [(1, False), (3, False), (1, True)]
     db = sqlite_utils.Database(tmp_path / "d.sqlite")
     db.execute("update runs set schema_version = 0")
