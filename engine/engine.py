@@ -287,6 +287,8 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
             max_steps, names = max(max_steps, self._plain_steps()), ["none"]
         elif not self._runs_allowed(len(reqs)):
             max_steps = 1
+        elif len(reqs) == 1 and max_steps > 1:  # a run alone lasts about plain_decode_ms too
+            max_steps = self._plain_steps(max_steps)
         if max_steps > 1 and reqs:  # what a plan with every k = 0 would run (the policy weighs
             # it; the step runs it when its plan drafts nothing); the proposers' own offer, not the
             # views' caps: a request one token from its max_tokens has a cap of 0 for lack of room,
@@ -310,15 +312,16 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
             return False
         return names[0] == "none" or reqs[0].spec.max_k == 0 or self.cfg.spec.max_k == 0
 
-    def _plain_steps(self) -> int:
-        """``scheduler.plain_decode_steps`` capped by ``plain_decode_ms`` over the measured ms of a
-        plain forward alone (1 before the first is measured)."""
+    def _plain_steps(self, steps: int | None = None) -> int:
+        """``steps`` (default ``scheduler.plain_decode_steps``) capped by ``plain_decode_ms`` over the
+        measured ms of a plain forward alone (1 before the first is measured)."""
         sched = self.cfg.scheduler
+        steps = sched.plain_decode_steps if steps is None else steps
         if sched.plain_decode_ms is None:
-            return sched.plain_decode_steps
+            return steps
         if self._plain_forward_ms is None:
             return 1
-        return max(1, min(sched.plain_decode_steps, int(sched.plain_decode_ms / self._plain_forward_ms)))
+        return max(1, min(steps, int(sched.plain_decode_ms / self._plain_forward_ms)))
 
     def _observe_plain(self, seconds: float, num_steps: int) -> None:
         """A plain step or run alone took ``seconds`` from its scoring launch to its read: the EMA of

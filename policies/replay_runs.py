@@ -7,6 +7,7 @@ read (vLLM's multi-step scheduling) in two cases:
 - ``scheduler.decode_steps`` > 1: any batch (with ``decode_steps_max_batch`` set: of at most that many
   requests with none waiting for admission), when every k = 0 is the policy's choice and not a lack of
   drafts (an n-gram proposer without a match may have one after the next token: a run would skip it);
+  a request alone runs at most about ``plain_decode_ms``, as below;
 - ``scheduler.plain_decode_steps`` > 1 (the default 8 since 2026-12-07): a request decoding alone,
   none waiting, that cannot draft at all (proposer ``none`` or ``spec.max_k`` 0): runs of that many,
   capped to about ``plain_decode_ms`` by the measured ms of a plain forward.
@@ -60,14 +61,15 @@ class RunRules:
             plain_decode_ms=None if ms is None else float(ms),
         )
 
-    def plain_steps(self, forward_ms: float | None) -> int:
-        """``plain_decode_steps`` capped by ``plain_decode_ms`` over a plain forward's ms (one step
-        while that is unknown), at least 1: the engine's ``_plain_steps``."""
+    def plain_steps(self, forward_ms: float | None, steps: int | None = None) -> int:
+        """``steps`` (default ``plain_decode_steps``) capped by ``plain_decode_ms`` over a plain
+        forward's ms (one step while that is unknown), at least 1: the engine's ``_plain_steps``."""
+        steps = self.plain_decode_steps if steps is None else steps
         if self.plain_decode_ms is None:
-            return self.plain_decode_steps
+            return steps
         if forward_ms is None or not forward_ms > 0:
             return 1
-        return max(1, min(self.plain_decode_steps, int(self.plain_decode_ms / forward_ms)))
+        return max(1, min(steps, int(self.plain_decode_ms / forward_ms)))
 
 
 def run_length(
@@ -93,6 +95,8 @@ def run_length(
         steps = max(rules.decode_steps, rules.plain_steps(forward_ms))
     elif rules.decode_steps_max_batch is None or (b <= rules.decode_steps_max_batch and not is_waiting):
         steps = rules.decode_steps
+        if b == 1 and steps > 1:  # a run alone lasts about plain_decode_ms too
+            steps = rules.plain_steps(forward_ms, steps)
     else:
         return 1
     if steps <= 1 or (not cannot_draft and min(offers) == 0):  # a k = 0 for lack of drafts: no run

@@ -348,6 +348,26 @@ def test_a_run_alone_lasts_about_plain_decode_ms_at_most():
     assert got == want and recs[0].num_decode_steps == 1 and max(r.num_decode_steps for r in recs) == 8
 
 
+def test_a_decode_steps_run_alone_lasts_about_plain_decode_ms_too():
+    """A request alone whose plan drafts nothing (a draft model declined: fixed k = 0) runs
+    ``decode_steps`` capped by ``plain_decode_ms`` over the measured plain forward, as a request that
+    cannot draft does: a 7B target's forward of ~7 ms makes a newcomer wait one forward, not eight.
+    In a batch the cap does not apply (its forwards are not a forward alone)."""
+    rng = random.Random(5)
+    ps = prompts(rng, 1)
+    params = [SamplingParams(max_tokens=20, ignore_eos=True)]
+    want, _ = run(engine("mqa", 1, proposer="draft"), ps, params)
+    e = engine("mqa", 8, proposer="draft", plain_ms=1e-6)  # no forward is that fast: single steps
+    got, recs = run(e, ps, params)
+    assert got == want and all(r.num_decode_steps == 1 for r in recs)
+    e = engine("mqa", 8, proposer="draft", plain_ms=1e6)  # runs of 8 once a forward is measured
+    got, recs = run(e, ps, params)
+    assert got == want and recs[0].num_decode_steps == 1 and max(r.num_decode_steps for r in recs) == 8
+    e = engine("mqa", 8, proposer="draft", plain_ms=8.0)
+    e._plain_forward_ms = 2.0
+    assert e._plain_steps(8) == 4 and e._plain_steps(3) == 3  # what the view offers at ~2 ms a forward
+
+
 def test_a_run_is_not_a_cost_model_observation():
     e = engine("mqa", 4)
     _, recs = run(e, prompts(random.Random(2), 3), [SamplingParams(max_tokens=10, ignore_eos=True)] * 3)

@@ -55,6 +55,10 @@ def test_decode_steps_runs_by_batch_waiting_and_offers():
     assert run_length(alone, [3], [50], "draft", 8, True) == 1
     assert run_length(alone, [3], [2], "draft", 8, False) == 2
     assert run_length(RunRules(), [3], [50], "draft", 8, False) == 1
+    capped = RunRules(decode_steps=8, decode_steps_max_batch=1, plain_decode_ms=8.0)
+    assert run_length(capped, [3], [50], "draft", 8, False, forward_ms=2.0) == 4  # alone: ~8 ms
+    assert run_length(capped, [3], [50], "draft", 8, False, forward_ms=None) == 1
+    assert run_length(RunRules(decode_steps=8, plain_decode_ms=8.0), [3, 3], [50, 50], "draft", 8, False) == 8
     with pytest.raises(ValueError, match="one offer per request"):
         run_length(any_batch, [3], [50, 50], "ngram", 8, False)
 
