@@ -152,6 +152,12 @@ def make_engine(
     return Engine(*_config_and_parts(spec, proposers, default_proposer, policy, scheduler))
 
 
+def scheduler_config(spec: EngineSpec, scheduler: dict | None = None) -> SchedulerConfig:
+    """The scheduler of an engine of ``spec`` with ``scheduler`` overrides (:func:`make_engine`)."""
+    options = {"max_num_seqs": spec.max_batch, "max_num_batched_tokens": 4096, **spec.scheduler}
+    return SchedulerConfig(**{**options, **(scheduler or {})})
+
+
 def _config_and_parts(
     spec: EngineSpec,
     proposers: dict[str, Proposer],
@@ -163,14 +169,7 @@ def _config_and_parts(
     cfg = EngineConfig(
         model=ModelConfig(source=spec.name, device=str(device)),
         cache=CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks),
-        scheduler=SchedulerConfig(
-            **{
-                "max_num_seqs": spec.max_batch,
-                "max_num_batched_tokens": 4096,
-                **spec.scheduler,
-                **(scheduler or {}),
-            }
-        ),
+        scheduler=scheduler_config(spec, scheduler),
         spec=SpecConfig(proposer=default_proposer, scorers=list(spec.scorers), max_k=spec.max_k),
         policy={"name": policy.name},
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specsched.bench.common import make_engine, sync
+from specsched.bench.common import make_engine, scheduler_config, sync
 from specsched.bench.e2e import RunConfig, use_draft_loop
 from specsched.bench.regret_cells import Cell
 from specsched.bench.serve_clients import stagger_plan
@@ -84,7 +84,8 @@ def engine_settings(cell: Cell, run: RunConfig) -> dict:
     spec = cell.spec
     return {
         "spec": {"proposer": run.proposer, "max_k": spec.max_k, "scorers": list(spec.scorers)},
-        "scheduler": {"max_num_seqs": spec.max_batch, **spec.scheduler, **run.scheduler},
+        # the engine's whole scheduler (its run options included: the replay runs plain steps by them)
+        "scheduler": asdict(scheduler_config(spec, run.scheduler)),
         "cache": {"block_size": spec.block_size, "num_blocks": spec.num_blocks},
         "policy": {"name": policy.name, **(asdict(options) if is_dataclass(options) else {})},
     }

@@ -201,14 +201,19 @@ class SchedulerConfig:
     # is greedy (engine/multi_step.py; vLLM's num_scheduler_steps): each step's argmax feeds the next
     # without a host read, and the host's per-step work is paid once per this many tokens. A request
     # then streams this many tokens at a time and a new one waits up to this many forwards for its
-    # prefill. 1: off.
-    decode_steps: int = 1
+    # prefill (a run alone lasts about plain_decode_ms at most). The policy weighs the run against its
+    # speculative plan (goodput: policies/run_cost.py). 1: off. Default 8, with decode_steps_max_batch
+    # 1, since 2026-12-07 (H100, bench=serve_h200_verdict, two daemons a config): goodput with runs
+    # alone +7.4 % per round against fixed k = 8 at N = 1 on chat prompts (its default then: -4.6 %),
+    # -3.1 / +1.5 % at N = 4 / 64 (-2.6 / -1.9 %); on the grounded prompts at N = 1 -0.1 % (-1.4 %);
+    # replayed on one daemon's costs +4.8 / +0.5 / +0.2 % over goodput without them (docs/benchmarks.md).
+    decode_steps: int = 8
     # Runs of plain steps only while the decode batch has at most this many requests and none waits
     # for admission (null: at any batch). With 1, a request served alone streams its tokens in runs
     # (SmolLM2 non-speculative on the H200, 2026-12-06: 1,008 tok/s with runs of 8 at N = 1 against
     # 775 without), while a request that comes to a busy engine never waits for a run to end (TTFT p50
     # at N = 4 with runs of 8 at any batch: 6.7 ms against 4.0 without).
-    decode_steps_max_batch: int | None = None
+    decode_steps_max_batch: int | None = 1
     # Runs of this many plain steps for a decode batch of one request that cannot draft at all (its
     # proposer is none or its spec.max_k is 0) while none waits for admission, whatever decode_steps
     # says: nothing speculative is given up and no newcomer waits for the run. The non-speculative

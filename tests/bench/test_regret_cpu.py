@@ -3,6 +3,7 @@ repeats, and the table's ratios are the ones its rows imply."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -13,6 +14,7 @@ from hydra import compose, initialize_config_dir
 
 import specsched.bench.cli as cli
 from specsched.bench.regret import NON_SPEC, summarize
+from specsched.engine.config import SchedulerConfig
 
 CONF_DIR = str(Path(cli.__file__).parent / "conf")
 CONFIGS = [NON_SPEC, "fixed k=2 batch_expansion", "fixed k=2 mqa", "policy goodput"]
@@ -181,9 +183,10 @@ def test_each_timed_window_is_one_run_of_its_cell_s_decision_log(result):
             (s["config"], s["repeat"]) for s in c["samples"]
         )
         assert all(r["bench"] == "regret" and r["batch"] == c["batch"] for r in runs.values())
-        for r in runs.values():  # the cell's scheduler options, and a variant's own on top
+        for r in runs.values():  # the engine's whole scheduler: the cell's options, a variant's own on top
             own = {"decide_budget": 0.5} if r["config"] == VARIANT else {}
-            assert r["scheduler"] == {"max_num_seqs": c["batch"], "decide_cost": "host", **own}
+            options = dict(max_num_seqs=c["batch"], max_num_batched_tokens=4096, decide_cost="host", **own)
+            assert r["scheduler"] == dataclasses.asdict(SchedulerConfig(**options))
         for run_id, run in runs.items():
             sample = next(
                 s for s in c["samples"] if (s["config"], s["repeat"]) == (run["config"], run["repeat"])

@@ -50,7 +50,9 @@ def make_engine(policy: dict) -> Engine:
     cfg = EngineConfig(
         model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
         cache=CacheConfig(block_size=4, num_blocks=1024),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
+        # one forward a step (no runs of plain steps alone, the default: tests/policies/test_replay_runs.py
+        # replays those): k = 0 here takes one token a step, live and replayed
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, decode_steps=1),
         spec=SpecConfig(
             proposer="draft",
             scorers=["mqa", "batch_expansion"],

@@ -294,7 +294,9 @@ def test_a_request_that_cannot_draft_runs_alone_by_default():
     ps = prompts(rng, 6)  # more than max_num_seqs (4): some wait while others decode
     params = [SamplingParams(max_tokens=rng.randint(9, 20), ignore_eos=True) for _ in ps]
     want, _ = run(engine("mqa", 1), ps, params)
-    assert SchedulerConfig().plain_decode_steps == 8 and SchedulerConfig().decode_steps == 1
+    defaults = SchedulerConfig()
+    assert (defaults.plain_decode_steps, defaults.decode_steps, defaults.decode_steps_max_batch) == (8, 8, 1)
+    # below with decode_steps=1: plain_decode_steps runs whatever decode_steps says
     e = engine("mqa", 1, plain=SchedulerConfig().plain_decode_steps)
     waiting_at_step = count_waiting(e)
     got, recs = run(e, ps, params)

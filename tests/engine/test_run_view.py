@@ -75,7 +75,9 @@ def goodput_engine(proposer: str, decode_steps: int) -> Engine:
     cfg = EngineConfig(
         model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
         cache=CacheConfig(block_size=4, num_blocks=256),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, decode_steps=decode_steps),
+        scheduler=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, decode_steps=decode_steps, decode_steps_max_batch=None
+        ),
         spec=SpecConfig(proposer=proposer, scorers=["batch_expansion", "mqa"], max_k=4),
         policy={"name": "goodput"},
     )
@@ -144,7 +146,9 @@ def test_the_drafts_catch_up_after_plain_steps_replays_a_graph(draft_max_q, eage
 def test_the_engines_graph_config_covers_a_run_of_plain_steps(decode_steps, want):
     cfg = EngineConfig(
         model=ModelConfig(source="tiny", device="cpu", dtype="float32"),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, decode_steps=decode_steps),
+        scheduler=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, decode_steps=decode_steps, decode_steps_max_batch=None
+        ),
     )
     assert GraphConfig.for_engine(cfg, 256).draft_max_q == want
     with pytest.raises(ValueError, match="draft_max_q"):

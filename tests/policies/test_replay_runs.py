@@ -165,7 +165,7 @@ def test_replay_runs_a_non_speculative_request_alone_as_the_engine_did(tmp_path)
 def test_replay_runs_decode_steps_at_any_batch_as_the_engine_did(tmp_path):
     """decode_steps=4 at any batch, the draft proposer declined (fixed k = 0): the replay of the log's
     own policy reproduces its records and run forwards; the recorded row prices runs as runs."""
-    sched = SchedulerConfig(max_num_seqs=2, decode_steps=4)
+    sched = SchedulerConfig(max_num_seqs=2, decode_steps=4, decode_steps_max_batch=None)
     records = live_log(tmp_path / "d.sqlite", sched, "draft", one_at_a_time=False)
     decode = [r for r in records if r.kind == "decode"]
     assert sum(r.num_decode_steps == 4 for r in decode) >= 10
