@@ -7,8 +7,10 @@ The replay (:func:`simulate`) batches continuously: requests join in their first
 fewer than ``scheduler.max_num_seqs`` run, and leave at their recorded output length. Each decode
 step builds a :class:`BatchView`, asks the policy, reads the match bits to get each request's
 accepted count, and charges the step the cost model's predicted ms; the cost model is refitted from
-the run's measured step timings (:func:`refit_costs`). Prefill steps are taken from the recording,
-with their measured time, for every policy alike.
+the run's measured step timings (:func:`refit_costs`). A plan that drafts nothing where the engine
+would run several plain forwards back to back runs them as one step of that many tokens a request
+(the run's scheduler options: :mod:`specsched.policies.replay_runs`). Prefill steps are taken from
+the recording, with their measured time, for every policy alike.
 """
 
 from __future__ import annotations
