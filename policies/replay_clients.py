@@ -99,11 +99,7 @@ class Arrivals:
         while is_admitted and num_slots > 0:
             is_admitted = False
             for client, queue in self.queues.items():
-                if not queue or num_slots <= 0 or client in self.busy:
-                    continue
-                if self.period_of(queue[0]) > self.segment or self.is_waiting(queue[0]):
-                    continue
-                if not is_open and client in self.sent:  # closed: only a client's first of the period
+                if num_slots <= 0 or not self._may_join(client, queue, is_open):
                     continue
                 i = queue.popleft()
                 out.append(i)
@@ -120,18 +116,20 @@ class Arrivals:
                 is_admitted = True
         return out
 
+    def _may_join(self, client: str | None, queue: deque[int], is_open: bool) -> bool:
+        """The head of ``client``'s queue may join now (a slot given): the client has none running,
+        its period has come, its round trip is over, and the period's window is open or this is the
+        client's first request of the period."""
+        if not queue or client in self.busy or self.period_of(queue[0]) > self.segment:
+            return False
+        return not self.is_waiting(queue[0]) and (is_open or client not in self.sent)
+
     @property
     def has_waiting(self) -> bool:
         """A request that could join now is held for lack of a slot (call after :meth:`admit`): the
         engine's ``scheduler.waiting``, which stops a run of plain steps (policies/replay_runs.py)."""
         is_open = self.is_open
-        for client, queue in self.queues.items():
-            if not queue or client in self.busy or self.period_of(queue[0]) > self.segment:
-                continue
-            if self.is_waiting(queue[0]) or (not is_open and client in self.sent):
-                continue
-            return True
-        return False
+        return any(self._may_join(client, queue, is_open) for client, queue in self.queues.items())
 
     def finish(self, i: int) -> None:
         """Request ``i`` finished: its client may send its next one, after its round trip."""

@@ -169,41 +169,28 @@ def test_ngram_ceiling_where_accepted_drafts_skipped_the_index_is_what_is_left_o
     assert [round(t.mean_k) for t in report.rows[-1].trace] == [2, 1, 0]
 
 
+def recorded_caps(path, max_k: int, steps: list[StepRecord], output_tokens: int) -> dict[int, int]:
+    """The n-gram caps the replay reads for request "a" (prompt 3) of a log of ``steps``."""
+    cfg = dict(CONFIG, proposer={"name": "ngram", "max_k": max_k}, scheduler={"max_num_seqs": 1})
+    write_log(path, cfg, steps, [("a", 3, output_tokens)])
+    return load_run(path).requests[0].recorded_k
+
+
 def test_a_capped_match_that_goes_on_keeps_its_cap_inside_the_accepted_span(tmp_path):
     """A cap of max_k (4 here) hides a longer match: when all 4 drafts were accepted and the next step
     (s = 5) still had a match of 3, the match is taken to go on, so at s + j it had at least 3 + 5 - j
     left: 4 (the cap) at every skipped index, where cap - j gave 3, 2, 1, 0. An uncapped cap, or a
     next step without a match, keeps cap - j."""
-    cfg = dict(CONFIG, proposer={"name": "ngram", "max_k": 4}, scheduler={"max_num_seqs": 1})
     steps = [
         decode_step(0, [("a", 3, 4, 4)]),
         decode_step(1, [("a", 8, 3, 0)]),
         decode_step(2, [("a", 9, 0, 0)]),
     ]
-    write_log(tmp_path / "c.sqlite", cfg, steps, [("a", 3, 9)])
-    assert load_run(tmp_path / "c.sqlite").requests[0].recorded_k == {
-        0: 4,
-        1: 4,
-        2: 4,
-        3: 4,
-        4: 4,
-        5: 3,
-        6: 0,
-    }
+    capped = {0: 4, 1: 4, 2: 4, 3: 4, 4: 4, 5: 3, 6: 0}
+    assert recorded_caps(tmp_path / "c.sqlite", 4, steps, 9) == capped
     no_match_after = [decode_step(0, [("a", 3, 4, 4)]), decode_step(1, [("a", 8, 0, 0)])]
-    write_log(tmp_path / "n.sqlite", cfg, no_match_after, [("a", 3, 7)])
-    assert load_run(tmp_path / "n.sqlite").requests[0].recorded_k == {0: 4, 1: 3, 2: 2, 3: 1, 4: 0, 5: 0}
-    uncapped = dict(cfg, proposer={"name": "ngram", "max_k": 8})
-    write_log(tmp_path / "u.sqlite", uncapped, steps, [("a", 3, 9)])
-    assert load_run(tmp_path / "u.sqlite").requests[0].recorded_k == {
-        0: 4,
-        1: 3,
-        2: 2,
-        3: 1,
-        4: 0,
-        5: 3,
-        6: 0,
-    }
+    assert recorded_caps(tmp_path / "n.sqlite", 4, no_match_after, 7) == {0: 4, 1: 3, 2: 2, 3: 1, 4: 0, 5: 0}
+    assert recorded_caps(tmp_path / "u.sqlite", 8, steps, 9) == {0: 4, 1: 3, 2: 2, 3: 1, 4: 0, 5: 3, 6: 0}
 
 
 def test_policy_that_cannot_run_gets_an_error_row(tmp_path):

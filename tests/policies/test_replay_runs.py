@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -72,13 +71,10 @@ def test_run_length_agrees_with_the_engines_num_decode_steps(seed):
     offers = [rng.choice([0, 0, 2, 8]) for _ in range(b)]
     left = [rng.randint(1, 20) for _ in range(b)]
     proposer = rng.choice(["ngram", "draft", "none"])
-    reqs = [
-        SimpleNamespace(
-            sampling=SimpleNamespace(temperature=0.0, max_tokens=10 + n), spec=SimpleNamespace(max_k=None),
-            prompt_ids=[1] * 5, output_ids=[1] * 10,
-        )
-        for n in left
-    ]  # fmt: skip
+    reqs = []
+    for i, n in enumerate(left):  # 10 tokens out, n left to emit
+        reqs.append(Request(f"r{i}", [1] * 5, SamplingParams(max_tokens=10 + n)))
+        reqs[-1].output_ids = [1] * 10
     engine = num_decode_steps(reqs, [0] * b, offers, [proposer] * b, 6, max_model_len=4096)
     assert run_length(RunRules(decode_steps=6), offers, left, proposer, 8, False) == engine
 
