@@ -223,7 +223,7 @@ def _load(db, path: str, run_id: int | None) -> RecordedRun:
     if settings.runs.is_off and any(s.num_decode_steps > 1 for s in ordered):
         settings.defaulted.append("runs")  # its config holds no run options: replayed one step at a time
     settings.graph_buckets = _saved_buckets(db, run_id)
-    requests, conflicts = _requests(rows, finished, steps, settings.max_k)
+    requests, conflicts = _requests(rows, finished, steps)
     return RecordedRun(
         path,
         run_id,
@@ -256,7 +256,7 @@ def _saved_buckets(db, run_id: int) -> dict[str, list[int]]:
     return json.loads(row[0]) if row and row[0] else {}
 
 
-def _requests(rows, finished, steps, max_k: int) -> tuple[list[RecordedRequest], int]:
+def _requests(rows, finished, steps) -> tuple[list[RecordedRequest], int]:
     """One :class:`RecordedRequest` per life of a request id (a reused id is split by the times of
     its `requests` rows), with its match bits; plus the number of conflicting bits."""
     by_id: dict[str, list[dict]] = {}
@@ -287,7 +287,7 @@ def _requests(rows, finished, steps, max_k: int) -> tuple[list[RecordedRequest],
                 if 0 < m < length:
                     conflicts += bits[m] is not None and bits[m] != b
                     bits[m] = b if bits[m] is None else bits[m]
-        _continue_matches(recorded_k, recs, prompt, max_k)
+        _continue_matches(recorded_k, recs, prompt)
         first = recs[0][0] if recs else None
         client = f.get("client") if f is not None else None
         out.append(RecordedRequest(key, prompt, length, first, bits, recorded_k, f is not None, client))
@@ -328,25 +328,26 @@ def complete_bits(run: RecordedRun, seed: int = 0) -> MatchBits:
 
 
 def _continue_matches(
-    recorded_k: dict[int, int], recs: list[tuple[int, StepRequestRecord]], prompt: int, max_k: int
+    recorded_k: dict[int, int], recs: list[tuple[int, StepRequestRecord]], prompt: int
 ) -> None:
     """The n-gram cap at the output indices a step's accepted drafts skipped (no step started there):
-    the match that gave the drafts goes on, one token shorter per accepted draft, so the cap at
-    ``s + j`` (j <= accepted) is at least the recorded cap at ``s`` minus j. Without it a replayed
-    policy that stops there (e.g. fixed k = 5 from a log whose policy drafted 8) gets ``max_k`` drafts
-    where the live proposer had only what was left of the match (H200 logs of 2026-12-04: fixed k = 5
-    replayed from goodput's log 13 % above its live run at N = 16). A cap recorded at the index wins.
+    the cap recorded at ``s``, at every ``s + j`` with ``j <= accepted``. A cap recorded at the index
+    wins.
 
-    The cap at ``s`` is ``min(match, max_k)``: where it was ``max_k`` the match may have been longer,
-    and ``cap - j`` is then too small. When every draft was accepted and the next step (at ``s + a +
-    1``) still had a match, that match is taken as the same one going on: at ``s + j`` it had at least
-    the next step's cap plus ``a + 1 - j`` tokens left (capped at ``max_k``). On the H100 grounded logs
-    of 2026-12-07 17:15 hf_heuristic, whose steps start inside goodput's accepted spans, was replayed
-    from goodput's log 1.9 / 7.1 % low at N = 1 / 4 with ``cap - j`` alone, 0.0 / 5.0 % with this."""
+    Why the same cap. The proposer (proposers/ngram.py) offers the continuation of the most recent
+    earlier occurrence of the suffix, up to the end of the context, capped at ``max_k``: the cap is
+    ``min(L - start, max_k)`` for a context of L tokens and a continuation from ``start``. Once ``j``
+    drafts were accepted, the context is ``j`` tokens longer and ends with a copy of that
+    continuation, so the occurrence shifted by ``j`` matches the new suffix and its continuation has
+    ``(L + j) - (start + j)`` tokens: the same cap, unless a still more recent occurrence wins. The
+    replay once took ``cap - j`` (the match used up as drafts are accepted) and, where the cap was
+    ``max_k``, extended it from the next step's cap. On the H100 grounded logs of 2026-12-07 17:15, at
+    the 1,982 indices where hf_heuristic started a step and goodput had not, the same cap was the live
+    one at 1,909 (96 %), ``cap - j`` at 19, and hf_heuristic replayed from goodput's log was 5.0 % low
+    at N = 4 with the earlier rule. Without any rule (the configured ``max_k`` at a skipped index)
+    fixed k = 5 replayed from goodput's log was 13 % high at N = 16 (H200 logs of 2026-12-04)."""
     for _, q in recs:
         s = q.context_len - prompt
-        cap, a = recorded_k[s], q.num_accepted
-        after = recorded_k.get(s + a + 1, 0) if cap >= max_k and a >= q.k > 0 else 0
-        for j in range(1, a + 1):
-            longer = min(after + a + 1 - j, max_k) if after > 0 else 0
-            recorded_k.setdefault(s + j, max(cap - j, longer, 0))
+        cap = recorded_k[s]
+        for j in range(1, q.num_accepted + 1):
+            recorded_k.setdefault(s + j, cap)

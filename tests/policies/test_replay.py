@@ -26,6 +26,7 @@ from specsched.policies.registry import build_policy
 from specsched.policies.replay import ReplayOptions, policy_label, refit_costs, replay, simulate
 from specsched.policies.replay_log import ReplayError, RunSettings, complete_bits, load_run
 from specsched.policies.replay_runs import RunRules
+from specsched.proposers.ngram import ngram_lookup
 
 # ---- hand-built logs ------------------------------------------------------------------------------
 
@@ -157,16 +158,17 @@ def test_ngram_ceiling_comes_from_the_recorded_k(tmp_path):
     assert [round(t.mean_k) for t in fixed8.trace] == [0, 2, 0]  # never more than the recorded match
 
 
-def test_ngram_ceiling_where_accepted_drafts_skipped_the_index_is_what_is_left_of_the_match(tmp_path):
+def test_ngram_ceiling_where_accepted_drafts_skipped_the_index_is_the_cap_at_the_span_start(tmp_path):
     cfg = dict(CONFIG, proposer={"name": "ngram", "max_k": 8}, scheduler={"max_num_seqs": 1})
     # the logged policy drafted the whole match of 4 at s=0 and all were accepted; the next step is s=5
     steps = [decode_step(0, [("a", 3, 4, 4)]), decode_step(1, [("a", 8, 0, 0)])]
     write_log(tmp_path / "m.sqlite", cfg, steps, [("a", 3, 7)])
     run = load_run(tmp_path / "m.sqlite")
-    assert run.requests[0].recorded_k == {0: 4, 1: 3, 2: 2, 3: 1, 4: 0, 5: 0}
+    assert run.requests[0].recorded_k == {0: 4, 1: 4, 2: 4, 3: 4, 4: 4, 5: 0}
     report = replay(run, [{"name": "fixed", "k": 2, "scorer": "mqa"}])
-    # fixed k=2: s=0 drafts 2 (both accepted) -> s=3, where 1 token of the match is left -> s=5: none
-    assert [round(t.mean_k) for t in report.rows[-1].trace] == [2, 1, 0]
+    # fixed k=2: s=0 drafts 2 (both accepted) -> s=3, where the match still offers 4 but 2 tokens are
+    # left before the last -> s=5 (or 4 if the imputed bit at 5 is 0): none there
+    assert [round(t.mean_k) for t in report.rows[-1].trace][:2] == [2, 2]
 
 
 def recorded_caps(path, max_k: int, steps: list[StepRecord], output_tokens: int) -> dict[int, int]:
@@ -176,21 +178,30 @@ def recorded_caps(path, max_k: int, steps: list[StepRecord], output_tokens: int)
     return load_run(path).requests[0].recorded_k
 
 
-def test_a_capped_match_that_goes_on_keeps_its_cap_inside_the_accepted_span(tmp_path):
-    """A cap of max_k (4 here) hides a longer match: when all 4 drafts were accepted and the next step
-    (s = 5) still had a match of 3, the match is taken to go on, so at s + j it had at least 3 + 5 - j
-    left: 4 (the cap) at every skipped index, where cap - j gave 3, 2, 1, 0. An uncapped cap, or a
-    next step without a match, keeps cap - j."""
+def test_inside_an_accepted_span_the_cap_at_its_start_holds(tmp_path):
+    """At s = 0 a match of 4 (uncapped with max_k 8, capped with max_k 4), all 4 drafts accepted; at
+    s = 5 a match of 3, 1 of 2 drafts accepted; at s = 7 none. Every skipped index keeps the cap of the
+    step whose accepted span it is in (the rule before 2026-12-07 took cap - j: 3, 2, 1, 0 at 1..4)."""
     steps = [
         decode_step(0, [("a", 3, 4, 4)]),
-        decode_step(1, [("a", 8, 3, 0)]),
-        decode_step(2, [("a", 9, 0, 0)]),
+        decode_step(1, [("a", 8, 2, 1)]),
+        decode_step(2, [("a", 10, 0, 0)]),
     ]
-    capped = {0: 4, 1: 4, 2: 4, 3: 4, 4: 4, 5: 3, 6: 0}
-    assert recorded_caps(tmp_path / "c.sqlite", 4, steps, 9) == capped
-    no_match_after = [decode_step(0, [("a", 3, 4, 4)]), decode_step(1, [("a", 8, 0, 0)])]
-    assert recorded_caps(tmp_path / "n.sqlite", 4, no_match_after, 7) == {0: 4, 1: 3, 2: 2, 3: 1, 4: 0, 5: 0}
-    assert recorded_caps(tmp_path / "u.sqlite", 8, steps, 9) == {0: 4, 1: 3, 2: 2, 3: 1, 4: 0, 5: 3, 6: 0}
+    steps[1].requests[0].max_k = 3  # the proposer offered 3, the policy drafted 2
+    expected = {0: 4, 1: 4, 2: 4, 3: 4, 4: 4, 5: 3, 6: 3, 7: 0}
+    assert recorded_caps(tmp_path / "u.sqlite", 8, steps, 10) == expected
+    assert recorded_caps(tmp_path / "c.sqlite", 4, steps, 10) == expected
+
+
+def test_the_ngram_proposer_keeps_its_offer_while_its_drafts_are_accepted():
+    """What the rule above rests on: the continuation runs to the end of the context, so accepting its
+    first j tokens shifts the occurrence by j and leaves the offer's length as it was."""
+    tokens = [5, 6, 7, 8, 9, 1, 2, 3, 5, 6]  # "5 6" occurred at 0: continuation 7 8 9 1 2 3 5 6
+    drafts = ngram_lookup(tokens, 1, 3, 16)
+    assert drafts == [7, 8, 9, 1, 2, 3, 5, 6]
+    for j in range(1, len(drafts)):
+        assert len(ngram_lookup(tokens + drafts[:j], 1, 3, 16)) == len(drafts)  # not len(drafts) - j
+    assert len(ngram_lookup(tokens + drafts[:3], 1, 3, 4)) == 4  # a capped offer stays capped
 
 
 def test_policy_that_cannot_run_gets_an_error_row(tmp_path):
