@@ -79,8 +79,8 @@ def test_match_bits_are_read_off_the_steps(tmp_path):
     (req,) = run.requests
     assert (req.prompt_len, req.output_len, req.first_step) == (5, 8, 1)
     assert req.bits == [None, 1, 0, 1, 1, None, 0, None]
-    # recorded at 0, 2, 5, 6; at 1, 3, 4 (skipped by accepted drafts) what was left of the match
-    assert req.recorded_k == {0: 3, 1: 2, 2: 2, 3: 1, 4: 0, 5: 1, 6: 0}
+    # recorded at 0, 2, 5, 6; at 1, 3, 4 (skipped by accepted drafts) the cap of the step whose span it is
+    assert req.recorded_k == {0: 3, 1: 3, 2: 2, 3: 2, 4: 2, 5: 1, 6: 0}
     assert (
         run.settings.max_num_seqs == 2
         and run.settings.scorers == ["mqa"]
