@@ -28,7 +28,8 @@ from specsched.engine.carry import carry_plan
 from specsched.engine.planning import MAX_JOINED
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.registry import build_policy
-from specsched.policies.replay import refit_costs, simulate
+from specsched.policies.replay import simulate
+from specsched.policies.replay_costs import refit_costs
 from specsched.policies.replay_log import complete_bits, load_run
 from specsched.policies.replay_segments import split_levels
 

@@ -8,7 +8,7 @@ For each live log: its recorded policy config (the ``policy`` node of its ``runs
 :func:`specsched.policies.replay_log.load_run`) is replayed on the ``--replayed`` log with the replay
 machinery of :mod:`specsched.policies.replay` (its match bits, completed once; its cost model, refitted
 on all its decode steps, for a policy that does not decide ahead without the recorded policy's decide
-spill: :func:`~specsched.policies.replay.costs_for`), and the predicted tokens/s is set against the
+spill: :func:`~specsched.policies.replay_costs.costs_for`), and the predicted tokens/s is set against the
 live log's measured tokens/s.
 
 **tokens/s, one definition on both sides** (:class:`~specsched.policies.replay.PolicyResult`):
@@ -63,15 +63,8 @@ from specsched.bench.replay_passes import (
 )
 from specsched.policies.cost_model import CostModels
 from specsched.policies.registry import build_policy
-from specsched.policies.replay import (
-    PolicyResult,
-    costs_for,
-    decide_spill_ms,
-    policy_label,
-    recorded_result,
-    refit_costs,
-    simulate,
-)
+from specsched.policies.replay import PolicyResult, policy_label, recorded_result, simulate
+from specsched.policies.replay_costs import costs_for, decide_spill_ms, refit_costs
 from specsched.policies.replay_log import MatchBits, RecordedRun, RunSettings, complete_bits, load_run
 from specsched.policies.replay_runs import RunRules
 

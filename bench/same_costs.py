@@ -22,7 +22,7 @@ range) is priced from thin data (the last column; e.g. non-speculative batch exp
 goodput's log, which ran the MQA graph there; a drafting policy on a log that drafted little in
 that scorer and batch range counts too: bench/replay_fidelity.py ``coverage``). The replayed log's
 decide spill is left out for a
-policy that does not decide ahead (:func:`specsched.policies.replay.costs_for`), as in the fidelity
+policy that does not decide ahead (:func:`specsched.policies.replay_costs.costs_for`), as in the fidelity
 table. The other log's policy node is replayed with how its daemon served: its runs of plain steps
 (``scheduler.decode_steps`` / ``plain_decode_steps``: non-speculative serving's runs alone, goodput's
 runs for declined drafts; policies/replay_runs.py) and a proposer of ``none``

@@ -110,7 +110,7 @@ class CostModels:
         self.is_bucket_bias = bucket_bias
         self.biases: dict[str, BucketBias] = {}
         # replay only: what a change of the decode batch adds to a step, fitted on a recorded run by
-        # policies.replay.refit_costs (policies/replay_churn.py); None: nothing
+        # policies.replay_costs.refit_costs (policies/replay_churn.py); None: nothing
         self.churn = None
         self.runs: dict[str, RunRatio] = {}  # scorer -> measured / predicted ms of its runs (run_cost.py)
         # proposer -> what its catch-up after plain steps adds to a step's propose ms (run_cost.py)

@@ -22,14 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from specsched.policies.registry import build_policy
-from specsched.policies.replay import (
-    PolicyResult,
-    ReplayOptions,
-    policy_label,
-    recorded_result,
-    refit_costs,
-    simulate,
-)
+from specsched.policies.replay import PolicyResult, ReplayOptions, policy_label, recorded_result, simulate
+from specsched.policies.replay_costs import refit_costs
 from specsched.policies.replay_log import MatchBits, RecordedRun, complete_bits
 
 LEVELS = (1, 4, 16, 64)

@@ -10,7 +10,8 @@ import pytest
 
 from specsched.bench.carry_replay import CarriedPolicy, carry_rows, main
 from specsched.policies.goodput import GoodputPolicy
-from specsched.policies.replay import refit_costs, simulate
+from specsched.policies.replay import simulate
+from specsched.policies.replay_costs import refit_costs
 from specsched.policies.replay_log import complete_bits, load_run
 
 _path = Path(__file__).parents[1] / "policies" / "test_replay.py"

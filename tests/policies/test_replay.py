@@ -23,7 +23,8 @@ from specsched.engine.engine import Engine
 from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.engine.request import Request, SamplingParams
 from specsched.policies.registry import build_policy
-from specsched.policies.replay import ReplayOptions, policy_label, refit_costs, replay, simulate
+from specsched.policies.replay import ReplayOptions, policy_label, replay, simulate
+from specsched.policies.replay_costs import refit_costs
 from specsched.policies.replay_log import ReplayError, RunSettings, complete_bits, load_run
 from specsched.policies.replay_runs import RunRules
 from specsched.proposers.ngram import ngram_lookup

@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 
 from specsched.policies.registry import build_policy
-from specsched.policies.replay import complete_bits, refit_costs, simulate
+from specsched.policies.replay import complete_bits, simulate
 from specsched.policies.replay_churn import GROUPS, MIN_STEPS, ChurnResidual, churn_class, group_of
+from specsched.policies.replay_costs import refit_costs
 from specsched.policies.replay_log import load_run
 
 from .test_replay import CONFIG, decode_step, write_batching_log, write_log

@@ -17,7 +17,8 @@ from specsched.engine.multi_step import num_decode_steps
 from specsched.engine.records import StepRecord
 from specsched.engine.request import Request, SamplingParams
 from specsched.policies.registry import build_policy
-from specsched.policies.replay import recorded_result, refit_costs, replay, simulate
+from specsched.policies.replay import recorded_result, replay, simulate
+from specsched.policies.replay_costs import refit_costs
 from specsched.policies.replay_log import complete_bits, load_run
 from specsched.policies.replay_runs import RunRules, run_length
 

@@ -73,7 +73,8 @@ def test_closed_loop_replay_keeps_one_request_per_client():
     import dataclasses
 
     from specsched.policies.registry import build_policy
-    from specsched.policies.replay import refit_costs, simulate
+    from specsched.policies.replay import simulate
+    from specsched.policies.replay_costs import refit_costs
     from specsched.policies.replay_log import MatchBits, RecordedRequest, RecordedRun, RunSettings
 
     reqs = [
@@ -117,7 +118,8 @@ def test_a_later_busy_period_joins_only_once_the_batch_drained():
     """Requests a0 b0 (period 0) then a1 b1 a2 b2 (period 1): with ``segments`` b1 waits for a0 to
     finish although its own client's b0 finished long before (the live batch drained there)."""
     from specsched.policies.registry import build_policy
-    from specsched.policies.replay import refit_costs, simulate
+    from specsched.policies.replay import simulate
+    from specsched.policies.replay_costs import refit_costs
 
     run, bits = _two_clients({"a": 6, "b": 2})
     policy = build_policy({"name": "fixed", "k": 0, "scorer": "mqa"})
@@ -139,7 +141,8 @@ def test_a_client_s_round_trip_delays_its_next_request_in_the_replay_clock():
     """``think_ms``: b's next request joins its round trip after b's last finished, in predicted ms;
     while nobody is ready the clock jumps (idle, counted on neither side)."""
     from specsched.policies.registry import build_policy
-    from specsched.policies.replay import refit_costs, simulate
+    from specsched.policies.replay import simulate
+    from specsched.policies.replay_costs import refit_costs
 
     run, bits = _two_clients({"a": 9, "b": 2})
     policy = build_policy({"name": "fixed", "k": 0, "scorer": "mqa"})
@@ -159,7 +162,8 @@ def test_a_windowed_replay_keeps_its_clients_sending_for_the_live_window_then_dr
     alone (the tail a slower policy makes). With a window the clients send for that long, going round
     their requests again; past it each drains; a window of 0 lets each client send its first only."""
     from specsched.policies.registry import build_policy
-    from specsched.policies.replay import refit_costs, simulate
+    from specsched.policies.replay import simulate
+    from specsched.policies.replay_costs import refit_costs
 
     run, bits = _two_clients({"a": 6, "b": 2}, n=3)
     policy = build_policy({"name": "fixed", "k": 0, "scorer": "mqa"})
@@ -178,7 +182,8 @@ def test_a_windowed_replay_keeps_its_clients_sending_for_the_live_window_then_dr
 
 def test_a_windowed_replay_never_loops_on_requests_without_decode_steps():
     from specsched.policies.registry import build_policy
-    from specsched.policies.replay import refit_costs, simulate
+    from specsched.policies.replay import simulate
+    from specsched.policies.replay_costs import refit_costs
 
     run, bits = _two_clients({"a": 1, "b": 1}, n=2)  # each request is its prefill token alone
     res = simulate(run, bits, build_policy({"name": "fixed", "k": 0, "scorer": "mqa"}), refit_costs(run),

@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 
 from specsched.policies.registry import build_policy
-from specsched.policies.replay import costs_for, decide_spill_ms, refit_costs
+from specsched.policies.replay_costs import costs_for, decide_spill_ms, refit_costs
 from specsched.policies.replay_log import load_run
 from specsched.policies.shapes import StepShape
 
