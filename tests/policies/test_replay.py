@@ -93,6 +93,34 @@ def test_match_bits_are_read_off_the_steps(tmp_path):
     assert complete_bits(run, seed=3).bits == bits.bits  # deterministic for a seed
 
 
+def test_unknown_bits_come_from_other_lives_of_the_same_prompt(tmp_path):
+    # a and b: one prompt (3 tokens, 8 out) sent twice; c: another prompt (4 tokens, 8 out)
+    # a: s=0 k=2 a=2 -> bits 1, 2 = 1 (3 unknown: the bonus); s=3 k=1 a=0 -> bit 4 = 0; 5, 6 unknown
+    # b: s=0 k=0; s=1 k=3 a=3 -> bits 2, 3, 4 = 1; s=5 k=1 a=0 -> bit 6 = 0; 1 and 5 unknown
+    # c: s=0 k=2 a=0 -> bit 1 = 0; 2..6 unknown
+    steps = [
+        decode_step(0, [("a", 3, 2, 2), ("b", 3, 0, 0), ("c", 4, 2, 0)]),
+        decode_step(1, [("a", 6, 1, 0), ("b", 4, 3, 3), ("c", 5, 0, 0)]),
+        decode_step(2, [("a", 7, 0, 0), ("b", 8, 1, 0), ("c", 6, 0, 0)]),
+    ]
+    cfg = dict(CONFIG, scheduler={"max_num_seqs": 3})
+    write_log(tmp_path / "p.sqlite", cfg, steps, [("a", 3, 8), ("b", 3, 8), ("c", 4, 8)])
+    run = load_run(tmp_path / "p.sqlite")
+    a, b, c = (run.requests[[r.key for r in run.requests].index(x)] for x in "abc")
+    assert (a.bits[1:7], b.bits[1:7]) == ([1, 1, None, 0, None, None], [None, 1, 1, 1, None, 0])
+    got = complete_bits(run, seed=5)
+    row = {r.key: got.bits[i] for i, r in enumerate(run.requests)}
+    assert row["a"][3] is True and row["a"][6] is False  # b's recorded bits
+    assert row["b"][1] is True  # a's
+    assert row["a"][4] is False and row["b"][4] is True  # a life's own bit wins over the others'
+    # index 5 (neither recorded it) and c's unknown bits are drawn: as with pooling off
+    alone = complete_bits(run, seed=5, pool_lives=False)
+    drawn = {r.key: alone.bits[i] for i, r in enumerate(run.requests)}
+    assert row["a"][5] == drawn["a"][5] and row["b"][5] == drawn["b"][5] and row["c"] == drawn["c"]
+    assert got.num_pooled == 3 and alone.num_pooled == 0
+    assert got.num_imputed == alone.num_imputed  # pooled bits are still not this request's own
+
+
 BATCHING_LENGTHS = {"r0": 5, "r1": 3, "r2": 4, "r3": 2}  # output tokens; decode steps needed: L - 1
 
 
