@@ -34,6 +34,7 @@ from specsched.daemon.app_config import (
 from specsched.daemon.log import LogFormatError, LogWriter
 from specsched.daemon.server import Server
 from specsched.daemon.summary import StepSummary, summarize_steps
+from specsched.engine.log_schema import prompt_hash
 from specsched.engine.records import StepRecord
 from specsched.engine.settings import load_settings
 from specsched.engine.warmup import StartupTimes
@@ -187,6 +188,7 @@ def _generate(cfg: DictConfig) -> None:
             finish_reason=req.finish_reason,
             proposed=req.num_proposed,
             accepted=req.num_accepted,
+            prompt_hash=prompt_hash(req.prompt_ids),
         )
         log.close()
     print(summarize_steps(records, wall_s).format(), file=sys.stderr)

@@ -127,10 +127,13 @@ class LogWriter:
         finish_reason: str | None,
         proposed: int,
         accepted: int,
+        prompt_hash: str | None = None,
     ) -> int | None:
         """Enqueue one finished request (→ ``requests``); returns its sequence number (None: dropped,
-        counted). Times are ``time.time()`` seconds. With ``log.durable`` it is committed (with all that
-        was enqueued before it: the request's steps) within about ``log.commit_interval_ms``."""
+        counted). Times are ``time.time()`` seconds; ``prompt_hash``: ``engine.log_schema.prompt_hash``
+        of its prompt's token ids (the replay pools the match bits of one prompt's lives). With
+        ``log.durable`` it is committed (with all that was enqueued before it: the request's steps)
+        within about ``log.commit_interval_ms``."""
         return self._put(
             {
                 "request_id": request_id,
@@ -145,6 +148,7 @@ class LogWriter:
                 else str(getattr(finish_reason, "value", finish_reason)),
                 "proposed": proposed,
                 "accepted": accepted,
+                "prompt_hash": prompt_hash,
             }
         )
 

@@ -40,6 +40,7 @@ class RequestStream:
     accepted: int = 0
     steps: int = 0
     is_flushed: bool = False  # deferred text: the last LateText, the one that flushes, was sent
+    prompt_hash: str | None = None  # engine.log_schema.prompt_hash of its prompt (the log's requests row)
 
     @property
     def is_text_deferred(self) -> bool:

@@ -31,6 +31,7 @@ from specsched.daemon.held_replies import HeldReplies, Outgoing
 from specsched.daemon.messages import Chunk, Error, ErrorCode, Message, ProtocolError, StatsReply
 from specsched.daemon.request_stream import LateText, RequestStream
 from specsched.daemon.stats_reply import SnapshotBuilder
+from specsched.engine.log_schema import prompt_hash
 from specsched.engine.records import RequestOutput, StepRecord
 from specsched.engine.request import FinishReason
 from specsched.engine.stats import EngineStats
@@ -299,6 +300,7 @@ class Serving:
             cmd.arrival_time,
             IncrementalDetokenizer(tok) if tok is not None else None,
             deadline=None if timeout is None else cmd.received + timeout,
+            prompt_hash=prompt_hash(req.prompt_ids) if self.log is not None else None,
         )
         self.streams[st.key] = st
         if st.deadline is not None:
@@ -384,6 +386,7 @@ class Serving:
                 finish_reason=reason,
                 proposed=st.proposed,
                 accepted=st.accepted,
+                prompt_hash=st.prompt_hash,
             )
         if last is None:
             return

@@ -7,9 +7,13 @@ Times are time.time() seconds (unix epoch); durations are milliseconds. See docs
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sqlite3
+import sys
+from array import array
+from collections.abc import Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -18,8 +22,8 @@ from specsched.engine.records import StepRecord
 if TYPE_CHECKING:  # imported by open_log: a daemon without a log does not pay its import
     import sqlite_utils
 
-SCHEMA_VERSION = 3  # bump on any change to the tables below (with a MIGRATIONS entry)
-READABLE_VERSIONS = (1, 2, 3)  # readers take these; the writer migrates an older file when it appends
+SCHEMA_VERSION = 4  # bump on any change to the tables below (with a MIGRATIONS entry)
+READABLE_VERSIONS = (1, 2, 3, 4)  # readers take these; the writer migrates an older file when it appends
 MIGRATIONS = {  # version -> the statements that take a file from it to the next version
     1: [
         "ALTER TABLE runs ADD COLUMN ended_at REAL",
@@ -29,6 +33,7 @@ MIGRATIONS = {  # version -> the statements that take a file from it to the next
         "ALTER TABLE steps ADD COLUMN host_ms TEXT",
         "ALTER TABLE step_requests ADD COLUMN max_k INTEGER",
     ],
+    3: ["ALTER TABLE requests ADD COLUMN prompt_hash TEXT"],
 }  # an ALTER of a table the file lacks is skipped: the CREATE below makes it with every column
 
 SCHEMA_SQL = """
@@ -36,7 +41,7 @@ CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY, started_at REAL, config
     device TEXT, version TEXT, schema_version INTEGER, ended_at REAL, num_compiles_after_start INTEGER);
 CREATE TABLE IF NOT EXISTS requests (run_id INTEGER, request_id TEXT, client TEXT, arrival REAL,
     first_token_time REAL, finish_time REAL, prompt_tokens INTEGER, output_tokens INTEGER,
-    finish_reason TEXT, proposed INTEGER, accepted INTEGER);
+    finish_reason TEXT, proposed INTEGER, accepted INTEGER, prompt_hash TEXT);
 CREATE TABLE IF NOT EXISTS steps (run_id INTEGER, step INTEGER, kind TEXT, start_time REAL,
     batch_size INTEGER, num_tokens INTEGER, scorer TEXT, policy TEXT, proposer TEXT, is_synthetic INTEGER,
     predicted_propose_ms REAL, predicted_score_ms REAL, predicted_verify_ms REAL, predicted_ms REAL,
@@ -115,6 +120,16 @@ def open_log(path: str | os.PathLike) -> sqlite_utils.Database:
     except sqlite3.Error as e:
         raise LogFormatError(f"{path}: cannot read log ({e})") from e
     return db
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """The ``requests.prompt_hash`` of a prompt: 16 hex digits of BLAKE2b over its token ids (int64,
+    little-endian). Lives of one prompt share it, so the replay can pool their match bits
+    (policies/replay_log.py) without the log keeping the prompt's text."""
+    ids = array("q", token_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return hashlib.blake2b(ids.tobytes(), digest_size=8).hexdigest()
 
 
 def to_json(obj) -> str:

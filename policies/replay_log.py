@@ -124,6 +124,7 @@ class RecordedRequest:
     recorded_k: dict[int, int] = field(default_factory=dict)
     is_finished: bool = True  # False: no `requests` row (still running when the log ended)
     client: str | None = None  # the `requests` row's client (the daemon's ZeroMQ peer), when logged
+    prompt_hash: str | None = None  # the `requests` row's (schema >= 4): lives of one prompt share it
 
     @property
     def num_draftable(self) -> int:
@@ -215,9 +216,10 @@ def _load(db, path: str, run_id: int | None) -> RecordedRun:
         if r["step"] in steps:
             steps[r["step"]].requests.append(q)
         rows.setdefault(q.request_id, []).append((r["step"], q))
+    hashed = ", prompt_hash" if "prompt_hash" in db["requests"].columns_dict else ""  # schema >= 4
     finished = list(
         db.query(
-            "select request_id, client, arrival, finish_time, prompt_tokens, output_tokens"
+            f"select request_id, client, arrival, finish_time, prompt_tokens, output_tokens{hashed}"
             " from requests where run_id = ? order by arrival",
             [run_id],
         )
@@ -293,8 +295,9 @@ def _requests(rows, finished, steps) -> tuple[list[RecordedRequest], int]:
                     bits[m] = b if bits[m] is None else bits[m]
         _continue_matches(recorded_k, recs, prompt)
         first = recs[0][0] if recs else None
-        client = f.get("client") if f is not None else None
-        out.append(RecordedRequest(key, prompt, length, first, bits, recorded_k, f is not None, client))
+        client, digest = (f.get("client"), f.get("prompt_hash")) if f is not None else (None, None)
+        is_finished = f is not None
+        out.append(RecordedRequest(key, prompt, length, first, bits, recorded_k, is_finished, client, digest))
     out.sort(key=lambda r: (r.first_step is None, r.first_step or 0))
     return out, conflicts
 
@@ -316,14 +319,17 @@ class MatchBits:
         return self.num_imputed / self.num_draftable if self.num_draftable else 0.0
 
 
-def prompt_key(r: RecordedRequest) -> tuple[int, int]:
-    """Which requests are lives of one prompt: the log keeps no prompt text, so the same prompt and
-    output lengths (two prompts that share both are pooled as one: a bit of the other's is then no
-    worse a guess than a draw)."""
-    return r.prompt_len, r.output_len
+def prompt_key(r: RecordedRequest) -> tuple:
+    """Which requests are lives of one prompt: its logged ``prompt_hash`` (schema >= 4), whatever the
+    output's length (greedy decoding commits the same tokens up to the shorter one's end); in older
+    logs, which keep nothing of the prompt, the same prompt and output lengths (two prompts that share
+    both are pooled as one: a bit of the other's is then no worse a guess than a draw)."""
+    if r.prompt_hash is not None:
+        return ("hash", r.prompt_hash)
+    return ("lengths", r.prompt_len, r.output_len)
 
 
-def pooled_votes(requests: Sequence[RecordedRequest]) -> dict[tuple[int, int], dict[int, list[int]]]:
+def pooled_votes(requests: Sequence[RecordedRequest]) -> dict[tuple, dict[int, list[int]]]:
     """Per prompt (:func:`prompt_key`) and output index, [ones, recorded] over its lives' known bits."""
     out: dict[tuple[int, int], dict[int, list[int]]] = {}
     for r in requests:

@@ -1,5 +1,6 @@
-"""Schema 3 of the decision log: per-phase host ms of each step and each request's max k, written by
-the real writer from a real engine's records, and an older (version 2) file migrated on append."""
+"""Schemas 3 and 4 of the decision log: per-phase host ms of each step, each request's max k and its
+prompt's hash, written by the real writer from a real engine's records, and an older (version 2)
+file migrated on append."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sqlite_utils
 from specsched.daemon.log import LogConfig, LogWriter, open_log
 from specsched.engine.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from specsched.engine.engine import Engine
-from specsched.engine.log_schema import SCHEMA_VERSION
+from specsched.engine.log_schema import SCHEMA_VERSION, prompt_hash
 from specsched.engine.request import SamplingParams
 
 V2_SCHEMA = """
@@ -82,8 +83,16 @@ def test_a_version_2_log_gains_the_new_columns_when_appended_to(tmp_path):
     db.close()
     run_logged_engine(path)
     db = open_log(path)
-    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert "prompt_hash" in db["requests"].columns_dict
     old = list(db.query("select host_ms from steps where run_id = 1"))
     assert old == [{"host_ms": None}]
     assert list(db.query("select max_k from step_requests where request_id = 'old'")) == [{"max_k": None}]
     assert db.execute("select count(*) from steps where run_id = 2 and host_ms is not null").fetchone()[0] > 0
+
+
+def test_prompt_hash_names_the_token_ids():
+    a = prompt_hash([5, 6, 7])
+    assert a == prompt_hash((5, 6, 7)) and len(a) == 16 and int(a, 16) >= 0
+    assert len({a, prompt_hash([5, 6, 8]), prompt_hash([5, 6]), prompt_hash([7, 6, 5]), prompt_hash([])}) == 5
+    assert prompt_hash([2**40, 1]) != prompt_hash([0, 1])  # every bit of an id counts, not its low byte

@@ -32,16 +32,18 @@ from specsched.proposers.ngram import ngram_lookup
 # ---- hand-built logs ------------------------------------------------------------------------------
 
 
-def write_log(path, config: dict, steps: list[StepRecord], requests: list[tuple[str, int, int]]) -> None:
-    """A log written by the real LogWriter: ``requests`` are (id, prompt_tokens, output_tokens)."""
+def write_log(path, config: dict, steps: list[StepRecord], requests: list[tuple]) -> None:
+    """A log written by the real LogWriter: ``requests`` are (id, prompt_tokens, output_tokens[,
+    prompt_hash])."""
     with LogWriter(LogConfig(path=str(path), flush_interval_s=0.05)) as log:
         log.start_run(config, model="hand", device="cpu", version="test")
         for rec in steps:
             log.write_step(rec)
-        for rid, prompt, out in requests:
+        for rid, prompt, out, *digest in requests:
             log.write_request(
                 rid, client=None, arrival=1.0, first_token_time=1.0, finish_time=2.0, prompt_tokens=prompt,
                 output_tokens=out, finish_reason="length", proposed=0, accepted=0,
+                prompt_hash=digest[0] if digest else None,
             )  # fmt: skip
 
 
@@ -119,6 +121,28 @@ def test_unknown_bits_come_from_other_lives_of_the_same_prompt(tmp_path):
     assert row["a"][5] == drawn["a"][5] and row["b"][5] == drawn["b"][5] and row["c"] == drawn["c"]
     assert got.num_pooled == 3 and alone.num_pooled == 0
     assert got.num_imputed == alone.num_imputed  # pooled bits are still not this request's own
+
+
+def test_a_logged_prompt_hash_pools_lives_of_any_length_and_only_those(tmp_path):
+    # a (8 out) and b (6 out: its max_tokens was lower) share prompt "h1"; c has a's lengths but "h2"
+    # a: s=0 k=2 a=2 -> bits 1, 2; 3 unknown; s=3 k=1 a=0 -> bit 4 = 0
+    # b: s=0 k=0; s=1 k=3 a=2 -> bits 2, 3 = 1, bit 4 = 0
+    # c: s=0 k=1 a=0 -> bit 1 = 0; 2.. unknown
+    steps = [
+        decode_step(0, [("a", 3, 2, 2), ("b", 3, 0, 0), ("c", 3, 1, 0)]),
+        decode_step(1, [("a", 6, 1, 0), ("b", 4, 3, 2), ("c", 4, 0, 0)]),
+    ]
+    cfg = dict(CONFIG, scheduler={"max_num_seqs": 3})
+    finished = [("a", 3, 8, "h1"), ("b", 3, 6, "h1"), ("c", 3, 8, "h2")]
+    write_log(tmp_path / "h.sqlite", cfg, steps, finished)
+    run = load_run(tmp_path / "h.sqlite")
+    assert sorted(r.prompt_hash for r in run.requests) == ["h1", "h1", "h2"]
+    got, alone = complete_bits(run, seed=1), complete_bits(run, seed=1, pool_lives=False)
+    row = {r.key: got.bits[i] for i, r in enumerate(run.requests)}
+    drawn = {r.key: alone.bits[i] for i, r in enumerate(run.requests)}
+    assert row["a"][3] is True and row["b"][1] is True  # b's bit 3 for a, a's bit 1 for b
+    assert row["c"] == drawn["c"]  # the same lengths as a, another prompt: nothing pooled
+    assert got.num_pooled == 2
 
 
 BATCHING_LENGTHS = {"r0": 5, "r1": 3, "r2": 4, "r3": 2}  # output tokens; decode steps needed: L - 1
