@@ -49,4 +49,6 @@ def test_log_rows_add_up_to_the_streamed_tokens(start_daemon):
     # the engine's cost models saved at shutdown (they learnt from every decode step): a replay of
     # this log starts from them and pads to the graph buckets recorded with them
     saved = dict(db.execute("SELECT key, num_updates FROM cost_models WHERE component = 'score'").fetchall())
-    assert saved and sum(saved.values()) == len(decode), (saved, len(decode))
+    # (all but the few its guards skip on a loaded host: a stall, a slow launch; 2 of 119 in CI once)
+    skipped = len(decode) - sum(saved.values())
+    assert saved and 0 <= skipped <= max(2, len(decode) // 20), (saved, len(decode))
