@@ -90,6 +90,10 @@ class ReplayConfig:
         return out
 
 
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "0%"
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name=CONFIG_NAME, node=ReplayConfig)
 
@@ -172,7 +176,8 @@ def format_report(report: ReplayReport) -> str:
     notes = [
         f"match bits: {bits.num_draftable} draftable positions, "
         f"{100 * (1 - bits.imputed_share):.1f}% recorded, {100 * bits.imputed_share:.1f}% imputed "
-        f"(seeded Bernoulli draws, seed {bits.seed}, run mean {bits.run_mean:.2f})"
+        f"({_share(bits.num_pooled, bits.num_draftable)} from other lives of the same prompt, the rest "
+        f"seeded Bernoulli draws, seed {bits.seed}, run mean {bits.run_mean:.2f})"
     ]
     recorded = next(r for r in report.rows if r.source == "recorded")
     if decode:
