@@ -331,7 +331,7 @@ def prompt_key(r: RecordedRequest) -> tuple:
 
 def pooled_votes(requests: Sequence[RecordedRequest]) -> dict[tuple, dict[int, list[int]]]:
     """Per prompt (:func:`prompt_key`) and output index, [ones, recorded] over its lives' known bits."""
-    out: dict[tuple[int, int], dict[int, list[int]]] = {}
+    out: dict[tuple, dict[int, list[int]]] = {}
     for r in requests:
         votes = out.setdefault(prompt_key(r), {})
         for m, b in enumerate(r.bits):
@@ -357,16 +357,17 @@ def complete_bits(run: RecordedRun, seed: int = 0, pool_lives: bool = True) -> M
         p = (sum(mine) + PRIOR_STRENGTH * run_mean) / (len(mine) + PRIOR_STRENGTH)
         rng = random.Random(f"{seed}:{i}")
         draws = [rng.random() < p for _ in r.bits]  # one draw per position, used or not: stable
-        others = votes.get(prompt_key(r), {})  # this request's own bits are known where it voted
+        others = votes.get(prompt_key(r), {})  # at an index this request did not record: others' votes
         row = []
         for m, (b, d) in enumerate(zip(r.bits, draws, strict=True)):
-            ones, total = others.get(m, (0, 0)) if b is None else (0, 0)
             if b is not None:
                 row.append(bool(b))
-            elif 2 * ones != total:  # a majority of the other lives
+                continue
+            ones, total = others.get(m, (0, 0))
+            if 2 * ones != total:  # a majority of the other lives
                 row.append(2 * ones > total)
                 num_pooled += 0 < m < r.output_len - 1
-            else:
+            else:  # none recorded it, or a tie
                 row.append(d)
         bits.append(row)
         imputed.append([b is None for b in r.bits])
