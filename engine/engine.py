@@ -26,6 +26,7 @@ from specsched.engine.stats import EngineStats
 from specsched.engine.step_timer import StepTimer
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.fixed import predict_plan
+from specsched.policies.run_cost import capped_run_steps
 from specsched.proposers.base import Proposals
 
 
@@ -317,11 +318,7 @@ class Engine(PrefillStep, DecodeSteps, CommitStep):
         measured ms of a plain forward alone (1 before the first is measured)."""
         sched = self.cfg.scheduler
         steps = sched.plain_decode_steps if steps is None else steps
-        if sched.plain_decode_ms is None:
-            return steps
-        if self._plain_forward_ms is None:
-            return 1
-        return max(1, min(steps, int(sched.plain_decode_ms / self._plain_forward_ms)))
+        return capped_run_steps(steps, sched.plain_decode_ms, self._plain_forward_ms)
 
     def _observe_plain(self, seconds: float, num_steps: int) -> None:
         """A plain step or run alone took ``seconds`` from its scoring launch to its read: the EMA of

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from specsched.policies.run_cost import capped_run_steps
+
 __all__ = ["RunRules", "run_length"]
 
 
@@ -65,11 +67,7 @@ class RunRules:
         """``steps`` (default ``plain_decode_steps``) capped by ``plain_decode_ms`` over a plain
         forward's ms (one step while that is unknown), at least 1: the engine's ``_plain_steps``."""
         steps = self.plain_decode_steps if steps is None else steps
-        if self.plain_decode_ms is None:
-            return steps
-        if forward_ms is None or not forward_ms > 0:
-            return 1
-        return max(1, min(steps, int(self.plain_decode_ms / forward_ms)))
+        return capped_run_steps(steps, self.plain_decode_ms, forward_ms)
 
 
 def run_length(

@@ -44,6 +44,17 @@ def plain_stats(context_lens: list[int]) -> ShapeStats:
     return ShapeStats(b, b, 0, 0, 0, ctx, ctx)
 
 
+def capped_run_steps(steps: int, cap_ms: float | None, forward_ms: float | None) -> int:
+    """``steps`` plain forwards capped to about ``cap_ms`` (``scheduler.plain_decode_ms``; None: no cap)
+    by a plain forward's ms (one step while that is unknown), at least 1: how long a run alone may be,
+    for the engine (its measured forward) and the replay (a predicted one) alike."""
+    if cap_ms is None:
+        return steps
+    if forward_ms is None or not forward_ms > 0:
+        return 1
+    return max(1, min(steps, int(cap_ms / forward_ms)))
+
+
 @dataclass
 class RunRatio:
     """Running mean of measured / predicted ms of a scorer's runs (the last ~``window`` weigh most)."""
