@@ -36,6 +36,7 @@ from specsched.bench.serve_daemon import (
     split_cpus,
     start_up,
 )
+from specsched.bench.serve_drift import drift_table, log_loops, with_indices
 from specsched.bench.serve_host import host_counters, host_phase_rows, step_mix_row
 from specsched.bench.serve_load import cycle_length, load_procs, run_pass
 from specsched.bench.serve_outputs import add_references, pass_row
@@ -191,6 +192,11 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
     if log_dir is not None:  # each policy against the first fixed row, by prompt (bench/serve_paired.py)
         logs = {c.name: (c.kind, log_dir / f"{safe_name(c.name)}.sqlite") for c in cfg.configs}
         result["by_prompt"] = serve_by_prompt(logs, cfg.concurrency)
+        if cfg.rounds:  # the host's speed loop by loop, every daemon (replicas too: bench/serve_drift.py)
+            names = [f"{c.name} replica {k + 1}" if k else c.name
+                     for c in cfg.configs for k in range(cfg.replicas)]  # fmt: skip
+            loops = [lp for name in names for lp in log_loops(log_dir / f"{safe_name(name)}.sqlite")]
+            result["drift"] = drift_table(with_indices(loops))
     first = next((c for c in configs if c["startup_s"] is not None), None)
     if cfg.warm_start and first is not None:
         result["warm_start"] = warm_start(cfg, first["name"], out, daemon_cpus)

@@ -8,6 +8,7 @@ import statistics
 from collections import defaultdict
 
 from specsched.bench.markdown import fmt, table
+from specsched.bench.serve_drift import drift_note
 from specsched.bench.serve_host import daemon_host_table, host_note, host_table, step_mix_table
 from specsched.bench.serve_plans import plan_table
 from specsched.bench.serve_replicas import replica_note, replica_table
@@ -294,6 +295,7 @@ def serve_section(res: dict) -> str:
            res["by_prompt"]]
           if res.get("by_prompt") else []),
         *([host_note(), "", host_table(res["host_phases"]), ""] if res.get("host_phases") else []),
+        *([drift_note(), "", res["drift"], ""] if res.get("drift") else []),
         *(["The kernel's counters for each daemon at the end of its passes (daemon/host_stats.py; a daemon "
            "slower than another on the same code path may show why):", "", hosts, ""]
           if (hosts := daemon_host_table(res["configs"])) else []),

@@ -6,7 +6,8 @@ non-speculative row 5,712 tok/s at N = 16 at 07:40 and 4,593 at 08:14, so a few 
 two rows of one run said nothing about the two configs. Here every daemon is started first (one at
 a time, so each start-up time is its own), then for each N there are ``rounds`` rounds, and each
 round runs one timed closed loop (bench/serve_load.py ``run_pass``: staggered start, ramp, window of
-``duration_s``) per config, the configs in a fresh seeded order: the daemons not under load wait in
+``duration_s``) per config, the configs in a seeded order rotated from round to round
+(:func:`round_order`): the daemons not under load wait in
 their poll and take no GPU or core time, so every config is measured across the same stretch of the
 host's time, and a drift hits each config's rounds alike. Round r is pass r of the table; or, with
 ``interleave_s``, each loop (``passes`` x ``duration_s``) is dealt to the passes as in the
@@ -50,10 +51,19 @@ logger = logging.getLogger(__name__)
 
 
 def round_order(names: list[str], n: int, r: int, seed: int) -> list[str]:
-    """The configs' order in round ``r`` at concurrency ``n``: a shuffle seeded by (seed, n, r)."""
+    """The configs' order in round ``r`` at concurrency ``n``: a shuffle seeded by (seed, n), rotated by
+    ``r`` (a cyclic Latin square: over as many rounds as configs each config takes every place once,
+    and with three configs or more none runs two loops back to back across a round's end). A fresh
+    shuffle per round put one config's loops side by side by chance: on an H100 on 2026-12-07 (19:12)
+    goodput's two daemons ran rounds 3 and 4 at N = 4 back to back, inside the ~8 s where every
+    daemon's host phases ran 30-60 % slower, and its pooled tok/s there lost 10.9 % to k = 8 where its
+    first two rounds were within 1.5-8 %. With two configs the order stays (A B, A B: alternating)."""
     order = list(names)
-    random.Random(f"{seed}:{n}:{r}").shuffle(order)
-    return order
+    random.Random(f"{seed}:{n}").shuffle(order)
+    if len(order) < 3:
+        return order
+    shift = r % len(order)
+    return order[shift:] + order[:shift]
 
 
 def replica_of(r: int, n_index: int, replicas: int) -> int:

@@ -31,13 +31,25 @@ CONFIGS = [
 ]  # fmt: skip
 
 
-def test_round_order_is_a_seeded_shuffle_that_changes_from_round_to_round():
+def test_round_order_is_a_seeded_rotation_no_config_back_to_back():
+    """Rounds at one N rotate a seeded shuffle: every config takes every place once over as many
+    rounds as configs, and no config's loop follows its own across a round's end (a fresh shuffle
+    per round did that by chance; a host slowdown then hit one config twice)."""
     names = [f"c{i}" for i in range(6)]
-    orders = [round_order(names, 4, r, seed=0) for r in range(5)]
+    orders = [round_order(names, 4, r, seed=0) for r in range(6)]
     assert all(sorted(o) == names for o in orders)
-    assert len({tuple(o) for o in orders}) > 1  # not one fixed order
+    for place in range(6):
+        assert sorted(o[place] for o in orders) == names, place
+    sequence = [name for o in orders * 2 for name in o]
+    assert all(a != b for a, b in zip(sequence, sequence[1:]))
     assert round_order(names, 4, 2, seed=0) == orders[2]  # reproducible
     assert round_order(names, 4, 2, seed=1) != orders[2] or round_order(names, 16, 2, seed=0) != orders[2]
+    three = [round_order(names[:3], 1, r, seed=0) for r in range(8)]
+    flat = [name for o in three for name in o]
+    assert all(a != b for a, b in zip(flat, flat[1:]))
+    two = [round_order(names[:2], 1, r, seed=0) for r in range(4)]
+    assert len({tuple(o) for o in two}) == 1  # two configs: A B A B ..., never A A
+    assert round_order(["a"], 1, 3, seed=0) == ["a"]
 
 
 @pytest.mark.parametrize(
@@ -156,6 +168,10 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
         "2/3 (N = 1/2) rounds, each one loop per" if interleave_s else "2 rounds, each one loop per"
     ) in text
     assert ("Tok/s of each round's loop" in text) == bool(interleave_s)
+    # every daemon's loops in time order, with its host index (bench/serve_drift.py)
+    assert "The host's speed loop by loop" in text
+    drift = [line.split(" | ")[1] for line in serve["drift"].splitlines() if line[2:3].isdigit()]
+    assert {name.replace(" ", "_").replace("=", "_") for name in live} <= set(drift), serve["drift"]
 
 
 @pytest.mark.slow

@@ -1,0 +1,66 @@
+"""bench/serve_drift.py: the host's speed loop by loop, from real decision logs."""
+
+from __future__ import annotations
+
+import pytest
+
+from specsched.bench.serve_drift import PHASES, config_of, drift_table, log_loops, main, with_indices
+from specsched.daemon.log import LogWriter
+from specsched.daemon.log_config import LogConfig
+from specsched.engine.records import StepRecord
+
+
+def write_log(path, loops: list[tuple[float, int, int, float]]) -> str:
+    """A log of loops (start s, batch size, steps, host scale): each loop's decode steps 1 ms apart,
+    every phase's host ms = its base below x the loop's scale; one stray step of another batch size."""
+    base = {"between": 0.04, "schedule": 0.005, "score": 0.3, "commit": 0.03, "first_event": 0.025,
+            "events": 0.05, "view": 0.07}  # fmt: skip
+    log = LogWriter(LogConfig(path=str(path)))
+    log.start_run({"config": "test"}, model="tiny", device="cpu", version="test")
+    num = 0
+    for start, batch, steps, scale in loops:
+        for j in range(steps):
+            num += 1
+            b = batch if j != 3 else batch + 1  # a join mid-loop: not the loop's N
+            t = start + j * 1e-3
+            rec = StepRecord(num, "decode", t, b, 4 * b, "mqa_graph", score_ms=1.0, total_ms=1.5)
+            rec.host_ms = {p: v * scale for p, v in base.items()}
+            log.write_step(rec)
+    assert log.flush()
+    log.close()
+    return str(path)
+
+
+def test_loops_are_cut_at_gaps_and_indexed_against_their_configs_other_loops(tmp_path):
+    a_loops = [(100.0, 4, 30, 1.0), (110.0, 4, 30, 1.4), (120.0, 16, 20, 1.0)]
+    a = write_log(tmp_path / "goodput.sqlite", a_loops)
+    b = write_log(tmp_path / "goodput_replica_2.sqlite", [(105.0, 4, 30, 1.0), (130.0, 16, 20, 1.0)])
+    c = write_log(tmp_path / "k8.sqlite", [(101.0, 4, 30, 1.0), (111.0, 4, 30, 1.2), (2.0, 4, 3, 9.0)])
+    loops = with_indices([lp for p in (a, b, c) for lp in log_loops(p)])
+    assert [lp.start for lp in loops] == sorted(lp.start for lp in loops)  # time order, across logs
+    got = {(lp.daemon, round(lp.start)): lp for lp in loops}
+    assert (("k8", 2) not in got) and len(loops) == 7  # a loop of 3 steps is left out
+    slow = got[("goodput", 110)]
+    assert slow.n == 4 and slow.num_steps == 29  # the stray batch-5 step is not the loop's
+    assert slow.phase_ms["score"] == pytest.approx(0.42)
+    # goodput at N = 4: three loops (replica 2's pooled) at scales 1.0, 1.4, 1.0: median 1.0
+    assert slow.index == pytest.approx(1.4) and got[("goodput_replica_2", 105)].index == pytest.approx(1.0)
+    assert got[("k8", 111)].index == pytest.approx(1.2 / 1.1)  # two loops: their mean is the reference
+    assert got[("goodput", 120)].index == pytest.approx(1.0)  # another N: its own reference
+    text = drift_table(loops)
+    row = next(line for line in text.splitlines() if line.startswith("| 10.0 | goodput | 4 |"))
+    assert "| 1.40 |" in row and "0.420" in row
+    assert "N = 4: host index 0.91-1.40, 1 of 5 loops ≥ 1.15" in text
+    assert drift_table([]) == ""
+    assert config_of("ngram_goodput_replica_2") == "ngram_goodput" and config_of("k8") == "k8"
+    assert set(PHASES) <= {"between", "schedule", "score", "commit", "first_event", "events"}
+
+
+def test_the_cli_prints_the_table_and_refuses_logs_without_steps(tmp_path, capsys):
+    log = write_log(tmp_path / "x.sqlite", [(1.0, 4, 10, 1.0), (5.0, 4, 10, 1.3)])
+    out = tmp_path / "drift.md"
+    main([log, "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "| 4.0 | x | 4 | 9 |" in printed and out.read_text() == printed
+    with pytest.raises(SystemExit, match="no decode steps"):
+        main([str(tmp_path / "missing.sqlite")])
