@@ -36,7 +36,7 @@ from specsched.bench.serve_daemon import (
     split_cpus,
     start_up,
 )
-from specsched.bench.serve_drift import drift_table, log_loops, with_indices
+from specsched.bench.serve_drift import drift_table, log_loops, round_host_ms, with_indices
 from specsched.bench.serve_host import host_counters, host_phase_rows, step_mix_row
 from specsched.bench.serve_load import cycle_length, load_procs, run_pass
 from specsched.bench.serve_outputs import add_references, pass_row
@@ -197,6 +197,10 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
                      for c in cfg.configs for k in range(cfg.replicas)]  # fmt: skip
             loops = [lp for name in names for lp in log_loops(log_dir / f"{safe_name(name)}.sqlite")]
             result["drift"] = drift_table(with_indices(loops))
+            for r in rows:  # each round's host ms beside its tok/s (the report's per-round targets)
+                if r.get("round_tok_s"):
+                    r["round_host_ms"] = round_host_ms(loops, safe_name(r["config"]), r["concurrency"],
+                                                       len(r["round_tok_s"]))  # fmt: skip
     first = next((c for c in configs if c["startup_s"] is not None), None)
     if cfg.warm_start and first is not None:
         result["warm_start"] = warm_start(cfg, first["name"], out, daemon_cpus)

@@ -10,8 +10,10 @@ N = 4 fell into it. A config's per-round loss is its policy only where its loop'
 near its rivals' in the same round.
 
 A loop is a run of one daemon's decode steps with no gap over ``GAP_S`` (the daemons not under load
-take no steps); its N is the batch size most of its steps had, its phase times the medians of
-``steps.host_ms`` over its steps of that batch size. Its **host index** is the median, over
+take no steps); its N is the largest batch size among them (N clients never have more requests
+running), its phase times the medians of ``steps.host_ms`` over its steps of at least ``STEADY`` x N
+requests (the closed loop's steady state: a client between two requests leaves the batch a step or
+two). Its **host index** is the median, over
 ``PHASES``, of its phase median divided by the median of that phase over all loops of its config at
 that N (its replicas' too: ``<config>_replica_<k>`` logs): 1.0 = the config's usual host speed at that
 N, 1.4 = its host work took 40 % longer there; a replica slower for its whole life shows as an offset.
@@ -23,18 +25,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specsched.bench.markdown import emit, fmt, log_name, table
 from specsched.bench.serve_host import last_run_with_host_ms
 
-__all__ = ["GAP_S", "PHASES", "Loop", "config_of", "log_loops", "with_indices", "drift_table", "drift_note"]
+__all__ = ["GAP_S", "PHASES", "Loop", "config_of", "log_loops", "with_indices", "drift_table", "drift_note",
+           "round_host_ms"]  # fmt: skip
 
 GAP_S = 0.5  # one daemon's decode steps further apart than this belong to different loops
+STEADY = 0.75  # a loop's phase medians are over its steps of at least this share of its N requests
 # host phases every config's step has, whatever it decides (its view and decide differ by policy)
 PHASES = ("between", "schedule", "score", "commit", "first_event", "events")
 SHOWN = ("between", "first_event", "score", "commit")  # the table's phase columns
@@ -45,8 +49,8 @@ class Loop:
     daemon: str  # the log's name
     start: float  # time.time() of its first decode step
     end: float  # of its last
-    n: int  # the batch size most of its steps had
-    num_steps: int  # its decode steps of batch size n
+    n: int  # its largest batch size: the concurrency it ran at
+    num_steps: int  # its decode steps of at least STEADY x n requests
     phase_ms: dict[str, float] = field(default_factory=dict)  # median host ms per phase over them
     index: float | None = None  # host index (module docstring); None: no phase to compare
 
@@ -71,7 +75,7 @@ def _segments(rows: list[tuple[float, int, str]], gap_s: float) -> list[list[tup
 
 def log_loops(log_path: str | Path, gap_s: float = GAP_S, min_steps: int = 5) -> list[Loop]:
     """The loops of a decision log's last run (module docstring), in time order; loops with fewer than
-    ``min_steps`` steps of their N (a warm-up request, a drain) are left out. [] for a log without
+    ``min_steps`` steady steps are left out. [] for a log without
     ``steps.host_ms``."""
     found = last_run_with_host_ms(log_path)
     if found is None:
@@ -83,8 +87,9 @@ def log_loops(log_path: str | Path, gap_s: float = GAP_S, min_steps: int = 5) ->
     ).fetchall()  # fmt: skip
     name, loops = log_name(str(log_path)), []
     for seg in _segments(rows, gap_s):
-        n = Counter(b for _, b, _ in seg).most_common(1)[0][0]
-        steps = [h for _, b, h in seg if b == n]
+        n = max(b for _, b, _ in seg)  # N clients never run more than N requests at once
+        floor = math.ceil(STEADY * n)
+        steps = [h for _, b, h in seg if b >= floor]
         if len(steps) < min_steps:
             continue
         phases = {p: statistics.median(h.get(p, 0.0) for h in steps) for p in PHASES}
@@ -104,6 +109,19 @@ def with_indices(loops: list[Loop]) -> list[Loop]:
             ratios = [lp.phase_ms[p] / ref[p] for p in PHASES if ref[p] > 0]
             lp.index = statistics.median(ratios) if ratios else None
     return sorted(loops, key=lambda lp: lp.start)
+
+
+def round_host_ms(loops: list[Loop], config: str, n: int, num_rounds: int) -> list[float] | None:
+    """The host ms of ``config``'s loop in each of its ``num_rounds`` rounds at concurrency ``n``: the
+    sum of the medians of the phases in ``SHOWN`` (the daemon loop, the first event record, the score
+    phase's input build and launch, the commit), for the last ``num_rounds`` loops of the config's
+    daemons (``config`` as its log is named, replicas included) at ``n`` in time order (the rounds run
+    one after another; a warm-up before them is left out). None when its logs hold fewer loops."""
+    mine = [lp for lp in loops if config_of(lp.daemon) == config and lp.n == n]
+    mine.sort(key=lambda lp: lp.start)
+    if len(mine) < num_rounds or num_rounds < 1:
+        return None
+    return [sum(lp.phase_ms[p] for p in SHOWN) for lp in mine[-num_rounds:]]
 
 
 def drift_table(loops: list[Loop]) -> str:

@@ -16,6 +16,7 @@ from specsched.bench.serve_shapes import shape_table
 
 SPREAD_GOAL = 0.05  # the two passes of a row within 5%
 LEAD_GOAL = 0.03  # goodput >= the best fixed row - 3%
+HOST_MATCH = 0.05  # two loops of a round whose host ms are this close: compared on equal terms
 
 
 def _ms(p50: float | None, p99: float | None) -> str:
@@ -142,11 +143,18 @@ def paired_table(res: dict) -> str:
     alike and cancels in the ratio of two configs' loops of one round; the pooled passes above do not
     cancel it. Per N: the default config's tok/s over the best fixed row's (chosen as in the targets
     table) and over the baseline's, round by round: median [min–max]; then each other policy's
-    (kind ``policy``: an A/B row) the same way. Empty without round tok/s."""
+    (kind ``policy``: an A/B row) the same way. With the decision logs (``round_host_ms``,
+    bench/serve_drift.py): the ratio of the two loops' host ms round by round, and the tok/s ratio over
+    the rounds where those were within ``HOST_MATCH`` of each other (a round where one daemon's host ran
+    slower than the other's in the same seconds says little about the configs). Empty without round
+    tok/s."""
     rounds: dict[tuple[str, int], list[float]] = {}
+    hosts: dict[tuple[str, int], list[float]] = {}
     for r in res["rows"]:
         if r.get("round_tok_s") and not r["num_errors"] and not r.get("error"):
             rounds.setdefault((r["config"], r["concurrency"]), r["round_tok_s"])
+            if r.get("round_host_ms") and len(r["round_host_ms"]) == len(r["round_tok_s"]):
+                hosts.setdefault((r["config"], r["concurrency"]), r["round_host_ms"])
     kinds = {c["name"]: c["kind"] for c in res["configs"]}
     default = next((n for n, k in kinds.items() if k == "default"), None)
     base = next((n for n, k in kinds.items() if k == "baseline"), None)
@@ -159,15 +167,25 @@ def paired_table(res: dict) -> str:
             g = rounds.get((config, n))
             if not g or best is None:
                 continue
-            vs_best = [a / b - 1 for a, b in zip(g, rounds[(best[1], n)]) if b > 0]
+            pairs = [(a, b) for a, b in zip(g, rounds[(best[1], n)])]
+            vs_best = [a / b - 1 for a, b in pairs if b > 0]
             vs_base = [a / b for a, b in zip(g, rounds.get((base, n)) or []) if b > 0]
+            mine, theirs = hosts.get((config, n)), hosts.get((best[1], n))
+            host, matched = "–", "–"
+            if mine and theirs and len(mine) == len(theirs) == len(pairs):
+                ratios = [a / b for a, b in zip(mine, theirs) if b > 0]
+                host = _median_range([x - 1 for x in ratios], "{:+.0%}")
+                kept = [a / b - 1 for (a, b), h in zip(pairs, ratios) if b > 0 and abs(h - 1) <= HOST_MATCH]
+                matched = f"{_median_range(kept, '{:+.1%}')} ({len(kept)})" if kept else "– (0)"
             out.append([str(n), config, best[1], str(len(vs_best)), _median_range(vs_best, "{:+.1%}"),
                         f"{sum(v >= -LEAD_GOAL for v in vs_best)} / {len(vs_best)}",
-                        _median_range(vs_base, "{:.2f}")])  # fmt: skip
+                        _median_range(vs_base, "{:.2f}"), host, matched])  # fmt: skip
     if not out:
         return ""
     header = ["N", "config", "best fixed row", "rounds", "vs it, per round: median [min–max]",
-              "rounds ≥ −3%", "× non-spec, per round: median [min–max]"]  # fmt: skip
+              "rounds ≥ −3%", "× non-spec, per round: median [min–max]",
+              "its loop's host ms vs the fixed row's, per round",
+              "vs it where host ms within ±5% (rounds)"]  # fmt: skip
     return table(header, out)
 
 

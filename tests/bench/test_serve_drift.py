@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from specsched.bench.serve_drift import PHASES, config_of, drift_table, log_loops, main, with_indices
+from specsched.bench.serve_drift import (
+    PHASES,
+    config_of,
+    drift_table,
+    log_loops,
+    main,
+    round_host_ms,
+    with_indices,
+)
 from specsched.daemon.log import LogWriter
 from specsched.daemon.log_config import LogConfig
 from specsched.engine.records import StepRecord
@@ -12,7 +20,7 @@ from specsched.engine.records import StepRecord
 
 def write_log(path, loops: list[tuple[float, int, int, float]]) -> str:
     """A log of loops (start s, batch size, steps, host scale): each loop's decode steps 1 ms apart,
-    every phase's host ms = its base below x the loop's scale; one stray step of another batch size."""
+    every phase's host ms = its base below x the loop's scale; one step at half the batch size."""
     base = {"between": 0.04, "schedule": 0.005, "score": 0.3, "commit": 0.03, "first_event": 0.025,
             "events": 0.05, "view": 0.07}  # fmt: skip
     log = LogWriter(LogConfig(path=str(path)))
@@ -21,7 +29,7 @@ def write_log(path, loops: list[tuple[float, int, int, float]]) -> str:
     for start, batch, steps, scale in loops:
         for j in range(steps):
             num += 1
-            b = batch if j != 3 else batch + 1  # a join mid-loop: not the loop's N
+            b = batch if j != 3 else max(batch // 2, 1)  # clients between requests: not a steady step
             t = start + j * 1e-3
             rec = StepRecord(num, "decode", t, b, 4 * b, "mqa_graph", score_ms=1.0, total_ms=1.5)
             rec.host_ms = {p: v * scale for p, v in base.items()}
@@ -41,7 +49,7 @@ def test_loops_are_cut_at_gaps_and_indexed_against_their_configs_other_loops(tmp
     got = {(lp.daemon, round(lp.start)): lp for lp in loops}
     assert (("k8", 2) not in got) and len(loops) == 7  # a loop of 3 steps is left out
     slow = got[("goodput", 110)]
-    assert slow.n == 4 and slow.num_steps == 29  # the stray batch-5 step is not the loop's
+    assert slow.n == 4 and slow.num_steps == 29  # the batch-2 step is not a steady one
     assert slow.phase_ms["score"] == pytest.approx(0.42)
     # goodput at N = 4: three loops (replica 2's pooled) at scales 1.0, 1.4, 1.0: median 1.0
     assert slow.index == pytest.approx(1.4) and got[("goodput_replica_2", 105)].index == pytest.approx(1.0)
@@ -52,6 +60,11 @@ def test_loops_are_cut_at_gaps_and_indexed_against_their_configs_other_loops(tmp
     assert "| 1.40 |" in row and "0.420" in row
     assert "N = 4: host index 0.91-1.40, 1 of 5 loops ≥ 1.15" in text
     assert drift_table([]) == ""
+    # each round's loop of goodput at N = 4 in time order (both replicas): between + first_event +
+    # score + commit = 0.395 ms at scale 1
+    assert round_host_ms(loops, "goodput", 4, 3) == pytest.approx([0.395, 0.395, 0.395 * 1.4])
+    assert round_host_ms(loops, "goodput", 4, 2) == pytest.approx([0.395, 0.395 * 1.4])  # the last two
+    assert round_host_ms(loops, "goodput", 4, 4) is None and round_host_ms(loops, "k8", 64, 1) is None
     assert config_of("ngram_goodput_replica_2") == "ngram_goodput" and config_of("k8") == "k8"
     assert set(PHASES) <= {"between", "schedule", "score", "commit", "first_event", "events"}
 

@@ -40,8 +40,8 @@ def test_paired_table_divides_each_rounds_loops_so_a_host_drift_cancels():
         ln for ln in paired_table({"configs": configs, "rows": rows}).splitlines() if ln.startswith("| 4 |")
     ]
     assert lines == [
-        "| 4 | goodput | k8 | 2 | -2.0% [-2.0% – -2.0%] | 2 / 2 | 1.96 [1.96 – 1.96] |",
-        "| 4 | goodput B | k8 | 2 | +10.0% [+10.0% – +10.0%] | 2 / 2 | 2.20 [2.20 – 2.20] |",  # an A/B row
+        "| 4 | goodput | k8 | 2 | -2.0% [-2.0% – -2.0%] | 2 / 2 | 1.96 [1.96 – 1.96] | – | – |",
+        "| 4 | goodput B | k8 | 2 | +10.0% [+10.0% – +10.0%] | 2 / 2 | 2.20 [2.20 – 2.20] | – | – |",  # A/B
     ]
     # one round below the goal is counted as such; no round tok/s: no table
     per_round["goodput"] = [1000, 480]
@@ -50,3 +50,25 @@ def test_paired_table_divides_each_rounds_loops_so_a_host_drift_cancels():
                 if ln.startswith("| 4 | goodput |"))  # fmt: skip
     assert "| -2.0% [-4.0% – +0.0%] | 1 / 2 | 1.96 [1.92 – 2.00] |" in line
     assert paired_table({"configs": configs, "rows": [row("goodput", 4, 1, 900.0)]}) == ""
+
+
+def test_paired_table_sets_each_rounds_host_ms_beside_its_tok_s():
+    """With the logs' host ms of each round's loops (bench/serve_drift.py round_host_ms): their ratio
+    per round, and the tok/s ratio over the rounds whose two loops' host ms were within 5 %."""
+    from specsched.bench.serve_report import paired_table
+
+    configs = [{"name": "base", "kind": "baseline"}, {"name": "k8", "kind": "fixed"},
+               {"name": "goodput", "kind": "default"}]  # fmt: skip
+    # goodput's rounds 3 and 4 ran while its daemon's host was 20 % / 44 % slower than k8's loops
+    per_round = {"base": [500] * 4, "k8": [1000] * 4, "goodput": [985, 990, 880, 780]}
+    host = {"base": [1.0] * 4, "k8": [0.40, 0.40, 0.40, 0.40], "goodput": [0.40, 0.41, 0.48, 0.576]}
+    rows = [dict(row(c, 4, p, sum(v) / 4), round_tok_s=v, round_host_ms=host[c])
+            for c, v in per_round.items() for p in (1, 2)]  # fmt: skip
+    line = next(ln for ln in paired_table({"configs": configs, "rows": rows}).splitlines()
+                if ln.startswith("| 4 | goodput |"))  # fmt: skip
+    assert line.endswith("| +11% [+0% – +44%] | -1.3% [-1.5% – -1.0%] (2) |"), line
+    host["goodput"] = [0.6] * 4  # no round on equal terms
+    rows = [dict(r, round_host_ms=host[r["config"]]) for r in rows]
+    line = next(ln for ln in paired_table({"configs": configs, "rows": rows}).splitlines()
+                if ln.startswith("| 4 | goodput |"))  # fmt: skip
+    assert line.endswith("| +50% [+50% – +50%] | – (0) |"), line

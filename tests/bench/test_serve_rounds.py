@@ -146,6 +146,8 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
             if interleave_s:  # each pass pools its share of every round's 0.6 s loop
                 num = rounds[r["concurrency"]]
                 assert len(r["round_tok_s"]) == num and len(r["slice_tok_s"]) == num * 6
+                # each round's loop found in the daemon's log, its host ms beside its tok/s
+                assert len(r["round_host_ms"]) == num and min(r["round_host_ms"]) > 0, r
                 assert r["window_s"] == pytest.approx(num * 0.6)
                 assert 0.5 * min(r["round_tok_s"]) < r["tokens_per_s"] < 2 * max(r["round_tok_s"])
             else:
