@@ -4,10 +4,11 @@ the daemons' decision logs: is a config's slow round its own doing, or did every
 On an H100 on 2026-12-07 (19:12, ``bench=serve_h200_verdict``) goodput lost 10.9 % to k = 8 at N = 4,
 yet on one daemon's costs the two were 0.3 % apart. Laid out in time, the daemons' loops showed a
 stretch of ~8 s where every daemon's host phases (the daemon loop's ``between``, the first CUDA event
-record, the score phase's input build and launch, the commit) ran 30-60 % slower than in the same
-daemon's other loops at that N, non-speculative and k = 8 included; two of goodput's four rounds at
-N = 4 fell into it. A config's per-round loss is its policy only where its loop's host index below is
-near its rivals' in the same round.
+record, the score phase's input build and launch, the commit) ran 10-25 % slower than in the same
+config's other loops at that N (host index 1.08-1.23), non-speculative and k = 8 included; two of
+goodput's four rounds at N = 4 fell into it. A config's per-round loss is its policy's doing only
+where its loop's host ms were near its rival's in the same round (the report's per-round table,
+bench/serve_report.py ``paired_table``, from :func:`round_host_ms`).
 
 A loop is a run of one daemon's decode steps with no gap over ``GAP_S`` (the daemons not under load
 take no steps); its N is the largest batch size among them (N clients never have more requests

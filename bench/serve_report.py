@@ -167,7 +167,7 @@ def paired_table(res: dict) -> str:
             g = rounds.get((config, n))
             if not g or best is None:
                 continue
-            pairs = [(a, b) for a, b in zip(g, rounds[(best[1], n)])]
+            pairs = list(zip(g, rounds[(best[1], n)]))
             vs_best = [a / b - 1 for a, b in pairs if b > 0]
             vs_base = [a / b for a, b in zip(g, rounds.get((base, n)) or []) if b > 0]
             mine, theirs = hosts.get((config, n)), hosts.get((best[1], n))

@@ -56,7 +56,7 @@ def round_order(names: list[str], n: int, r: int, seed: int) -> list[str]:
     and with three configs or more none runs two loops back to back across a round's end). A fresh
     shuffle per round put one config's loops side by side by chance: on an H100 on 2026-12-07 (19:12)
     goodput's two daemons ran rounds 3 and 4 at N = 4 back to back, inside the ~8 s where every
-    daemon's host phases ran 30-60 % slower, and its pooled tok/s there lost 10.9 % to k = 8 where its
+    daemon's host phases ran 10-25 % slower, and its pooled tok/s there lost 10.9 % to k = 8 where its
     first two rounds were within 1.5-8 %. With two configs the order stays (A B, A B: alternating)."""
     order = list(names)
     random.Random(f"{seed}:{n}").shuffle(order)
