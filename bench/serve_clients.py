@@ -138,7 +138,16 @@ async def one_request(client: AsyncClient, index: int, prompt: dict, max_tokens:
 
 async def compiles_after_start(client: AsyncClient) -> int | None:
     """The daemon's ``stats`` field ``num_compiles_after_start`` (None from a daemon too old to have it)."""
-    return getattr(await client.stats(), "num_compiles_after_start", None)
+    return (await pass_counters(client))[0]
+
+
+async def pass_counters(client: AsyncClient) -> tuple[int | None, int | None]:
+    """What a pass reads from the daemon's ``stats`` before and after itself: (``num_compiles_after_start``,
+    the engine thread's nonvoluntary context switches so far: its CPU taken by another thread or
+    process, daemon/host_stats.py); None where the daemon does not report one."""
+    stats = await client.stats()
+    switches = getattr(getattr(stats, "host", None), "engine_nonvoluntary_switches", None)
+    return getattr(stats, "num_compiles_after_start", None), switches
 
 
 async def run_clients(

@@ -36,7 +36,7 @@ from specsched.bench.markdown import emit, fmt, log_name, table
 from specsched.bench.serve_host import last_run_with_host_ms
 
 __all__ = ["GAP_S", "PHASES", "Loop", "config_of", "log_loops", "with_indices", "drift_table", "drift_note",
-           "round_host_ms"]  # fmt: skip
+           "round_host_ms", "rounds_table"]  # fmt: skip
 
 GAP_S = 0.5  # one daemon's decode steps further apart than this belong to different loops
 STEADY = 0.75  # a loop's phase medians are over its steps of at least this share of its N requests
@@ -142,6 +142,28 @@ def drift_table(loops: list[Loop]) -> str:
             lines.append(f"N = {n}: host index {fmt(min(idx))}-{fmt(max(idx))}, {slow} of {len(idx)} loops "
                          "≥ 1.15")  # fmt: skip
     return text + ("\n\n" + "; ".join(lines) + "." if lines else "")
+
+
+def rounds_table(rows: list[dict]) -> str:
+    """Each round's loop of each (config, N), in the rounds' order: tok/s, host ms (``round_host_ms``)
+    and the engine thread's nonvoluntary context switches during the loop (``round_switches``: its CPU
+    taken by another thread or process; a slow loop with few of them ran on a slower CPU, not a busy
+    one). Empty without rows that have round tok/s."""
+    out, seen = [], set()
+    for r in rows:
+        key = (r["config"], r["concurrency"])
+        tok = r.get("round_tok_s")
+        if not tok or key in seen:
+            continue
+        seen.add(key)
+        host = r.get("round_host_ms") or [None] * len(tok)
+        sw = r.get("round_switches") or [None] * len(tok)
+        cells = [f"{fmt(t, 0)} / {fmt(h, 3)} / {'–' if s is None else s}" for t, h, s in zip(tok, host, sw)]
+        out.append([r["config"], str(r["concurrency"]), "; ".join(cells)])
+    if not out:
+        return ""
+    out.sort(key=lambda row: (int(row[1]), row[0]))
+    return table(["config", "N", "each round: tok/s / host ms / engine CPU taken (switches)"], out)
 
 
 def drift_note() -> str:

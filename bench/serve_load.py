@@ -42,8 +42,8 @@ from multiprocessing.connection import wait
 from specsched.bench.serve_clients import (
     PassState,
     client_prompts,
-    compiles_after_start,
     cycle_length,
+    pass_counters,
     run_clients,
     stagger_plan,
 )
@@ -66,9 +66,9 @@ def load_procs(concurrency: int, clients_per_proc: int) -> int:
     return max(1, min(math.ceil(concurrency / clients_per_proc), cores))
 
 
-async def _stats_compiles(endpoint: str, timeout_s: float) -> int | None:
+async def _stats_counters(endpoint: str, timeout_s: float) -> tuple[int | None, int | None]:
     async with AsyncClient(endpoint, timeout_s=timeout_s) as c:
-        return await compiles_after_start(c)
+        return await pass_counters(c)
 
 
 def _worker(conn, state: PassState) -> None:
@@ -215,7 +215,7 @@ def run_pass(
                          f"procs >= 1; got {concurrency}, {num_requests}, {len(prompts)} prompts, "
                          f"{duration_s}, {ramp_s}, {procs}")  # fmt: skip
     procs = min(procs, concurrency)
-    before = asyncio.run(_stats_compiles(endpoint, timeout_s))
+    before, switches_before = asyncio.run(_stats_counters(endpoint, timeout_s))
     if procs == 1:
         state = PassState(mp.get_context("spawn"))
         state.reset(concurrency, ramp_s, duration_s)
@@ -236,11 +236,12 @@ def run_pass(
         done = [r for _, r in sorted(got, key=lambda x: x[0])]
     if error:
         return PassResult(wall, done, before, None, error)
-    after = asyncio.run(_stats_compiles(endpoint, timeout_s))
+    after, switches_after = asyncio.run(_stats_counters(endpoint, timeout_s))
+    switches = {"switches_before": switches_before, "switches_after": switches_after}
     if not duration_s:
-        return PassResult(wall, done, before, after, max_tokens=max_tokens)
+        return PassResult(wall, done, before, after, max_tokens=max_tokens, **switches)
     lo, hi = state.opens_at, state.closes_at
     for r in done:
         r.num_tokens_in_window = r.tokens_between(lo, hi)
     return PassResult(wall, done, before, after, window_s=duration_s, ramp_s=lo - state.t0, opens_at=lo,
-                      closes_at=hi, max_tokens=max_tokens, concurrency=concurrency)  # fmt: skip
+                      closes_at=hi, max_tokens=max_tokens, concurrency=concurrency, **switches)  # fmt: skip

@@ -83,6 +83,10 @@ class PassResult:
     # is then concurrency x tokens in the window / their busy time in it
     is_request_split: bool = False
     concurrency: int = 0  # clients of the loop
+    # the daemon's engine thread's nonvoluntary context switches before / after the pass (its CPU taken
+    # by another thread or process: daemon/host_stats.py); None where the daemon does not report them
+    switches_before: int | None = None
+    switches_after: int | None = None
 
     @property
     def windows(self) -> list[tuple[float, float]]:
@@ -94,6 +98,13 @@ class PassResult:
         if self.compiles_before is None or self.compiles_after is None:
             return None
         return self.compiles_after - self.compiles_before
+
+    @property
+    def engine_switches(self) -> int | None:
+        """The engine thread's nonvoluntary context switches during the pass (its ramp and drain too)."""
+        if self.switches_before is None or self.switches_after is None:
+            return None
+        return self.switches_after - self.switches_before
 
     @property
     def timed(self) -> bool:

@@ -186,13 +186,15 @@ def _rows(
     """The table rows of one (config, N): a row per round (its ``replica``), or with ``interleave_s`` a
     row per dealt pass pooled over the rounds (each loop's requests dealt to the passes,
     :func:`split_interleaved`), with every round's tok/s (``round_tok_s``) and replica
-    (``round_replica``, 1-based) and every slice's tok/s (``slice_tok_s``) beside them."""
+    (``round_replica``, 1-based), the engine thread's CPU taken away during each round's loop
+    (``round_switches``: nonvoluntary context switches) and every slice's tok/s (``slice_tok_s``)
+    beside them."""
     head = {"config": run.name, "kind": run.kind, "concurrency": n}
     if not loops:  # the daemon never served (it failed to start): its config row says why
         return []
     if not cfg.interleave_s or any(loop.error or not loop.timed for loop in loops):
         groups = [[loop] for loop in loops]
-        extra: dict = {"slice_tok_s": None, "round_tok_s": None, "round_replica": None}
+        extra: dict = dict.fromkeys(("slice_tok_s", "round_tok_s", "round_replica", "round_switches"))
         each = [{"replica": k + 1} for k in replicas] if cfg.replicas > 1 else [{}] * len(groups)
     else:
         period = cycle_length(n, num_prompts)
@@ -200,7 +202,8 @@ def _rows(
         groups = [[parts[p] for parts, _ in split] for p in range(cfg.passes)]
         extra = {"slice_tok_s": [x for _, rates in split for x in rates],
                  "round_tok_s": [summarize(loop)["tokens_per_s"] for loop in loops],
-                 "round_replica": [k + 1 for k in replicas] if cfg.replicas > 1 else None}  # fmt: skip
+                 "round_replica": [k + 1 for k in replicas] if cfg.replicas > 1 else None,
+                 "round_switches": [loop.engine_switches for loop in loops]}  # fmt: skip
         each = [{}] * len(groups)
     return [{**pass_row({**head, "pass": p}, parts, ref), **extra, **own}
             for p, (parts, own) in enumerate(zip(groups, each, strict=True), 1)]  # fmt: skip

@@ -148,6 +148,8 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
                 assert len(r["round_tok_s"]) == num and len(r["slice_tok_s"]) == num * 6
                 # each round's loop found in the daemon's log, its host ms beside its tok/s
                 assert len(r["round_host_ms"]) == num and min(r["round_host_ms"]) > 0, r
+                # the engine thread's CPU taken away during each loop (Linux /proc, daemon/host_stats.py)
+                assert len(r["round_switches"]) == num and all(x >= 0 for x in r["round_switches"]), r
                 assert r["window_s"] == pytest.approx(num * 0.6)
                 assert 0.5 * min(r["round_tok_s"]) < r["tokens_per_s"] < 2 * max(r["round_tok_s"])
             else:
@@ -172,6 +174,7 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
     assert ("Tok/s of each round's loop" in text) == bool(interleave_s)
     # every daemon's loops in time order, with its host index (bench/serve_drift.py)
     assert "The host's speed loop by loop" in text
+    assert ("Each round's loop (tok/s, its host ms" in text) == bool(interleave_s)
     drift = [line.split(" | ")[1] for line in serve["drift"].splitlines() if line[2:3].isdigit()]
     assert {name.replace(" ", "_").replace("=", "_") for name in live} <= set(drift), serve["drift"]
 
