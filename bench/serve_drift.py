@@ -76,8 +76,7 @@ def _segments(rows: list[tuple[float, int, str]], gap_s: float) -> list[list[tup
 
 def log_loops(log_path: str | Path, gap_s: float = GAP_S, min_steps: int = 5) -> list[Loop]:
     """The loops of a decision log's last run (module docstring), in time order; loops with fewer than
-    ``min_steps`` steady steps are left out. [] for a log without
-    ``steps.host_ms``."""
+    ``min_steps`` steady steps are left out. [] for a log without ``steps.host_ms``."""
     found = last_run_with_host_ms(log_path)
     if found is None:
         return []
