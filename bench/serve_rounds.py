@@ -2,36 +2,35 @@
 
 Configs measured one after another are minutes apart, and the H200 host's speed drifts by more than
 the margins the serving targets ask for: on 2026-12-04 the same tree and grid gave the
-non-speculative row 5,712 tok/s at N = 16 at 07:40 and 4,593 at 08:14, so a few percent between
-two rows of one run said nothing about the two configs. Here every daemon is started first (one at
-a time, so each start-up time is its own), then for each N there are ``rounds`` rounds, and each
-round runs one timed closed loop (bench/serve_load.py ``run_pass``: staggered start, ramp, window of
-``duration_s``) per config, the configs in a seeded order rotated from round to round
-(:func:`round_order`): the daemons not under load wait in
-their poll and take no GPU or core time, so every config is measured across the same stretch of the
-host's time, and a drift hits each config's rounds alike. Round r is pass r of the table; or, with
-``interleave_s``, each loop (``passes`` x ``duration_s``) is dealt to the passes as in the
-interleaved mode and each pass pools its share of every round: the passes then differ only by
-what one daemon does differently within the same seconds, and each round's tok/s is reported
-beside them (``round_tok_s``). The baseline's first round at each N also covers every prompt of
-every client (its outputs are the references of ``same_output``, computed once all rounds are
-done). Every daemon gets
-``round_overrides`` (by default a fixed KV cache: a share of the GPU memory still free at its start
-would shrink from daemon to daemon). With ``replicas`` R > 1 each config has R daemons (replica k's
-decision log is ``<config>_replica_k.sqlite``; the log-based tables read replica 1's), all started
-before the first round, and round r at the i-th N runs on replica (r + i) mod R
-(:func:`replica_of`): a daemon's own host speed then shows in the rounds' spread and in the replica
-table (bench/serve_replicas.py) instead of hiding in the config's mean.
+non-speculative row 5,712 tok/s at N = 16 at 07:40 and 4,593 at 08:14, so a few percent between two
+rows of one run said nothing about the two configs. Here every daemon is started first (one at a
+time, so each start-up time is its own), then for each N there are ``rounds`` rounds, and each round
+runs one timed closed loop (bench/serve_load.py ``run_pass``: staggered start, ramp, window of
+``duration_s``) per config, the configs in a seeded, balanced order (bench/round_design.py: each
+config in each place and after each other config about equally often, never twice in a row): the
+daemons not under load wait in their poll and take no GPU or core time, so every config is measured
+across the same stretch of the host's time, and a drift hits each config's rounds alike. Round r is
+pass r of the table; or, with ``interleave_s``, each loop (``passes`` x ``duration_s``) is dealt to
+the passes as in the interleaved mode and each pass pools its share of every round: the passes then
+differ only by what one daemon does differently within the same seconds, and each round's tok/s is
+reported beside them (``round_tok_s``). The baseline's first round at each N also covers every
+prompt of every client (its outputs are the references of ``same_output``, computed once all rounds
+are done). Every daemon gets ``round_overrides`` (by default a fixed KV cache: a share of the GPU
+memory still free at its start would shrink from daemon to daemon). With ``replicas`` R > 1 each
+config has R daemons (replica k's decision log is ``<config>_replica_k.sqlite``; the log-based
+tables read replica 1's), all started before the first round, and round r at the i-th N runs on
+replica (r + i) mod R (:func:`replica_of`): a daemon's own host speed then shows in the rounds'
+spread and in the replica table (bench/serve_replicas.py) instead of hiding in the config's mean.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from specsched.bench.round_design import round_orders
 from specsched.bench.serve_config import DaemonRun, ServeConfig
 from specsched.bench.serve_daemon import (
     Daemon,
@@ -48,22 +47,6 @@ from specsched.bench.serve_results import PassResult, split_interleaved, summari
 from specsched.client.sync_client import Client
 
 logger = logging.getLogger(__name__)
-
-
-def round_order(names: list[str], n: int, r: int, seed: int) -> list[str]:
-    """The configs' order in round ``r`` at concurrency ``n``: a shuffle seeded by (seed, n), rotated by
-    ``r`` (a cyclic Latin square: over as many rounds as configs each config takes every place once,
-    and with three configs or more none runs two loops back to back across a round's end). A fresh
-    shuffle per round put one config's loops side by side by chance: on an H100 on 2026-12-07 (19:12)
-    goodput's two daemons ran rounds 3 and 4 at N = 4 back to back, inside the ~8 s where every
-    daemon's host phases ran 10-25 % slower, and its pooled tok/s there lost 10.9 % to k = 8 where its
-    first two rounds were within 1.5-8 %. With two configs the order stays (A B, A B: alternating)."""
-    order = list(names)
-    random.Random(f"{seed}:{n}").shuffle(order)
-    if len(order) < 3:
-        return order
-    shift = r % len(order)
-    return order[shift:] + order[:shift]
 
 
 def replica_of(r: int, n_index: int, replicas: int) -> int:
@@ -115,9 +98,10 @@ def run_rounds(
         if fill:
             covering |= {name for name, kind in kinds.items() if kind == "baseline"}
         for i, n in enumerate(cfg.concurrency):
-            for r in range(cfg.rounds_at(n)):
+            live = [run.name for run in runs if run.name in daemons]
+            for r, order in enumerate(round_orders(live, cfg.rounds_at(n), f"{cfg.seed}:{n}")):
                 k = replica_of(r, i, cfg.replicas)
-                for name in round_order([run.name for run in runs if run.name in daemons], n, r, cfg.seed):
+                for name in order:
                     if k >= len(daemons[name]):  # that replica failed to start: its config is out
                         continue
                     progress.set_postfix_str(f"N={n} round {r + 1}: {name}")

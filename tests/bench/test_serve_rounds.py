@@ -17,7 +17,6 @@ import specsched.bench.serve_report as serve_report
 import specsched.bench.serve_rounds as serve_rounds
 from specsched.bench.serve_config import ServeConfig
 from specsched.bench.serve_daemon import safe_name
-from specsched.bench.serve_rounds import round_order
 from tests.bench.test_serve_cpu import pid_gone
 
 CONF_DIR = str(Path(cli.__file__).parent / "conf")
@@ -29,27 +28,6 @@ CONFIGS = [
      "overrides": ["proposer=ngram", "policy=fixed", "policy.k=2", "policy.scorer=mqa"]},
     {"name": "ngram goodput", "kind": "default", "overrides": ["proposer=ngram", "policy=goodput"]},
 ]  # fmt: skip
-
-
-def test_round_order_is_a_seeded_rotation_no_config_back_to_back():
-    """Rounds at one N rotate a seeded shuffle: every config takes every place once over as many
-    rounds as configs, and no config's loop follows its own across a round's end (a fresh shuffle
-    per round did that by chance; a host slowdown then hit one config twice)."""
-    names = [f"c{i}" for i in range(6)]
-    orders = [round_order(names, 4, r, seed=0) for r in range(6)]
-    assert all(sorted(o) == names for o in orders)
-    for place in range(6):
-        assert sorted(o[place] for o in orders) == names, place
-    sequence = [name for o in orders * 2 for name in o]
-    assert all(a != b for a, b in zip(sequence, sequence[1:]))
-    assert round_order(names, 4, 2, seed=0) == orders[2]  # reproducible
-    assert round_order(names, 4, 2, seed=1) != orders[2] or round_order(names, 16, 2, seed=0) != orders[2]
-    three = [round_order(names[:3], 1, r, seed=0) for r in range(8)]
-    flat = [name for o in three for name in o]
-    assert all(a != b for a, b in zip(flat, flat[1:]))
-    two = [round_order(names[:2], 1, r, seed=0) for r in range(4)]
-    assert len({tuple(o) for o in two}) == 1  # two configs: A B A B ..., never A A
-    assert round_order(["a"], 1, 3, seed=0) == ["a"]
 
 
 @pytest.mark.parametrize(
