@@ -43,6 +43,7 @@ from specsched.bench.serve_outputs import add_references, pass_row
 from specsched.bench.serve_paired import serve_by_prompt
 from specsched.bench.serve_plans import plan_rows
 from specsched.bench.serve_results import PassResult, same_mix_rates, split_interleaved
+from specsched.bench.serve_rounds import replica_run
 from specsched.bench.serve_shapes import shape_rows
 from specsched.client.sync_client import Client
 
@@ -193,8 +194,7 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
         logs = {c.name: (c.kind, log_dir / f"{safe_name(c.name)}.sqlite") for c in cfg.configs}
         result["by_prompt"] = serve_by_prompt(logs, cfg.concurrency)
         if cfg.rounds:  # the host's speed loop by loop, every daemon (replicas too: bench/serve_drift.py)
-            names = [f"{c.name} replica {k + 1}" if k else c.name
-                     for c in cfg.configs for k in range(cfg.replicas)]  # fmt: skip
+            names = [replica_run(c, k).name for c in cfg.configs for k in range(cfg.replicas)]
             loops = [lp for name in names for lp in log_loops(log_dir / f"{safe_name(name)}.sqlite")]
             result["drift"] = drift_table(with_indices(loops))
             for r in rows:  # each round's host ms beside its tok/s (the report's per-round targets)

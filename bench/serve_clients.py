@@ -136,11 +136,6 @@ async def one_request(client: AsyncClient, index: int, prompt: dict, max_tokens:
     return out
 
 
-async def compiles_after_start(client: AsyncClient) -> int | None:
-    """The daemon's ``stats`` field ``num_compiles_after_start`` (None from a daemon too old to have it)."""
-    return (await pass_counters(client))[0]
-
-
 async def pass_counters(client: AsyncClient) -> tuple[int | None, int | None]:
     """What a pass reads from the daemon's ``stats`` before and after itself: (``num_compiles_after_start``,
     the engine thread's nonvoluntary context switches so far: its CPU taken by another thread or

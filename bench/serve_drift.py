@@ -49,7 +49,6 @@ SHOWN = ("between", "first_event", "score", "commit")  # the table's phase colum
 class Loop:
     daemon: str  # the log's name
     start: float  # time.time() of its first decode step
-    end: float  # of its last
     n: int  # its largest batch size: the concurrency it ran at
     num_steps: int  # its decode steps of at least STEADY x n requests
     phase_ms: dict[str, float] = field(default_factory=dict)  # median host ms per phase over them
@@ -93,7 +92,7 @@ def log_loops(log_path: str | Path, gap_s: float = GAP_S, min_steps: int = 5) ->
         if len(steps) < min_steps:
             continue
         phases = {p: statistics.median(h.get(p, 0.0) for h in steps) for p in PHASES}
-        loops.append(Loop(name, seg[0][0], seg[-1][0], n, len(steps), phases))
+        loops.append(Loop(name, seg[0][0], n, len(steps), phases))
     return loops
 
 
