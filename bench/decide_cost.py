@@ -10,9 +10,9 @@ p90 over the timed views, after 100 warm-up views. Plans are compared too: a var
 decide alike (e.g. ``plain_search_max_batch=1``, the numpy search) must give the same plans.
 
 ``python -m specsched.bench.decide_cost [--batches 2 4 7 8 16 64] [--views 600]
-[--variant plain_search_max_batch=1] [--estimator --variant staged_acceptance=true]``
-(``--estimator``: the views carry an acceptance estimator, which two acceptance rates need; without
-it a ``staged_acceptance`` variant plans with one rate.)
+[--variant plain_search_max_batch=1] [--estimator --variant staged_acceptance=false]``
+(``--estimator``: the views carry an acceptance estimator, which two acceptance rates — goodput's
+default — need; without it every config plans with one rate.)
 """
 
 from __future__ import annotations

@@ -81,8 +81,10 @@ class GoodputConfig:
     prune_below: float = 0.5
     full_search_interval: int = 16
     # plan with two acceptance rates per request, the first draft's and a later one's given its
-    # predecessor (policies/acceptance_stages.py; n-gram drafts are copied spans), instead of one
-    staged_acceptance: bool = False
+    # predecessor (policies/acceptance_stages.py; n-gram drafts are copied spans), instead of one;
+    # the default since 2026-12-07: it drafted more tokens per request-step than one rate in every
+    # live A/B cell (docs/benchmarks.md, "One acceptance rate cuts the copied spans")
+    staged_acceptance: bool = True
     # batches of 2 to this many requests are searched in plain Python (policies/goodput_small.py; the
     # numpy search's per-call overhead dominated there), larger ones with numpy; both decide alike
     plain_search_max_batch: int = MAX_EXACT_BATCH

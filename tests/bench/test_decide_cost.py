@@ -32,9 +32,10 @@ def test_main_prints_a_row_per_batch_and_config(capsys):
 
 
 def test_two_acceptance_rates_need_the_estimator_and_then_plan_otherwise():
-    staged = [{"staged_acceptance": True}, {"staged_acceptance": True, "plain_search_max_batch": 1}]
-    bare = decide_cost.time_decides(4, staged, num_views=20)
+    # the defaults plan with two rates (staged_acceptance); the variants with one
+    one = [{"staged_acceptance": False}, {"staged_acceptance": False, "plain_search_max_batch": 1}]
+    bare = decide_cost.time_decides(4, one, num_views=20)
     assert [r["plans_differ"] for r in bare] == [0, 0, 0]  # no estimator: one rate either way
-    fed = decide_cost.time_decides(4, staged, num_views=20, is_estimated=True)
+    fed = decide_cost.time_decides(4, one, num_views=20, is_estimated=True)
     assert fed[1]["plans_differ"] > 0  # two rates plan otherwise than one
     assert fed[2]["plans_differ"] == fed[1]["plans_differ"]  # ... alike on either search path

@@ -78,10 +78,11 @@ def view(acc, est: AcceptanceEstimator | None, max_k=8) -> BatchView:
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_goodput_plans_with_the_staged_survival_when_asked(batch):
+def test_goodput_plans_with_the_staged_survival_by_default(batch):
     """With ``staged_acceptance`` the search values a plan at Σ_i 1 + Σ_{j<=k_i} E[a1]·E[a2^(j-1)]
     from the estimator's two posteriors (batch 1: the single-request search, else the batch one):
-    its goodput x predicted ms; without it, or without an estimator in the view, the single rate's.
+    its goodput x predicted ms (the default); with ``staged_acceptance=False``, or without an
+    estimator in the view, the single rate's.
     (The plan's ``expected_tokens`` stays the single rate's plug-in, as every policy reports it.)"""
     rng = random.Random(batch)
     steps = {f"r{i}": [(8, rng.choice([0, 0, 7, 8])) for _ in range(12)] for i in range(batch)}
@@ -89,7 +90,7 @@ def test_goodput_plans_with_the_staged_survival_when_asked(batch):
     acc = [est.mean(f"r{i}", "ngram") for i in range(batch)]
     costs = CostModels()
     cfg = dict(acceptance_z=0.0, dither_interval=0)
-    plan = GoodputPolicy(GoodputConfig(staged_acceptance=True, **cfg)).decide(view(acc, est), costs)
+    plan = GoodputPolicy(GoodputConfig(**cfg)).decide(view(acc, est), costs)  # two rates: the default
     m1, _, m2, s2 = est.stages.mean_std_many([f"r{i}" for i in range(batch)], "ngram")
     surv = staged_powers(m1, m2, s2, 8)
 
@@ -98,7 +99,7 @@ def test_goodput_plans_with_the_staged_survival_when_asked(batch):
 
     assert any(plan.k)
     assert plan.info["goodput"] * plan.predicted_ms == pytest.approx(staged(plan.k))
-    single = GoodputPolicy(GoodputConfig(**cfg)).decide(view(acc, est), costs)
+    single = GoodputPolicy(GoodputConfig(staged_acceptance=False, **cfg)).decide(view(acc, est), costs)
     no_est = GoodputPolicy(GoodputConfig(staged_acceptance=True, **cfg)).decide(view(acc, None), costs)
     assert single.info["goodput"] == pytest.approx(no_est.info["goodput"])
     assert single.info["goodput"] * single.predicted_ms != pytest.approx(staged(single.k))
