@@ -40,7 +40,7 @@ from specsched.bench.serve_drift import drift_table, log_loops, round_host_ms, w
 from specsched.bench.serve_host import host_counters, host_phase_rows, step_mix_row
 from specsched.bench.serve_load import cycle_length, load_procs, run_pass
 from specsched.bench.serve_outputs import add_references, pass_row
-from specsched.bench.serve_paired import serve_by_prompt
+from specsched.bench.serve_paired import serve_by_prompt_rows
 from specsched.bench.serve_plans import plan_rows
 from specsched.bench.serve_results import PassResult, same_mix_rates, split_interleaved
 from specsched.bench.serve_rounds import replica_run
@@ -192,7 +192,9 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
                            if k != "configs"}}  # fmt: skip
     if log_dir is not None:  # each policy against the first fixed row, by prompt (bench/serve_paired.py)
         logs = {c.name: (c.kind, log_dir / f"{safe_name(c.name)}.sqlite") for c in cfg.configs}
-        result["by_prompt"] = serve_by_prompt(logs, cfg.concurrency)
+        found = serve_by_prompt_rows(logs, cfg.concurrency)
+        if found is not None:  # the table, and its rows for pooling runs (bench/serve_runs.py)
+            result["by_prompt"], result["by_prompt_rows"] = found
         if cfg.rounds:  # the host's speed loop by loop, every daemon (replicas too: bench/serve_drift.py)
             names = [replica_run(c, k).name for c in cfg.configs for k in range(cfg.replicas)]
             loops = [lp for name in names for lp in log_loops(log_dir / f"{safe_name(name)}.sqlite")]

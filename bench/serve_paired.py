@@ -222,15 +222,25 @@ def serve_by_prompt(logs: dict[str, tuple[str, Path]], batches: Sequence[int]) -
     """``bench=serve``'s table of this module: ``logs`` maps each config's name to (its kind, its
     decision log); the reference is the first ``fixed`` config with a log, compared with every
     ``policy`` and ``default`` one. None when there is no such pair or a log cannot be read."""
+    found = serve_by_prompt_rows(logs, batches)
+    return None if found is None else found[0]
+
+
+def serve_by_prompt_rows(
+    logs: dict[str, tuple[str, Path]], batches: Sequence[int]
+) -> tuple[str, list[dict]] | None:
+    """:func:`serve_by_prompt`'s table and the :func:`paired_rows` it shows (for results.json: the
+    runs' pooling, bench/serve_runs.py, reads them)."""
     present = {name: (kind, path) for name, (kind, path) in logs.items() if Path(path).is_file()}
     ref = next((path for kind, path in present.values() if kind == "fixed"), None)
     others = [path for kind, path in present.values() if kind in ("policy", "default")]
     if ref is None or not others:
         return None
     try:
-        return paired_markdown(ref, paired_rows(ref, others, batches))
+        rows = paired_rows(ref, others, batches)
     except LogError:
         return None
+    return paired_markdown(ref, rows), rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:

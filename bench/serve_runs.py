@@ -6,7 +6,11 @@ than the 3 % the line allows (2026-12-07 22:27 and 22:38, same tree and H100: go
 ``results.json`` (``bench.out_dir``'s, or an unpacked lease directory that holds ``bench/results.json``)
 and prints, per N, each run's goodput against the best fixed row and against the baseline
 (:func:`specsched.bench.serve_report.target_rows`), their median and range over the runs, how many
-runs met the line, and whether the medians meet it.
+runs met the line, and whether the medians meet it. Beside it, the half of the comparison the host's
+speed does not move: the default config's tokens per request-step against the first fixed row's,
+paired by prompt (bench/serve_paired.py, ``weighted``), and its step time ratio, each run and their
+median — from the run's ``by_prompt_rows``, or computed from its decision logs (``logs/*.sqlite`` or
+``.sqlite.gz``, as a lease's bundle leaves them) for a run that predates them.
 
 ``python -m specsched.bench.serve_runs RUN [RUN ...] [--out FILE]``
 """
@@ -14,17 +18,22 @@ runs met the line, and whether the medians meet it.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from specsched.bench.markdown import fmt, table
+from specsched.bench.serve_daemon import safe_name
+from specsched.bench.serve_paired import serve_by_prompt_rows
 from specsched.bench.serve_report import SPREAD_GOAL, target_rows
 from specsched.bench.serve_round_tables import LEAD_GOAL
 
-__all__ = ["load_serve", "pool_targets", "runs_table", "main"]
+__all__ = ["load_serve", "pool_targets", "token_rows", "pool_tokens", "runs_table", "main"]
 
 
 def load_serve(path: str | Path) -> dict:
@@ -48,7 +57,12 @@ def load_serve(path: str | Path) -> dict:
         raise ValueError(
             f"{p}: no bench=serve result in it (keys: {sorted(data) if isinstance(data, dict) else '-'})"
         )
-    return {**serve, "label": f"{data.get('date', '?')} {data.get('device', '')}".strip()}
+    label = f"{data.get('date', '?')} {data.get('device', '')}".strip()
+    return {
+        **serve,
+        "label": label,
+        "run_dir": str(p.parent.parent if p.parent.name == "bench" else p.parent),
+    }
 
 
 def _spread(values: list[float]) -> tuple[float, float, float] | None:
@@ -79,6 +93,47 @@ def pool_targets(results: Sequence[dict]) -> list[dict]:
     return out
 
 
+def token_rows(res: dict) -> list[dict]:
+    """The default config's rows of :func:`~specsched.bench.serve_paired.paired_rows` (by prompt
+    against the first fixed config) in a run: its ``by_prompt_rows``, else computed from the decision
+    logs under ``run_dir``/logs (gzipped ones decompressed to a temporary folder); [] when neither."""
+    kinds = [(c["name"], c["kind"]) for c in res["configs"]]
+    default = next((safe_name(n) for n, k in kinds if k == "default"), None)
+    rows = res.get("by_prompt_rows")
+    if rows is None and res.get("run_dir"):
+        logs = Path(res["run_dir"]) / "logs"
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = {}
+            for name, kind in kinds:
+                if kind not in ("fixed", "policy", "default"):
+                    continue
+                plain, packed = logs / f"{safe_name(name)}.sqlite", logs / f"{safe_name(name)}.sqlite.gz"
+                if not plain.is_file() and packed.is_file():
+                    plain = Path(tmp) / plain.name
+                    with gzip.open(packed) as src, open(plain, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                paths[name] = (kind, plain)
+            found = serve_by_prompt_rows(paths, sorted({r["concurrency"] for r in res["rows"]}))
+            rows = [] if found is None else found[1]
+    return [r for r in rows or [] if r["config"] == default and "skipped" not in r]
+
+
+def pool_tokens(results: Sequence[dict]) -> list[dict]:
+    """Per N: each run's ``weighted`` token ratio and ``step_ratio`` of the default config against
+    the first fixed one (:func:`token_rows`; None where a run has none), and their (median, min, max)."""
+    per_run = [{r["N"]: r for r in token_rows(res)} for res in results]
+    out = []
+    for n in sorted({n for rows in per_run for n in rows}):
+        tokens = [rows[n]["weighted"] if n in rows else None for rows in per_run]
+        steps = [rows[n]["step_ratio"] if n in rows else None for rows in per_run]
+        out.append({
+            "concurrency": n, "tokens": tokens, "steps": steps,
+            "tokens_spread": _spread([v for v in tokens if v is not None]),
+            "steps_spread": _spread([v for v in steps if v is not None]),
+        })  # fmt: skip
+    return out
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:+.1f} %"
 
@@ -105,7 +160,33 @@ def runs_table(results: Sequence[dict]) -> str:
         ])  # fmt: skip
     header = ["N", "goodput vs best fixed, each run", "median [min, max]", "× non-spec, median [min, max]",
               "runs met", f"met on the medians (≥ −{100 * LEAD_GOAL:.0f} %, ≥ 1)"]  # fmt: skip
-    return text + "\n\n" + table(header, rows)
+    text += "\n\n" + table(header, rows)
+    pooled = pool_tokens(results)
+    if pooled:
+        body = []
+        for p in pooled:
+            t, s = p["tokens_spread"], p["steps_spread"]
+            body.append([
+                str(p["concurrency"]), " / ".join(fmt(v, 3) for v in p["tokens"]),
+                "–" if t is None else f"{fmt(t[0], 3)} [{fmt(t[1], 3)}, {fmt(t[2], 3)}]",
+                " / ".join(fmt(v, 3) for v in p["steps"]),
+                "–" if s is None else f"{fmt(s[0], 3)} [{fmt(s[1], 3)}, {fmt(s[2], 3)}]",
+            ])  # fmt: skip
+        text += (
+            "\n\nThe default config against the first fixed one by prompt (bench/serve_paired.py): tokens "
+            "per request-step (weighted; the host's speed does not move it) and step time, each run:\n\n"
+            + table(
+                [
+                    "N",
+                    "tokens / request-step, each run",
+                    "median [min, max]",
+                    "step time, each run",
+                    "median [min, max]",
+                ],
+                body,
+            )  # fmt: skip
+        )
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:

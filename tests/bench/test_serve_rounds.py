@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 import specsched.bench.cli as cli
 import specsched.bench.serve_report as serve_report
 import specsched.bench.serve_rounds as serve_rounds
+import specsched.bench.serve_runs as serve_runs
 from specsched.bench.serve_config import ServeConfig
 from specsched.bench.serve_daemon import safe_name
 from tests.bench.test_serve_cpu import pid_gone
@@ -155,6 +156,10 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
     assert ("Each round's loop (tok/s, its host ms" in text) == bool(interleave_s)
     drift = [line.split(" | ")[1] for line in serve["drift"].splitlines() if line[2:3].isdigit()]
     assert {name.replace(" ", "_").replace("=", "_") for name in live} <= set(drift), serve["drift"]
+    # goodput against the fixed row by prompt, as rows in results.json: what bench/serve_runs.py pools
+    paired = json.loads((tmp_path / "results.json").read_text())["serve"]["by_prompt_rows"]
+    assert {r["config"] for r in paired} == {"ngram_goodput"} and {r["N"] for r in paired} == {1, 2}
+    assert serve_runs.token_rows(serve_runs.load_serve(tmp_path)) == [r for r in paired if "skipped" not in r]
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specsched.bench.serve_runs import load_serve, main, pool_targets, runs_table
+from specsched.bench.serve_runs import load_serve, main, pool_targets, pool_tokens, runs_table, token_rows
 
 CONFIGS = [{"name": "base", "kind": "baseline"}, {"name": "k8", "kind": "fixed"},
            {"name": "goodput", "kind": "default"}]  # fmt: skip
@@ -77,3 +77,35 @@ def test_load_reads_a_run_directory_or_file_and_names_what_is_wrong(tmp_path, ca
     assert "| 4 | -5.0 % / -5.0 % |" in out.read_text()
     assert main([str(tmp_path / "other.json")]) == 2
     assert "no bench=serve result" in capsys.readouterr().err
+
+
+def paired(n: int, weighted: float, step_ratio: float, config: str = "goodput") -> dict:
+    return {"config": config, "N": n, "weighted": weighted, "step_ratio": step_ratio}
+
+
+def test_tokens_per_request_step_pool_from_each_runs_rows():
+    one, two = runs()
+    one["by_prompt_rows"] = [paired(4, 0.96, 1.01), paired(16, 0.99, 1.03), paired(4, 1.2, 1.0, "other")]
+    two["by_prompt_rows"] = [paired(4, 0.98, 0.95), {"config": "goodput", "N": 16, "skipped": "`k8`"}]
+    by_n = {p["concurrency"]: p for p in pool_tokens([one, two])}
+    assert by_n[4]["tokens"] == [0.96, 0.98] and by_n[4]["tokens_spread"] == pytest.approx((0.97, 0.96, 0.98))
+    assert by_n[4]["steps_spread"] == pytest.approx((0.98, 0.95, 1.01))
+    assert by_n[16]["tokens"] == [0.99, None]  # skipped in run 2; another config's row is not goodput's
+    text = runs_table([one, two])
+    assert "| 4 | 0.960 / 0.980 | 0.970 [0.960, 0.980] | 1.010 / 0.950 | 0.980 [0.950, 1.010] |" in text
+
+
+def test_tokens_come_from_a_runs_gzipped_logs_when_its_results_lack_them(tmp_path):
+    import gzip
+
+    from tests.bench.test_serve_paired import other_log, ref_log
+
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    for path, name in ((ref_log(tmp_path), "k8"), (other_log(tmp_path), "goodput")):
+        with open(path, "rb") as src, gzip.open(logs / f"{name}.sqlite.gz", "wb") as dst:
+            dst.write(src.read())
+    res = dict(runs()[0], run_dir=str(tmp_path / "run"))  # N = 4 and 16; the logs have N = 4 only
+    rows = token_rows(res)
+    assert [r["N"] for r in rows] == [4] and rows[0]["weighted"] == pytest.approx(0.9)
+    assert token_rows(dict(runs()[0], run_dir=str(tmp_path / "nowhere"))) == []
