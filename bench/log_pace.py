@@ -32,7 +32,7 @@ PLAN_INFO = {  # the keys and kinds of values of a goodput plan's info (policies
     "runner_up": "mqa",
     **{k: False for k in ("is_scorer_held", "is_probe", "is_dither", "is_exploring", "is_decode_scorer")},
     "num_k_held": 2, "num_kv_cuts": 0, "is_decode_try": False, "k0_scorer": "mqa_graph",
-    "plan_age": 0, "decide_ms": 0.0, "num_joined": 0, "num_left": 0, "num_reopened": 0,
+    "plan_age": 0, "decide_ms": 0.0, "decide_cpu_ms": 0.0, "num_joined": 0, "num_left": 0, "num_reopened": 0,
 }  # fmt: skip
 
 

@@ -11,7 +11,9 @@ scoring launch, against carried steps). Per concurrency N this table gives each 
 decode steps of batch size N, its median step ms, its median ``SPILL_PHASES`` ms (between + first
 event + score) and its median post-launch ms (overlap + verify), and the decide's estimated cost:
 the deciding steps' post-launch excess plus the decided-ahead steps' spill excess, both over carried
-steps' medians.
+steps' medians; beside it the decides' own medians, wall ms and the engine thread's CPU ms
+(``plan_info.decide_ms`` / ``decide_cpu_ms``, engine/planning.py ``timed_decide``): wall beyond CPU is
+time the thread waited, for the interpreter lock or for a core.
 """
 
 from __future__ import annotations
@@ -79,11 +81,17 @@ def decode_steps(log_path: str | Path) -> list[DecodeStep]:
 
 def plan_rows(log_path: str | Path, config: str, concurrency: list[int]) -> list[dict]:
     """Per N and plan kind, over the log's last run's decode steps of batch size N: the number of
-    steps, their share, and the medians of step ms, spill ms and post-launch ms."""
+    steps, their share, and the medians of step ms, spill ms and post-launch ms; and on every row of
+    an N its decides' median wall and CPU ms (``decide_ms``, ``decide_cpu_ms``: None where the log has
+    none) and their number (the steps whose plan_info times a decide)."""
     by = defaultdict(list)  # (N, kind) -> [(step ms, spill ms, post ms)]
+    decides = defaultdict(list)  # N -> [(wall ms, CPU ms or None)] of the steps that ran a decide
     for s in decode_steps(log_path):
         if s.batch_size not in concurrency:
             continue
+        wall = s.plan_info.get("decide_ms") or 0.0
+        if wall > 0:
+            decides[s.batch_size].append((wall, s.plan_info.get("decide_cpu_ms")))
         h = s.host_ms
         by[(s.batch_size, plan_kind(s.plan_info, s.is_next_ahead))].append(
             (s.total_ms, sum(h.get(p, 0.0) for p in SPILL_PHASES), sum(h.get(p, 0.0) for p in POST_PHASES))
@@ -91,6 +99,10 @@ def plan_rows(log_path: str | Path, config: str, concurrency: list[int]) -> list
     out = []
     for n in concurrency:
         num_n = sum(len(by[(n, k)]) for k in KINDS)
+        walls = [w for w, _ in decides[n]]
+        cpus = [c for _, c in decides[n] if c is not None]
+        timing = {"num_decides": len(walls), "decide_ms": statistics.median(walls) if walls else None,
+                  "decide_cpu_ms": statistics.median(cpus) if cpus else None}  # fmt: skip
         for kind in KINDS:
             got = by[(n, kind)]
             if not got:
@@ -98,7 +110,7 @@ def plan_rows(log_path: str | Path, config: str, concurrency: list[int]) -> list
             out.append({"config": config, "concurrency": n, "kind": kind, "num_steps": len(got),
                         "share": len(got) / num_n, "step_ms": statistics.median(g[0] for g in got),
                         "spill_ms": statistics.median(g[1] for g in got),
-                        "post_ms": statistics.median(g[2] for g in got)})  # fmt: skip
+                        "post_ms": statistics.median(g[2] for g in got), **timing})  # fmt: skip
     return out
 
 
@@ -120,12 +132,19 @@ def plan_table(rows: list[dict]) -> str:
     groups = defaultdict(list)
     for r in rows:
         groups[(r["config"], r["concurrency"])].append(r)
-    header = ["config", "N", *(f"{k}: share, step / spill / post ms" for k in KINDS), "decide ahead costs ms"]
+    header = ["config", "N", *(f"{k}: share, step / spill / post ms" for k in KINDS), "decide ahead costs ms",
+              "a decide: wall / CPU ms (median, decides)"]  # fmt: skip
     out = []
     for (config, n), group in groups.items():
         at = {r["kind"]: r for r in group}
         cells = [_cell(at.get(k)) for k in KINDS]
-        out.append([config, str(n), *cells, fmt(decide_cost_ms(group), 3)])
+        first = group[0]
+        timing = "–"
+        if first.get("num_decides"):
+            timing = (
+                f"{fmt(first['decide_ms'], 3)} / {fmt(first['decide_cpu_ms'], 3)} ({first['num_decides']})"
+            )
+        out.append([config, str(n), *cells, fmt(decide_cost_ms(group), 3), timing])
     return table(header, out)
 
 

@@ -17,10 +17,10 @@ DECIDING = (
     {"plan_age": 3},
     {"between": 0.04, "first_event": 0.02, "score": 0.22, "overlap": 0.72, "verify": 0.27},
 )
-AHEAD = ({"plan_age": 0, "is_planned_ahead": True},
+AHEAD = ({"plan_age": 0, "is_planned_ahead": True, "decide_ms": 0.6, "decide_cpu_ms": 0.4},
          {"between": 0.05, "first_event": 0.03, "score": 0.38, "overlap": 0.11, "verify": 0.78})  # fmt: skip
 ON_STEP = (
-    {"plan_age": 0},
+    {"plan_age": 0, "decide_ms": 1.2},  # a log from before decide_cpu_ms
     {"between": 0.04, "first_event": 0.03, "score": 0.26, "overlap": 0.03, "verify": 0.85},
 )
 
@@ -66,7 +66,10 @@ def test_rows_split_steps_by_plan_and_price_a_decide_ahead(tmp_path):
     assert decide_cost_ms([r for r in rows if r["concurrency"] == 1]) is None
     text = plan_table(rows)
     line = next(x for x in text.splitlines() if x.startswith("| goodput | 4 |"))
-    assert line.endswith("| 0.270 |") and "59 %, 1.400 / 0.280 / 0.900" in line, text
+    assert line.endswith("| 0.270 | 0.600 / 0.400 (9) |") and "59 %, 1.400 / 0.280 / 0.900" in line, text
+    # the decides of an N: eight ahead at 0.6 ms (0.4 of CPU) and one on the step (1.2, no CPU time)
+    assert (got[(4, "carried")]["num_decides"], got[(4, "carried")]["decide_ms"]) == (9, 0.6)
+    assert got[(4, "carried")]["decide_cpu_ms"] == 0.4 and got[(1, "carried")]["num_decides"] == 0
 
 
 def test_no_table_without_a_decide_ahead(tmp_path):

@@ -245,7 +245,7 @@ def test_deferred_prediction_logs_what_the_decide_would_have_predicted():
                 {
                     k: v
                     for k, v in r.plan_info.items()
-                    if k not in ("decide_ms", "is_after_run", "decode_steps")
+                    if k not in ("decide_ms", "decide_cpu_ms", "is_after_run", "decode_steps")
                 },
             )
             for r in records

@@ -232,6 +232,10 @@ def test_a_plan_is_carried_until_the_decide_is_due_and_output_stays_lossless():
     assert policy.num_decides == len(runs)
     assert all(r.plan_info["decide_ms"] == 0.0 for r in records if r.plan_info.get("plan_age"))
     assert all(r.plan_info["decide_ms"] > 0.0 for r in records if not r.plan_info.get("plan_age"))
+    # the engine thread's CPU time during each decide beside its wall time (0 where none ran)
+    decided = [r.plan_info for r in records if not r.plan_info.get("plan_age")]
+    assert all(0.0 < i["decide_cpu_ms"] <= i["decide_ms"] + 0.05 for i in decided)  # + the clocks' own calls
+    assert all(r.plan_info["decide_cpu_ms"] == 0.0 for r in records if r.plan_info.get("plan_age"))
 
 
 def test_without_a_budget_every_step_decides():
