@@ -105,8 +105,8 @@ def target_rows(res: dict) -> list[dict]:
         vs_best = g / best[0] - 1 if g and best else None
         vs_base = g / b if g and b else None
         out.append({
-            "concurrency": n, "default": default, "tok_s": g, "best": best, "vs_best": vs_best,
-            "base": base, "base_tok_s": b, "vs_base": vs_base, "other": other,
+            "concurrency": n, "tok_s": g, "best": best, "vs_best": vs_best,
+            "base_tok_s": b, "vs_base": vs_base, "other": other,
             "vs_other": g / other[0] if g and other else None,
             "met": None if vs_best is None or vs_base is None else vs_best >= -LEAD_GOAL and vs_base >= 1,
         })  # fmt: skip

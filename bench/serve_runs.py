@@ -104,8 +104,8 @@ def token_rows(res: dict) -> list[dict]:
         logs = Path(res["run_dir"]) / "logs"
         with tempfile.TemporaryDirectory() as tmp:
             paths = {}
-            for name, kind in kinds:
-                if kind not in ("fixed", "policy", "default"):
+            for name, kind in kinds:  # the fixed ones (the first with a log is the reference), the default
+                if kind not in ("fixed", "default"):
                     continue
                 plain, packed = logs / f"{safe_name(name)}.sqlite", logs / f"{safe_name(name)}.sqlite.gz"
                 if not plain.is_file() and packed.is_file():
