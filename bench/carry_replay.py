@@ -29,8 +29,9 @@ from specsched.engine.planning import MAX_JOINED
 from specsched.policies.base import BatchView, Plan, Policy
 from specsched.policies.registry import build_policy
 from specsched.policies.replay import simulate
+from specsched.policies.replay_bits import complete_bits
 from specsched.policies.replay_costs import refit_costs
-from specsched.policies.replay_log import complete_bits, load_run
+from specsched.policies.replay_log import load_run
 from specsched.policies.replay_segments import split_levels
 
 OFFERS = ("ahead", "step")

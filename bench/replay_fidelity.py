@@ -64,8 +64,9 @@ from specsched.bench.replay_passes import (
 from specsched.policies.cost_model import CostModels
 from specsched.policies.registry import build_policy
 from specsched.policies.replay import PolicyResult, policy_label, recorded_result, simulate
+from specsched.policies.replay_bits import MatchBits, complete_bits
 from specsched.policies.replay_costs import costs_for, decide_spill_ms, refit_costs
-from specsched.policies.replay_log import MatchBits, RecordedRun, RunSettings, complete_bits, load_run
+from specsched.policies.replay_log import RecordedRun, RunSettings, load_run
 from specsched.policies.replay_runs import RunRules
 
 __all__ = ["RequestTimes", "split_passes", "think_times", "load_log", "live_rates", "predicted_rates",

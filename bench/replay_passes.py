@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from specsched.policies.replay_log import MatchBits, RecordedRun
+from specsched.policies.replay_bits import MatchBits
+from specsched.policies.replay_log import RecordedRun
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Offline replay: re-run the step loop's decisions of a recorded run under other policies.
 
-A run is read, and its match bits completed, by :mod:`specsched.policies.replay_log` (whose
-docstring defines output indices, match bits and their imputation).
+A run is read by :mod:`specsched.policies.replay_log` (whose docstring defines output indices and
+match bits) and its match bits completed by :mod:`specsched.policies.replay_bits` (the imputation).
 
 The replay (:func:`simulate`) batches continuously: requests join in their first-step order while
 fewer than ``scheduler.max_num_seqs`` run, and leave at their recorded output length. Each decode
@@ -23,15 +23,10 @@ from specsched.policies.acceptance import AcceptanceEstimator
 from specsched.policies.base import BatchView, Policy, RequestView
 from specsched.policies.cost_model import CostModels
 from specsched.policies.registry import POLICIES, build_policy
+from specsched.policies.replay_bits import MatchBits, complete_bits
 from specsched.policies.replay_clients import Arrivals
 from specsched.policies.replay_costs import costs_for, decide_spill_ms, record_ms, refit_costs
-from specsched.policies.replay_log import (
-    MatchBits,
-    RecordedRequest,
-    RecordedRun,
-    RunSettings,
-    complete_bits,
-)
+from specsched.policies.replay_log import RecordedRequest, RecordedRun, RunSettings
 from specsched.policies.replay_runs import RunRules, run_length
 from specsched.policies.run_cost import plain_stats
 from specsched.policies.shapes import StepShape

@@ -23,8 +23,9 @@ from dataclasses import dataclass, replace
 
 from specsched.policies.registry import build_policy
 from specsched.policies.replay import PolicyResult, ReplayOptions, policy_label, recorded_result, simulate
+from specsched.policies.replay_bits import MatchBits, complete_bits
 from specsched.policies.replay_costs import refit_costs
-from specsched.policies.replay_log import MatchBits, RecordedRun, complete_bits
+from specsched.policies.replay_log import RecordedRun
 
 LEVELS = (1, 4, 16, 64)
 

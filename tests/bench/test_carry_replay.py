@@ -11,8 +11,9 @@ import pytest
 from specsched.bench.carry_replay import CarriedPolicy, carry_rows, main
 from specsched.policies.goodput import GoodputPolicy
 from specsched.policies.replay import simulate
+from specsched.policies.replay_bits import complete_bits
 from specsched.policies.replay_costs import refit_costs
-from specsched.policies.replay_log import complete_bits, load_run
+from specsched.policies.replay_log import load_run
 
 _path = Path(__file__).parents[1] / "policies" / "test_replay.py"
 _spec = importlib.util.spec_from_file_location("replay_helpers", _path)

@@ -24,8 +24,9 @@ from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.engine.request import Request, SamplingParams
 from specsched.policies.registry import build_policy
 from specsched.policies.replay import ReplayOptions, policy_label, replay, simulate
+from specsched.policies.replay_bits import complete_bits
 from specsched.policies.replay_costs import refit_costs
-from specsched.policies.replay_log import ReplayError, RunSettings, complete_bits, load_run
+from specsched.policies.replay_log import ReplayError, RunSettings, load_run
 from specsched.policies.replay_runs import RunRules
 from specsched.proposers.ngram import ngram_lookup
 

@@ -18,8 +18,9 @@ from specsched.engine.records import StepRecord
 from specsched.engine.request import Request, SamplingParams
 from specsched.policies.registry import build_policy
 from specsched.policies.replay import recorded_result, replay, simulate
+from specsched.policies.replay_bits import complete_bits
 from specsched.policies.replay_costs import refit_costs
-from specsched.policies.replay_log import complete_bits, load_run
+from specsched.policies.replay_log import load_run
 from specsched.policies.replay_runs import RunRules, run_length
 
 

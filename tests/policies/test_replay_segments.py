@@ -74,8 +74,9 @@ def test_closed_loop_replay_keeps_one_request_per_client():
 
     from specsched.policies.registry import build_policy
     from specsched.policies.replay import simulate
+    from specsched.policies.replay_bits import MatchBits
     from specsched.policies.replay_costs import refit_costs
-    from specsched.policies.replay_log import MatchBits, RecordedRequest, RecordedRun, RunSettings
+    from specsched.policies.replay_log import RecordedRequest, RecordedRun, RunSettings
 
     reqs = [
         RecordedRequest(f"{c}{i}", 10, n, i, [None] * n, {}, True, client=c)
@@ -101,7 +102,8 @@ def test_closed_loop_replay_keeps_one_request_per_client():
 
 
 def _two_clients(lengths: dict[str, int], n: int = 3):
-    from specsched.policies.replay_log import MatchBits, RecordedRequest, RecordedRun, RunSettings
+    from specsched.policies.replay_bits import MatchBits
+    from specsched.policies.replay_log import RecordedRequest, RecordedRun, RunSettings
 
     reqs = [
         RecordedRequest(f"{c}{i}", 10, length, i, [None] * length, {}, True, client=c)
