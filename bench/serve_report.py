@@ -247,6 +247,7 @@ def serve_section(res: dict) -> str:
           if res.get("by_prompt") else []),
         *([host_note(), "", host_table(res["host_phases"]), ""] if res.get("host_phases") else []),
         *([drift_note(), "", res["drift"], ""] if res.get("drift") else []),
+        *([res["requests"], ""] if res.get("requests") else []),
         *(["Each round's loop (tok/s, its host ms from the log, the engine thread's nonvoluntary context "
            "switches during it):", "", rounds, ""] if (rounds := rounds_table(res["rows"])) else []),
         *(["The kernel's counters for each daemon at the end of its passes (daemon/host_stats.py; a daemon "

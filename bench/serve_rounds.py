@@ -43,6 +43,8 @@ from specsched.bench.serve_daemon import (
 from specsched.bench.serve_host import host_counters
 from specsched.bench.serve_load import cycle_length, load_procs, run_pass
 from specsched.bench.serve_outputs import add_references, pass_row
+from specsched.bench.serve_requests import FILE_NAME as REQUESTS_FILE
+from specsched.bench.serve_requests import request_rows, write_rows
 from specsched.bench.serve_results import PassResult, split_interleaved, summarize
 from specsched.client.sync_client import Client
 
@@ -150,6 +152,12 @@ def run_rounds(
             else:
                 ref = None if reference is None or not reference else reference.get(n)
             rows += _rows(cfg, run, n, loops, ref, len(prompts), served_by.get((run.name, n), []))
+    # every timed request as its client saw it (bench/serve_requests.py)
+    write_rows(out / REQUESTS_FILE, [
+        row for run in runs for n in cfg.concurrency
+        for row in request_rows(run.name, n, results.get((run.name, n), []), served_by.get((run.name, n), []),
+                                cycle_length(n, len(prompts)))
+    ])  # fmt: skip
     return [infos[run.name] for run in runs], rows
 
 

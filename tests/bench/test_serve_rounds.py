@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 import specsched.bench.cli as cli
 import specsched.bench.serve_report as serve_report
+import specsched.bench.serve_requests as serve_requests
 import specsched.bench.serve_rounds as serve_rounds
 import specsched.bench.serve_runs as serve_runs
 from specsched.bench.serve_config import ServeConfig
@@ -160,6 +161,19 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
     paired = json.loads((tmp_path / "results.json").read_text())["serve"]["by_prompt_rows"]
     assert {r["config"] for r in paired} == {"ngram_goodput"} and {r["N"] for r in paired} == {1, 2}
     assert serve_runs.token_rows(serve_runs.load_serve(tmp_path)) == [r for r in paired if "skipped" not in r]
+    # every timed request as its client saw it (bench/serve_requests.py), and its summary in the report
+    requests = serve_requests.read_rows(tmp_path)
+    for name in live:
+        for n in (1, 2):
+            mine = [q for q in requests if q["config"] == name and q["n"] == n]
+            assert {q["round"] for q in mine} == set(range(rounds[n])), (name, n)
+            assert {q["client"] for q in mine} == set(range(n)) and all(q["busy"] >= 0 for q in mine)
+            if interleave_s:  # dealt by request number, the passes' tok/s are the table's own
+                table = sorted((r for r in serve["rows"] if r["config"] == name and r["concurrency"] == n),
+                               key=lambda r: r["pass"])  # fmt: skip
+                got = serve_requests.pass_rates(mine, "seq")
+                assert got == pytest.approx([r["tokens_per_s"] for r in table], rel=1e-9), (name, n)
+    assert ("Each request as its client saw it" in text) == bool(interleave_s)  # dealt passes only
 
 
 @pytest.mark.slow
