@@ -1,4 +1,4 @@
-"""Offline replay, reading side: a recorded run of the decision log and its completed match bits.
+"""Offline replay, reading side: a recorded run of the decision log and its recorded match bits.
 
 Terms. A request's *output index* m names its m-th output token (m = 0: the token its prefill
 sampled). A decode step whose input is output token s drafts indices s+1..s+k and accepts a of
@@ -8,11 +8,10 @@ property of the position, its *match bit*, whatever k reached it (DESIGN.md, "SQ
 recorded step therefore fixes bits s+1..s+a to 1 and, when a < k, bit s+a+1 to 0; the bonus token
 of a fully accepted step, and any position no draft reached, stays unknown. Unknown bits are
 *imputed* once per run, before any policy is replayed, so that every policy sees the same world
-(policies/replay_bits.py). For an
-n-gram proposer, drafts depend on where the match started, so the bits are an approximation, and the
-most a request can draft at index s (its match length) is the k recorded at s when a step started
-there (inside a step's accepted span, the cap where it started: :func:`_continue_matches`), else the
-configured max k.
+(policies/replay_bits.py). For an n-gram proposer, drafts depend on where the match started, so the
+bits are an approximation, and the most a request can draft at index s (its match length) is the k
+recorded at s when a step started there (inside a step's accepted span, the cap where it started:
+:func:`_continue_matches`), else the configured max k.
 """
 
 from __future__ import annotations
