@@ -43,7 +43,7 @@ from specsched.bench.serve_outputs import add_references, pass_row
 from specsched.bench.serve_paired import serve_by_prompt_rows
 from specsched.bench.serve_plans import plan_rows
 from specsched.bench.serve_requests import FILE_NAME as REQUESTS_FILE
-from specsched.bench.serve_requests import read_rows
+from specsched.bench.serve_requests import daemon_times, read_rows
 from specsched.bench.serve_requests import report as requests_report
 from specsched.bench.serve_results import PassResult, same_mix_rates, split_interleaved
 from specsched.bench.serve_rounds import replica_run
@@ -207,7 +207,8 @@ def run_serve_bench(section: DictConfig, out_dir: str | Path) -> dict:
                     r["round_host_ms"] = round_host_ms(loops, safe_name(r["config"]), r["concurrency"],
                                                        len(r["round_tok_s"]))  # fmt: skip
     if cfg.rounds and cfg.interleave_s and (out / REQUESTS_FILE).exists():  # bench/serve_requests.py
-        result["requests"] = requests_report(read_rows(out / REQUESTS_FILE))
+        times = daemon_times(sorted(log_dir.glob("*.sqlite"))) if log_dir is not None else None
+        result["requests"] = requests_report(read_rows(out / REQUESTS_FILE), times)
     first = next((c for c in configs if c["startup_s"] is not None), None)
     if cfg.warm_start and first is not None:
         result["warm_start"] = warm_start(cfg, first["name"], out, daemon_cpus)

@@ -108,8 +108,10 @@ async def one_request(client: AsyncClient, index: int, prompt: dict, max_tokens:
     """One streamed greedy request: its tokens, TTFT (send -> first chunk with tokens), one ITL sample
     per token (a chunk's gap to the previous one / its tokens), each chunk's arrival and size."""
     out = RequestResult(index, max_tokens=max_tokens)
+    out.sent_wall = time.time()
     t0 = last = out.sent_at = time.perf_counter()
     stream = client.stream(**prompt, max_tokens=max_tokens, temperature=0.0)
+    out.request_id = stream.id
     try:
         async for chunk in stream:
             n = len(chunk.token_ids)

@@ -9,13 +9,16 @@ for a whole request. Both live in what only the clients see, so a rounds run now
 ``<out_dir>/serve_logs/requests.jsonl.gz``, one JSON object per request (:func:`request_rows`), times
 in seconds from its loop's window opening.
 
-``python -m specsched.bench.serve_requests RUN_DIR [--out FILE]`` (RUN_DIR: an unpacked run, or the
-file) prints per config and N: the passes' tok/s as the run dealt them (request number ``seq``,
+``python -m specsched.bench.serve_requests RUN_DIR [--logs DIR] [--out FILE]`` (RUN_DIR: an unpacked
+run, or the file) prints per config and N: the passes' tok/s as the run dealt them (request number ``seq``,
 bench/serve_results.py ``pass_of``) and dealt by ``seq`` + round (each loop's requests at the window's
 edges land in the other pass in the next loop), with their spreads; and a client's round trip between
 two requests (its last chunk of one → its send of the next), median and p90, beside the median
 request's busy time. A pass's tok/s is the run's own: N × its tokens in the windows / its requests'
-busy seconds there (:func:`pass_rates` equals ``summarize_many`` on the same requests).
+busy seconds there (:func:`pass_rates` equals ``summarize_many`` on the same requests). With
+``--logs`` (the run's decision logs; in a run's own report when it logged), each request is paired with
+the daemon's record of it by id, and the time between send and last chunk is split into the send path,
+the daemon's TTFT, and the two ways back (:func:`path_rows`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import shutil
+import sqlite3
 import statistics
 import sys
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -57,6 +63,7 @@ def request_rows(
                 "end": q.sent_at + q.latency_s - t0, "window": t1 - t0,
                 "tokens": len(q.token_ids), "in_window": q.tokens_in([(t0, t1)]), "busy": q.busy_in(t0, t1),
                 "is_staggered": q.staggered, "is_error": q.error is not None,
+                "id": q.request_id, "sent_wall": q.sent_wall,
             })  # fmt: skip
     return out
 
@@ -146,16 +153,74 @@ def summary_rows(rows: Sequence[dict]) -> list[list[str]]:
     return out
 
 
+def daemon_times(paths: Iterable[Path]) -> dict[str, tuple[float, float | None, float | None]]:
+    """Message id → (arrival, first token, finish) of every request in the decision logs ``paths``
+    (SQLite files, or gzipped ones as a run's bundle holds them); the daemon logs ``<client hex>:<id>``
+    (daemon/admission.py ``request_key``), its clock ``time.time()`` as the rows' ``sent_wall``."""
+    out: dict[str, tuple[float, float | None, float | None]] = {}
+    for path in paths:
+        with tempfile.TemporaryDirectory() as tmp:
+            if str(path).endswith(".gz"):
+                plain = Path(tmp) / "log.sqlite"
+                with gzip.open(path, "rb") as f, open(plain, "wb") as g:
+                    shutil.copyfileobj(f, g)
+                path = plain
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            try:
+                found = db.execute("select request_id, arrival, first_token_time, finish_time from requests")
+                for rid, arrival, first, finish in found:
+                    out[rid.split(":", 1)[-1]] = (arrival, first, finish)
+            finally:
+                db.close()
+    return out
+
+
+def path_rows(rows: Sequence[dict], times: dict[str, tuple]) -> list[list[str]]:
+    """Per config and N, where a request's time went between the client and the daemon (medians, ms):
+    the send until the daemon's IO thread had it, the daemon's TTFT, the first token until the client
+    had it, the daemon's finish until the client's last chunk."""
+    groups: dict[tuple[str, int], list[list[float]]] = {}
+    for row in rows:
+        found = times.get(row.get("id") or "")
+        if row["is_error"] or found is None or None in found or row["first"] is None:
+            continue
+        arrival, first, finish = found
+        sent = row["sent_wall"]
+        got_first, got_last = sent + row["first"] - row["sent"], sent + row["end"] - row["sent"]
+        groups.setdefault((row["config"], row["n"]), []).append(
+            [arrival - sent, first - arrival, got_first - first, got_last - finish]
+        )
+    return [
+        [
+            config,
+            str(n),
+            str(len(mine)),
+            *(fmt(statistics.median(x[i] for x in mine) * 1e3, 1) for i in range(4)),
+        ]
+        for (config, n), mine in groups.items()
+    ]
+
+
+PATH_HEADER = ["config", "N", "requests paired", "send → daemon ms", "daemon TTFT ms",
+               "first token → client ms", "finish → last chunk ms"]  # fmt: skip
 HEADER = ["config", "N", "rounds", "passes by seq: tok/s (spread)", "by seq + round", "round trip ms p50",
           "p90", "request ms p50"]  # fmt: skip
 
 
-def report(rows: Sequence[dict]) -> str:
-    return (
+def report(rows: Sequence[dict], times: dict[str, tuple] | None = None) -> str:
+    """The summary table and, with the daemons' request times (:func:`daemon_times`), the paths one."""
+    text = (
         "Each request as its client saw it (bench/serve_requests.py): the passes' tok/s dealt by request "
         "number (the run's) and by request number + round, and a client's round trip between requests "
         "(last chunk → next send) beside a full request's time.\n\n" + table(HEADER, summary_rows(rows))
     )
+    paired = path_rows(rows, times) if times else []
+    if paired:
+        text += (
+            "\n\nWhere a request's time went between the client and the daemon (medians; the daemon's "
+            "decision log paired by request id, one clock):\n\n" + table(PATH_HEADER, paired)
+        )
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,10 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m specsched.bench.serve_requests", description=__doc__.split("\n")[0]
     )
     ap.add_argument("run", help=f"a run directory holding {FILE_NAME}, or the file")
+    ap.add_argument("--logs", help="a folder of the run's decision logs (*.sqlite[.gz]): where the time went")
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args(argv)
     try:
-        text = report(read_rows(Path(args.run)))
+        logs = sorted(Path(args.logs).glob("*.sqlite*")) if args.logs else []
+        if args.logs and not logs:
+            raise FileNotFoundError(f"no decision logs (*.sqlite, *.sqlite.gz) in {args.logs}")
+        text = report(read_rows(Path(args.run)), daemon_times(logs) if logs else None)
     except (FileNotFoundError, ValueError) as e:
         print(f"serve_requests: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,8 @@ class RequestResult:
     client: int = 0  # which client sent it, and its number among that client's requests (timed passes)
     seq: int = 0
     sent_at: float = 0.0  # time.perf_counter() at the send
+    sent_wall: float = 0.0  # time.time() at the send: the daemon's log clock (bench/serve_requests.py)
+    request_id: str | None = None  # the Generate message's id (the daemon logs "<client hex>:<id>")
     chunk_at: list[float] = field(default_factory=list)  # arrival of each chunk with tokens
     chunk_tokens: list[int] = field(default_factory=list)  # and its token count
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sqlite3
 
 import pytest
 
@@ -91,3 +92,42 @@ def test_the_file_round_trips_and_the_report_reads_it(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert sr.main([str(tmp_path / "empty")]) == 2
     assert "no requests.jsonl.gz under" in capsys.readouterr().err
+
+
+def test_requests_pair_with_the_daemon_s_log_by_id(tmp_path, capsys):
+    """Where a request's time went: its rows carry the message id and the send's wall time, a daemon's
+    log its arrival, first token and finish (``<client hex>:<id>``), plain or gzipped."""
+    got = rows()
+    for i, r in enumerate(got):
+        r["id"], r["sent_wall"] = f"m{i}", 1000.0 + 100 * i + r["sent"]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for name, part in (("a", got[:5]), ("b", got[5:])):
+        db = sqlite3.connect(logs / f"{name}.sqlite")
+        db.execute(
+            "create table requests (request_id text, arrival real, first_token_time real, finish_time real)"
+        )
+        for r in part:  # the daemon has it 2 ms after the send, finishes 3 ms before the client's last
+            # chunk, and the first chunk reaches the client 1 ms after the daemon's first token
+            t0 = r["sent_wall"]
+            first, finish = t0 + r["first"] - r["sent"] - 0.001, t0 + r["end"] - r["sent"] - 0.003
+            row = (f"00ff:{r['id']}", t0 + 0.002, first, finish)
+            db.execute("insert into requests values (?, ?, ?, ?)", row)
+        db.commit()
+        db.close()
+    with open(logs / "b.sqlite", "rb") as f, gzip.open(logs / "b.sqlite.gz", "wb") as g:
+        g.write(f.read())
+    (logs / "b.sqlite").unlink()
+    times = sr.daemon_times(sorted(logs.glob("*.sqlite*")))
+    assert len(times) == 10 and times["m0"][0] == pytest.approx(got[0]["sent_wall"] + 0.002)
+    (line,) = sr.path_rows(got, times)
+    assert line[:3] == ["goodput", "2", "10"]
+    # medians: a request's TTFT here is its latency (1 s for 6 of the 10), less the 3 ms on both sides
+    assert [float(x) for x in line[3:]] == pytest.approx([2.0, 997.0, 1.0, 3.0], abs=0.05)
+    run = tmp_path / "run"
+    run.mkdir()
+    sr.write_rows(run / sr.FILE_NAME, got)
+    assert sr.main([str(run), "--logs", str(logs)]) == 0
+    assert "| goodput | 2 | 10 | 2.0 | 997.0 | 1.0 | 3.0 |" in capsys.readouterr().out
+    assert sr.main([str(run), "--logs", str(run)]) == 2  # a folder without logs: a clear error
+    assert "no decision logs (*.sqlite, *.sqlite.gz) in" in capsys.readouterr().err

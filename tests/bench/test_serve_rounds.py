@@ -174,6 +174,13 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
                 got = serve_requests.pass_rates(mine, "seq")
                 assert got == pytest.approx([r["tokens_per_s"] for r in table], rel=1e-9), (name, n)
     assert ("Each request as its client saw it" in text) == bool(interleave_s)  # dealt passes only
+    # each request paired with its daemon's record by id, on one clock: sent before the daemon had it,
+    # its first token made before the client got it
+    times = serve_requests.daemon_times(sorted((tmp_path / "dblogs").glob("*.sqlite")))
+    for q in (q for q in requests if q["config"] in live and not q["is_error"]):
+        arrival, first, _ = times[q["id"]]
+        assert q["sent_wall"] <= arrival <= first <= q["sent_wall"] + q["first"] - q["sent"], q
+    assert ("Where a request's time went" in text) == bool(interleave_s)
 
 
 @pytest.mark.slow
