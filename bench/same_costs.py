@@ -34,13 +34,12 @@ live ratio is their daemons' (and those options') difference.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from specsched.bench.log_files import plain_log
 from specsched.bench.markdown import emit, fmt, log_name, table
 from specsched.bench.replay_fidelity import THIN_STEPS, LoadedLog, Rate, live_rates, load_log, predicted_rates
 from specsched.bench.serve_daemon import safe_name
@@ -105,8 +104,7 @@ def run_logs(run_dir: str) -> tuple[str, list[str]]:
         path = root / "logs" / f"{safe_name(name)}.sqlite"
         packed = path.with_name(path.name + ".gz")
         if not path.is_file() and packed.is_file():
-            with gzip.open(packed, "rb") as src, open(path, "wb") as dst:
-                shutil.copyfileobj(src, dst)
+            plain_log(packed, path.parent)
         if not path.is_file():
             raise ValueError(f"{path}: the decision log of config {name!r} is missing")
         return str(path)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import shutil
 import sqlite3
 import statistics
 import sys
@@ -34,7 +33,9 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from specsched.bench.markdown import fmt, table
+from specsched.bench.log_files import plain_log
+from specsched.bench.loopback import pct
+from specsched.bench.markdown import emit, fmt, table
 from specsched.bench.serve_results import PassResult, pass_of
 
 FILE_NAME = "requests.jsonl.gz"
@@ -142,11 +143,11 @@ def summary_rows(rows: Sequence[dict]) -> list[list[str]]:
             s = spread(rates)
             note = f" ({s * 100:.1f} %)" if s is not None else ""
             cells.append(" / ".join(fmt(r, 0) for r in rates) + note)
-        trips = sorted(round_trips(mine))
+        trips = round_trips(mine)
         busy = [r["end"] - r["sent"] for r in mine if not r["is_staggered"]]
         cells += [
             fmt(statistics.median(trips) * 1e3, 1) if trips else "–",
-            fmt(trips[int(0.9 * (len(trips) - 1))] * 1e3, 1) if trips else "–",
+            fmt(pct(trips, 0.9) * 1e3, 1) if trips else "–",
             fmt(statistics.median(busy) * 1e3, 1) if busy else "–",
         ]
         out.append(cells)
@@ -158,14 +159,9 @@ def daemon_times(paths: Iterable[Path]) -> dict[str, tuple[float, float | None, 
     (SQLite files, or gzipped ones as a run's bundle holds them); the daemon logs ``<client hex>:<id>``
     (daemon/admission.py ``request_key``), its clock ``time.time()`` as the rows' ``sent_wall``."""
     out: dict[str, tuple[float, float | None, float | None]] = {}
-    for path in paths:
-        with tempfile.TemporaryDirectory() as tmp:
-            if str(path).endswith(".gz"):
-                plain = Path(tmp) / "log.sqlite"
-                with gzip.open(path, "rb") as f, open(plain, "wb") as g:
-                    shutil.copyfileobj(f, g)
-                path = plain
-            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in paths:
+            db = sqlite3.connect(f"file:{plain_log(path, Path(tmp))}?mode=ro", uri=True)
             try:
                 found = db.execute("select request_id, arrival, first_token_time, finish_time from requests")
                 for rid, arrival, first, finish in found:
@@ -239,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"serve_requests: {e}", file=sys.stderr)
         return 2
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(text + "\n", args.out)
     return 0
 
 

@@ -18,16 +18,15 @@ median — from the run's ``by_prompt_rows``, or computed from its decision logs
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import shutil
 import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from specsched.bench.markdown import fmt, table
+from specsched.bench.log_files import plain_log
+from specsched.bench.markdown import emit, fmt, table
 from specsched.bench.serve_daemon import safe_name
 from specsched.bench.serve_paired import serve_by_prompt_rows
 from specsched.bench.serve_report import SPREAD_GOAL, target_rows
@@ -109,9 +108,7 @@ def token_rows(res: dict) -> list[dict]:
                     continue
                 plain, packed = logs / f"{safe_name(name)}.sqlite", logs / f"{safe_name(name)}.sqlite.gz"
                 if not plain.is_file() and packed.is_file():
-                    plain = Path(tmp) / plain.name
-                    with gzip.open(packed) as src, open(plain, "wb") as dst:
-                        shutil.copyfileobj(src, dst)
+                    plain = plain_log(packed, Path(tmp))
                 paths[name] = (kind, plain)
             found = serve_by_prompt_rows(paths, sorted({r["concurrency"] for r in res["rows"]}))
             rows = [] if found is None else found[1]
@@ -202,9 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = runs_table(results)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(text + "\n", args.out)
     return 0
 
 
