@@ -1,10 +1,10 @@
 """The blocking ``Client`` and the public names of the client library (protocol v1, docs/protocol.md).
 
-``Client`` (blocking, pyzmq) and ``AsyncClient`` (zmq.asyncio; async_client.py) share one DEALER socket
+``Client`` (blocking, pyzmq) and ``AsyncClient`` (asyncio; async_client.py) share one DEALER socket
 per client and keep many requests in flight on it: replies are routed by request id (``AsyncClient``:
-one reader task; ``Client``: replies for other ids are buffered until asked for). Both are thin shells
-around one sans-IO core (core.py: requests, reply routing, errors, reconnect bookkeeping, stream
-assembly) and one transport (transport.py). Errors are typed (errors.py):
+the event loop's reader callback; ``Client``: replies for other ids are buffered until asked for).
+Both are thin shells around one sans-IO core (core.py: requests, reply routing, errors, reconnect
+bookkeeping, stream assembly) and one transport (transport.py). Errors are typed (errors.py):
 :class:`ServerError` subclasses carry the server's ``code``; :class:`RequestTimeout` (a
 ``TimeoutError``) when no reply came within ``timeout_s``; :class:`ConnectionLost` when the connection
 to the daemon dropped while the request was in flight (the daemon aborts such requests).
