@@ -159,11 +159,13 @@ async def run_clients(
     should_stop: Callable[[], bool],
     ready: Callable[[], None] = lambda: None,
     cover: bool = False,
-) -> tuple[list[tuple[int, RequestResult]], bool]:
+) -> tuple[list[tuple[int, RequestResult]], bool, float]:
     """Clients ``client_ids`` of the pass's ``concurrency``: connect them, call ``ready``, wait for
     ``state.go``, then run them (counted: take request indices until ``num_requests``; timed, when
     ``state.duration_s`` > 0: bench/serve_load.py's closed loop). ``should_stop`` is polled every
-    0.25 s. Returns ((request index or -1, result) of every request, stopped early)."""
+    0.25 s. Returns ((request index or -1, result) of every request, stopped early, this process's
+    core share while they ran: its CPU seconds, every thread, over the wall seconds; near 1 the load
+    generator itself sets the pace, bench/client_load.py)."""
     clients = [AsyncClient(endpoint, timeout_s=timeout_s) for _ in client_ids]
     results: list[tuple[int, RequestResult]] = []
     try:
@@ -171,7 +173,12 @@ async def run_clients(
         ready()
         await asyncio.get_running_loop().run_in_executor(None, state.go.wait)
         if state.abort.is_set():  # another process failed to start
-            return results, True
+            return results, True, 0.0
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+
+        def core_share() -> float:
+            return (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+
         plan = stagger_plan(max_tokens, concurrency)
         period = cycle_length(concurrency, len(prompts))
 
@@ -214,10 +221,10 @@ async def run_clients(
         if not work.done():  # told to stop (the daemon exited)
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            return results, True
+            return results, True, core_share()
         guard.cancel()
         work.result()
-        return results, False
+        return results, False, core_share()
     finally:
         for c in clients:
             await c.close()

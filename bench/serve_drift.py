@@ -143,10 +143,11 @@ def drift_table(loops: list[Loop]) -> str:
 
 
 def rounds_table(rows: list[dict]) -> str:
-    """Each round's loop of each (config, N), in the rounds' order: tok/s, host ms (``round_host_ms``)
-    and the engine thread's nonvoluntary context switches during the loop (``round_switches``: its CPU
+    """Each round's loop of each (config, N), in the rounds' order: tok/s, host ms (``round_host_ms``),
+    the engine thread's nonvoluntary context switches during the loop (``round_switches``: its CPU
     taken by another thread or process; a slow loop with few of them ran on a slower CPU, not a busy
-    one). Empty without rows that have round tok/s."""
+    one) and the busiest load process's core share (``round_load_share``: near 1, the clients set the
+    loop's pace, not the daemon). Empty without rows that have round tok/s."""
     out, seen = [], set()
     for r in rows:
         key = (r["config"], r["concurrency"])
@@ -156,12 +157,15 @@ def rounds_table(rows: list[dict]) -> str:
         seen.add(key)
         host = r.get("round_host_ms") or [None] * len(tok)
         sw = r.get("round_switches") or [None] * len(tok)
-        cells = [f"{fmt(t, 0)} / {fmt(h, 3)} / {'–' if s is None else s}" for t, h, s in zip(tok, host, sw)]
+        load = r.get("round_load_share") or [None] * len(tok)
+        cells = [f"{fmt(t, 0)} / {fmt(h, 3)} / {'–' if s is None else s} / {fmt(x)}"
+                 for t, h, s, x in zip(tok, host, sw, load)]  # fmt: skip
         out.append([r["config"], str(r["concurrency"]), "; ".join(cells)])
     if not out:
         return ""
     out.sort(key=lambda row: (int(row[1]), row[0]))
-    return table(["config", "N", "each round: tok/s / host ms / engine CPU taken (switches)"], out)
+    return table(["config", "N", "each round: tok/s / host ms / engine CPU taken (switches) / load process "
+                  "core share (busiest)"], out)  # fmt: skip
 
 
 def drift_note() -> str:

@@ -73,7 +73,8 @@ async def _stats_counters(endpoint: str, timeout_s: float) -> tuple[int | None, 
 
 def _worker(conn, state: PassState) -> None:
     """A load process: runs the passes it is sent (its clients' share) until told to stop; answers
-    "ready" once its clients are connected, then ("ok", requests, stopped early) or ("error", text)."""
+    "ready" once its clients are connected, then ("ok", requests, stopped early, core share) or
+    ("error", text, None)."""
     while True:
         try:
             cmd = conn.recv()
@@ -116,14 +117,15 @@ class LoadProcesses:
 
     def run(self, procs: int, endpoint: str, prompts: list[dict], concurrency: int, num_requests: int,
             max_tokens: int, timeout_s: float, is_alive: Callable[[], bool],
-            cover: bool) -> tuple[list[tuple[int, RequestResult]], str | None]:  # fmt: skip
+            cover: bool) -> tuple[list[tuple[int, RequestResult]], str | None, list[float]]:  # fmt: skip
         """One pass (``state`` reset by the caller) on the first ``procs`` processes, client c on process
-        c mod procs; t0 once all have connected. (requests, error)."""
+        c mod procs; t0 once all have connected. (requests, error, each process's core share)."""
         conns, state = self._conns[:procs], self.state
         for w, c in enumerate(conns):
             ids = list(range(w, concurrency, procs))
             c.send((endpoint, prompts, ids, concurrency, num_requests, max_tokens, timeout_s, cover))
         results: list[tuple[int, RequestResult]] = []
+        shares: list[float] = []
         error, waiting, pending = None, set(conns), set(conns)
         try:
             while pending:
@@ -145,6 +147,7 @@ class LoadProcesses:
                         state.go.set()  # the others, still waiting to start, stop
                         continue
                     results += msg[1]
+                    shares.append(msg[3])
                     if msg[2]:
                         error = error or "the daemon exited during the pass"
                 if pending and not waiting and not is_alive() and not state.abort.is_set():
@@ -153,7 +156,7 @@ class LoadProcesses:
         except BaseException:
             self.close()
             raise
-        return results, error
+        return results, error, shares
 
     def close(self) -> None:
         for c in self._conns:
@@ -221,23 +224,23 @@ def run_pass(
         state.reset(concurrency, ramp_s, duration_s)
         coro = run_clients(endpoint, prompts, list(range(concurrency)), concurrency, state, num_requests,
                            max_tokens, timeout_s, lambda: not is_alive(), state.start, cover)  # fmt: skip
-        got, stopped = asyncio.run(coro)
-        error = "the daemon exited during the pass" if stopped else None
+        got, stopped, share = asyncio.run(coro)
+        error, shares = "the daemon exited during the pass" if stopped else None, [share]
     else:
         pool = _load_processes(procs)
         state = pool.state
         state.reset(concurrency, ramp_s, duration_s)
-        got, error = pool.run(procs, endpoint, prompts, concurrency, num_requests, max_tokens, timeout_s,
-                              is_alive, cover)  # fmt: skip
+        got, error, shares = pool.run(procs, endpoint, prompts, concurrency, num_requests, max_tokens,
+                                      timeout_s, is_alive, cover)  # fmt: skip
     wall = time.perf_counter() - state.t0 if state.t0 else 0.0  # t0 0: it failed before the start
     if duration_s:
         done = [r for _, r in got]
     else:
         done = [r for _, r in sorted(got, key=lambda x: x[0])]
     if error:
-        return PassResult(wall, done, before, None, error)
+        return PassResult(wall, done, before, None, error, load_shares=shares)
     after, switches_after = asyncio.run(_stats_counters(endpoint, timeout_s))
-    switches = {"switches_before": switches_before, "switches_after": switches_after}
+    switches = {"switches_before": switches_before, "switches_after": switches_after, "load_shares": shares}
     if not duration_s:
         return PassResult(wall, done, before, after, max_tokens=max_tokens, **switches)
     lo, hi = state.opens_at, state.closes_at

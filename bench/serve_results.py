@@ -89,6 +89,8 @@ class PassResult:
     # by another thread or process: daemon/host_stats.py); None where the daemon does not report them
     switches_before: int | None = None
     switches_after: int | None = None
+    # each load process's core share while its clients ran (CPU s / wall s; bench/serve_clients.py)
+    load_shares: list[float] = field(default_factory=list)
 
     @property
     def windows(self) -> list[tuple[float, float]]:
@@ -107,6 +109,11 @@ class PassResult:
         if self.switches_before is None or self.switches_after is None:
             return None
         return self.switches_after - self.switches_before
+
+    @property
+    def load_share(self) -> float | None:
+        """The busiest load process's core share during the pass (near 1: the clients set the pace)."""
+        return max(self.load_shares) if self.load_shares else None
 
     @property
     def timed(self) -> bool:

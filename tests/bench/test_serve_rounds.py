@@ -130,6 +130,8 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
                 assert len(r["round_host_ms"]) == num and min(r["round_host_ms"]) > 0, r
                 # the engine thread's CPU taken away during each loop (Linux /proc, daemon/host_stats.py)
                 assert len(r["round_switches"]) == num and all(x >= 0 for x in r["round_switches"]), r
+                # the busiest load process's core share in each loop (its clients did run: > 0)
+                assert len(r["round_load_share"]) == num and all(0 < x < 4 for x in r["round_load_share"]), r
                 assert r["window_s"] == pytest.approx(num * 0.6)
                 assert 0.5 * min(r["round_tok_s"]) < r["tokens_per_s"] < 2 * max(r["round_tok_s"])
             else:
