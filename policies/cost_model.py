@@ -4,16 +4,14 @@ One :class:`~specsched.policies.rls.OnlineLinearModel` (recursive least squares 
 per component: ``("score", scorer)``, ``("propose", proposer)``, ``("verify",)``, ``("overhead",)``,
 over the features of :mod:`specsched.policies.shapes`, seeded from per-device priors
 (:mod:`specsched.policies.cost_priors`) and saved to (loaded from) the decision log's
-``cost_models`` table (:mod:`specsched.policies.cost_store`).
+``cost_models`` table (:mod:`specsched.policies.cost_store`). What they predict (:class:`StepCost`,
+:class:`CostSlopes`) and a record's shape statistics live in :mod:`specsched.policies.step_cost`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from operator import attrgetter
-from operator import mul as _mul
 
 import numpy as np
 
@@ -35,37 +33,9 @@ from specsched.policies.shapes import (
     score_features,
     verify_features,
 )
+from specsched.policies.step_cost import CostSlopes, StepCost, record_stats
 
 __all__ = ["PRIORS", "CostModels", "CostSlopes", "StepCost"]
-
-
-@dataclass
-class StepCost:
-    """Predicted ms per component (floats, or arrays when predicted for many shapes at once)."""
-
-    propose_ms: float
-    score_ms: float
-    verify_ms: float
-    overhead_ms: float
-
-    @property
-    def total_ms(self) -> float:
-        return self.propose_ms + self.score_ms + self.verify_ms + self.overhead_ms
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            name: float(getattr(self, name))
-            for name in ("propose_ms", "score_ms", "verify_ms", "overhead_ms")
-        }
-
-
-@dataclass
-class CostSlopes:
-    """Marginal ms of one more draft token, linearised (bucket padding ignored), for a search."""
-
-    token_ms: float  # per draft token
-    context_ms: float  # per draft token, per context token of its request
-    spec_request_ms: float  # per drafting request, per unit of the batch's max k
 
 
 # A step that took STALL_RATIO times its prediction, from models whose recent prequential error is
@@ -256,7 +226,7 @@ class CostModels:
             times = {n: getattr(record, n) for n in ("propose_ms", "score_ms", "verify_ms", "total_ms")}
             bad = {n: t for n, t in times.items() if not np.isfinite(t) or t < 0}
             raise ValueError(f"step record {record.step} has invalid timings {bad}")
-        s = _record_stats(record)
+        s = record_stats(record)
         scorer, proposer = record.scorer, record.proposer or "none"
         is_spec = s.max_k > 0
         x_score, x_verify = self.score_features(scorer, s), verify_features(s)
@@ -327,7 +297,7 @@ class CostModels:
         measured = self.step_ms(record)
         if not record.scorer or not (math.isfinite(measured) and measured > 0):
             return
-        predicted = run_ms(self, record.scorer, _record_stats(record), record.num_decode_steps)
+        predicted = run_ms(self, record.scorer, record_stats(record), record.num_decode_steps)
         self.runs.setdefault(record.scorer, RunRatio()).update(predicted, measured)
         self.num_run_steps[record.scorer] = self.num_run_steps.get(record.scorer, 0) + record.num_decode_steps
 
@@ -386,27 +356,3 @@ class CostModels:
     ) -> CostModels:
         """Models saved for ``run_id`` (None = the latest run saved); graph buckets as saved unless given."""
         return load_models(lambda buckets, device: cls(buckets, device=device), db, run_id, graph_buckets)
-
-
-def _record_stats(record: StepRecord) -> ShapeStats:
-    """:meth:`StepShape.stats` of a decode record's step (context as the policy sees it: the KV-cached
-    tokens + the input token), in one pass of C-level sums over its requests."""
-    ks = list(map(_k, record.requests))
-    ctx = list(map(_context_len, record.requests))  # [B] KV-cached tokens: + 1 each below
-    b, num_draft = len(ks), sum(ks)
-    if min(ks) < 0 or min(ctx) < -1:
-        raise ValueError("StepShape k and context_lens must be >= 0")
-    num_context = sum(ctx) + b
-    return ShapeStats(
-        batch_size=b,
-        num_tokens=num_draft + b,
-        max_k=max(ks),
-        num_spec_requests=b - ks.count(0),
-        num_draft_tokens=num_draft,
-        num_context_tokens=num_context,
-        # Σ (k_i + 1)(c_i + 1) = Σ k_i c_i + Σ k_i + Σ (c_i + 1): integers, exact
-        num_weighted_context_tokens=sum(map(_mul, ks, ctx)) + num_draft + num_context,
-    )
-
-
-_k, _context_len = attrgetter("k"), attrgetter("context_len")

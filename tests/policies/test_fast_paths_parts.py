@@ -11,12 +11,13 @@ import pytest
 
 from specsched.engine.records import StepRecord, StepRequestRecord
 from specsched.policies.acceptance import AcceptanceConfig, AcceptanceEstimator, pool_strength
-from specsched.policies.cost_model import CostModels, _record_stats
+from specsched.policies.cost_model import CostModels
 from specsched.policies.cost_table import CostTable
 from specsched.policies.goodput_eval import PlanEvaluator
 from specsched.policies.goodput_search import acceptance_powers, expected_table
 from specsched.policies.rls import OnlineLinearModel
 from specsched.policies.shapes import StepShape, score_features
+from specsched.policies.step_cost import record_stats
 
 SCORERS = ["batch_expansion", "mqa", "mqa_graph"]
 
@@ -146,7 +147,7 @@ def test_record_stats_and_score_features_equal_the_step_shape():
         reqs = [StepRequestRecord(f"r{i}", c, ki, 0) for i, (ki, c) in enumerate(zip(k, ctx))]
         rec = StepRecord(0, "decode", 0.0, b, sum(k) + b, scorer="mqa", requests=reqs)
         want = StepShape(k, [c + 1 for c in ctx]).stats()
-        assert _record_stats(rec) == want
+        assert record_stats(rec) == want
         for is_exp in (True, False):
             for bk in (None, buckets):
                 arrays = type(want)(*(np.array([v]) for v in vars(want).values()))
