@@ -142,13 +142,19 @@ def drift_table(loops: list[Loop]) -> str:
     return text + ("\n\n" + "; ".join(lines) + "." if lines else "")
 
 
+# a loop whose busiest load process used this much of a core is called load-bound (bench/client_load.py:
+# past ~1 core a process's chunks queued for tens to hundreds of ms)
+LOAD_BOUND_SHARE = 0.8
+
+
 def rounds_table(rows: list[dict]) -> str:
     """Each round's loop of each (config, N), in the rounds' order: tok/s, host ms (``round_host_ms``),
     the engine thread's nonvoluntary context switches during the loop (``round_switches``: its CPU
     taken by another thread or process; a slow loop with few of them ran on a slower CPU, not a busy
     one) and the busiest load process's core share (``round_load_share``: near 1, the clients set the
-    loop's pace, not the daemon). Empty without rows that have round tok/s."""
-    out, seen = [], set()
+    loop's pace, not the daemon; such loops are listed under the table). Empty without rows that have
+    round tok/s."""
+    out, seen, load_bound = [], set(), []
     for r in rows:
         key = (r["config"], r["concurrency"])
         tok = r.get("round_tok_s")
@@ -161,11 +167,17 @@ def rounds_table(rows: list[dict]) -> str:
         cells = [f"{fmt(t, 0)} / {fmt(h, 3)} / {'–' if s is None else s} / {fmt(x)}"
                  for t, h, s, x in zip(tok, host, sw, load)]  # fmt: skip
         out.append([r["config"], str(r["concurrency"]), "; ".join(cells)])
+        load_bound += [f"{r['config']} at N = {r['concurrency']}, round {i}"
+                       for i, x in enumerate(load, 1) if x is not None and x >= LOAD_BOUND_SHARE]  # fmt: skip
     if not out:
         return ""
     out.sort(key=lambda row: (int(row[1]), row[0]))
-    return table(["config", "N", "each round: tok/s / host ms / engine CPU taken (switches) / load process "
+    text = table(["config", "N", "each round: tok/s / host ms / engine CPU taken (switches) / load process "
                   "core share (busiest)"], out)  # fmt: skip
+    if load_bound:
+        text += (f"\n\nLoad-bound loops (a load process at ≥ {LOAD_BOUND_SHARE} of a core: its clients may "
+                 f"have set the pace, not the daemon): {'; '.join(load_bound)}.")  # fmt: skip
+    return text
 
 
 def drift_note() -> str:

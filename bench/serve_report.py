@@ -249,7 +249,8 @@ def serve_section(res: dict) -> str:
         *([drift_note(), "", res["drift"], ""] if res.get("drift") else []),
         *([res["requests"], ""] if res.get("requests") else []),
         *(["Each round's loop (tok/s, its host ms from the log, the engine thread's nonvoluntary context "
-           "switches during it):", "", rounds, ""] if (rounds := rounds_table(res["rows"])) else []),
+           "switches during it, the busiest load process's core share):", "", rounds, ""]
+          if (rounds := rounds_table(res["rows"])) else []),
         *(["The kernel's counters for each daemon at the end of its passes (daemon/host_stats.py; a daemon "
            "slower than another on the same code path may show why):", "", hosts, ""]
           if (hosts := daemon_host_table(res["configs"])) else []),

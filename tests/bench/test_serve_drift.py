@@ -83,7 +83,7 @@ def test_the_cli_prints_the_table_and_refuses_logs_without_steps(tmp_path, capsy
 def test_the_rounds_table_sets_each_loops_tok_s_host_ms_switches_and_load_side_by_side():
     rows = [
         {"config": "k8", "concurrency": 4, "pass": p, "round_tok_s": [4526.0, 4042.5],
-         "round_host_ms": [0.368, 0.5], "round_switches": [3, 41], "round_load_share": [0.31, 0.974]}
+         "round_host_ms": [0.368, 0.5], "round_switches": [3, 41], "round_load_share": [0.31, 0.574]}
         for p in (1, 2)
     ] + [
         {"config": "goodput", "concurrency": 1, "pass": 1, "round_tok_s": [1070.0], "round_host_ms": None,
@@ -93,5 +93,10 @@ def test_the_rounds_table_sets_each_loops_tok_s_host_ms_switches_and_load_side_b
     lines = [ln for ln in rounds_table(rows).splitlines() if ln.startswith("| ") and "---" not in ln][1:]
     # one line per (config, N) whatever its passes, by N; a row without the logs' numbers shows dashes
     assert lines == ["| goodput | 1 | 1070 / – / – / – |",
-                     "| k8 | 4 | 4526 / 0.368 / 3 / 0.31; 4042 / 0.500 / 41 / 0.97 |"]  # fmt: skip
+                     "| k8 | 4 | 4526 / 0.368 / 3 / 0.31; 4042 / 0.500 / 41 / 0.57 |"]  # fmt: skip
+    assert "Load-bound" not in rounds_table(rows)
     assert rounds_table([{"config": "x", "concurrency": 1, "round_tok_s": None}]) == ""
+    busy = [{"config": "k8", "concurrency": 64, "round_tok_s": [9e3, 8e3], "round_load_share": [0.5, 0.93]}]
+    want = ("Load-bound loops (a load process at ≥ 0.8 of a core: its clients may have set the pace, not the "
+            "daemon): k8 at N = 64, round 2.")  # fmt: skip
+    assert rounds_table(busy).endswith(want)
