@@ -193,9 +193,17 @@ class AsyncClient(ClientSocket):
             _settle(ready, True)
 
     def _start_reading(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._sock.FD, self._on_replies)
-        self._loop.add_reader(self._monitor.FD, self._on_events)
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_reader(self._sock.FD, self._on_replies)
+        except NotImplementedError:
+            raise RuntimeError(
+                f"AsyncClient needs an event loop that watches file descriptors (add_reader), and "
+                f"{type(loop).__name__} does not; on Windows, use "
+                f"asyncio.set_event_loop_policy(asyncio.WindowsSelectorEventLoopPolicy())"
+            ) from None
+        loop.add_reader(self._monitor.FD, self._on_events)
+        self._loop = loop
 
     def _stop_reading(self) -> None:
         if self._loop is not None:

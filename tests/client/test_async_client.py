@@ -206,3 +206,23 @@ def test_many_short_requests_answered_at_once_never_lose_a_wake_up(peer):
     finally:
         stop.set()
         thread.join()
+
+
+class NoReaderLoop(asyncio.SelectorEventLoop):
+    """An event loop that cannot watch file descriptors (as Windows' proactor loop)."""
+
+    def add_reader(self, fd, callback, *args):
+        raise NotImplementedError
+
+
+def test_a_loop_without_add_reader_is_named_in_the_error(peer):
+    async def main():
+        async with AsyncClient(peer.endpoint, timeout_s=5) as c:
+            with pytest.raises(RuntimeError, match="NoReaderLoop does not.*WindowsSelectorEventLoopPolicy"):
+                await c.generate(prompt_ids=[1], max_tokens=1)
+
+    loop = NoReaderLoop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
