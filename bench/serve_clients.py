@@ -138,13 +138,30 @@ async def one_request(client: AsyncClient, index: int, prompt: dict, max_tokens:
     return out
 
 
-async def pass_counters(client: AsyncClient) -> tuple[int | None, int | None]:
+async def pass_counters(client: AsyncClient) -> tuple[int | None, int | None, dict[str, float] | None]:
     """What a pass reads from the daemon's ``stats`` before and after itself: (``num_compiles_after_start``,
     the engine thread's nonvoluntary context switches so far: its CPU taken by another thread or
-    process, daemon/host_stats.py); None where the daemon does not report one."""
+    process, its threads' CPU seconds so far with the daemon's uptime, :func:`thread_seconds`); None
+    where the daemon does not report one (daemon/host_stats.py)."""
     stats = await client.stats()
-    switches = getattr(getattr(stats, "host", None), "engine_nonvoluntary_switches", None)
-    return getattr(stats, "num_compiles_after_start", None), switches
+    host = getattr(stats, "host", None)
+    switches = getattr(host, "engine_nonvoluntary_switches", None)
+    return getattr(stats, "num_compiles_after_start", None), switches, thread_seconds(stats)
+
+
+# the daemon's CPU counters a pass reads (daemon/host_stats.py), by the name its shares are shown under
+THREAD_FIELDS = {"engine": "engine_cpu_s", "engine_runqueue": "engine_runqueue_s", "io": "io_cpu_s",
+                 "log": "log_cpu_s", "process": "process_cpu_s"}  # fmt: skip
+
+
+def thread_seconds(stats) -> dict[str, float] | None:
+    """The daemon's threads' CPU seconds so far (:data:`THREAD_FIELDS`, those it reports) and its
+    ``uptime_s``; None without host counters."""
+    host = getattr(stats, "host", None)
+    if host is None:
+        return None
+    got = {name: v for name, f in THREAD_FIELDS.items() if (v := getattr(host, f, None)) is not None}
+    return {**got, "uptime_s": stats.uptime_s} if got else None
 
 
 async def run_clients(

@@ -180,6 +180,34 @@ def rounds_table(rows: list[dict]) -> str:
     return text
 
 
+def threads_table(rows: list[dict]) -> str:
+    """Each round's loop of each (config, N): the daemon's engine, IO and log-writer threads' CPU seconds
+    over the loop's wall seconds (``round_threads``, daemon/host_stats.py), their sum, the whole
+    process's, and the engine thread's run-queue share (runnable without a CPU). On CUDA the engine
+    thread spins while it waits for the device (its events synchronize without blocking), so its share
+    is near 1 whatever its host work; the IO and log threads' shares are the interpreter lock they take
+    from it. Empty without such rows."""
+    out, seen = [], set()
+    for r in rows:
+        key = (r["config"], r["concurrency"])
+        loops = r.get("round_threads")
+        if not loops or key in seen or not any(loops):
+            continue
+        seen.add(key)
+        cells = []
+        for x in loops:
+            x = x or {}
+            py = [x.get(k) for k in ("engine", "io", "log")]
+            total = sum(v for v in py if v is not None) if any(v is not None for v in py) else None
+            cells.append(" / ".join(fmt(v) for v in (*py, total, x.get("process"), x.get("engine_runqueue"))))
+        out.append([r["config"], str(r["concurrency"]), "; ".join(cells)])
+    if not out:
+        return ""
+    out.sort(key=lambda row: (int(row[1]), row[0]))
+    return table(["config", "N", "each round, share of its wall: engine / IO / log writer / the three / "
+                  "whole process / engine waiting for a CPU"], out)  # fmt: skip
+
+
 def drift_note() -> str:
     return (
         "The host's speed loop by loop (bench/serve_drift.py): each daemon's loops in time order, host "

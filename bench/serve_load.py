@@ -66,7 +66,7 @@ def load_procs(concurrency: int, clients_per_proc: int) -> int:
     return max(1, min(math.ceil(concurrency / clients_per_proc), cores))
 
 
-async def _stats_counters(endpoint: str, timeout_s: float) -> tuple[int | None, int | None]:
+async def _stats_counters(endpoint: str, timeout_s: float) -> tuple[int | None, int | None, dict | None]:
     async with AsyncClient(endpoint, timeout_s=timeout_s) as c:
         return await pass_counters(c)
 
@@ -218,7 +218,7 @@ def run_pass(
                          f"procs >= 1; got {concurrency}, {num_requests}, {len(prompts)} prompts, "
                          f"{duration_s}, {ramp_s}, {procs}")  # fmt: skip
     procs = min(procs, concurrency)
-    before, switches_before = asyncio.run(_stats_counters(endpoint, timeout_s))
+    before, switches_before, threads_before = asyncio.run(_stats_counters(endpoint, timeout_s))
     if procs == 1:
         state = PassState(mp.get_context("spawn"))
         state.reset(concurrency, ramp_s, duration_s)
@@ -239,8 +239,9 @@ def run_pass(
         done = [r for _, r in sorted(got, key=lambda x: x[0])]
     if error:
         return PassResult(wall, done, before, None, error, load_shares=shares)
-    after, switches_after = asyncio.run(_stats_counters(endpoint, timeout_s))
-    switches = {"switches_before": switches_before, "switches_after": switches_after, "load_shares": shares}
+    after, switches_after, threads_after = asyncio.run(_stats_counters(endpoint, timeout_s))
+    switches = {"switches_before": switches_before, "switches_after": switches_after, "load_shares": shares,
+                "threads_before": threads_before, "threads_after": threads_after}  # fmt: skip
     if not duration_s:
         return PassResult(wall, done, before, after, max_tokens=max_tokens, **switches)
     lo, hi = state.opens_at, state.closes_at

@@ -5,7 +5,7 @@ pass-to-pass spread)."""
 from __future__ import annotations
 
 from specsched.bench.markdown import fmt, table
-from specsched.bench.serve_drift import drift_note, rounds_table
+from specsched.bench.serve_drift import drift_note, rounds_table, threads_table
 from specsched.bench.serve_host import daemon_host_table, host_note, host_table, step_mix_table
 from specsched.bench.serve_plans import plan_table
 from specsched.bench.serve_replicas import replica_note, replica_table
@@ -251,6 +251,11 @@ def serve_section(res: dict) -> str:
         *(["Each round's loop (tok/s, its host ms from the log, the engine thread's nonvoluntary context "
            "switches during it, the busiest load process's core share):", "", rounds, ""]
           if (rounds := rounds_table(res["rows"])) else []),
+        *(["The daemon's threads in each round's loop (CPU seconds over the loop's wall seconds; the engine, "
+           "IO and log-writer threads share one interpreter lock; on CUDA the engine thread spins in its "
+           "device waits, so its share says little, the IO and log threads' say what they take):", "",
+           threads, ""]
+          if (threads := threads_table(res["rows"])) else []),
         *(["The kernel's counters for each daemon at the end of its passes (daemon/host_stats.py; a daemon "
            "slower than another on the same code path may show why):", "", hosts, ""]
           if (hosts := daemon_host_table(res["configs"])) else []),

@@ -91,6 +91,10 @@ class PassResult:
     switches_after: int | None = None
     # each load process's core share while its clients ran (CPU s / wall s; bench/serve_clients.py)
     load_shares: list[float] = field(default_factory=list)
+    # the daemon's threads' CPU seconds and uptime before / after the pass (bench/serve_clients.py
+    # thread_seconds); None where the daemon does not report them
+    threads_before: dict[str, float] | None = None
+    threads_after: dict[str, float] | None = None
 
     @property
     def windows(self) -> list[tuple[float, float]]:
@@ -109,6 +113,16 @@ class PassResult:
         if self.switches_before is None or self.switches_after is None:
             return None
         return self.switches_after - self.switches_before
+
+    @property
+    def thread_shares(self) -> dict[str, float] | None:
+        """Each daemon thread's CPU seconds during the pass (its ramp and drain too) over the daemon's
+        uptime across it: 1.0 is a thread busy throughout (``engine_runqueue``: runnable, no CPU)."""
+        a, b = self.threads_before, self.threads_after
+        if not a or not b or b.get("uptime_s", 0.0) <= a.get("uptime_s", 0.0):
+            return None
+        wall = b["uptime_s"] - a["uptime_s"]
+        return {k: (b[k] - a[k]) / wall for k in b if k != "uptime_s" and k in a}
 
     @property
     def load_share(self) -> float | None:

@@ -180,14 +180,15 @@ def _rows(
     :func:`split_interleaved`), with every round's tok/s (``round_tok_s``) and replica
     (``round_replica``, 1-based), the engine thread's CPU taken away during each round's loop
     (``round_switches``: nonvoluntary context switches), the busiest load process's core share in it
-    (``round_load_share``) and every slice's tok/s (``slice_tok_s``) beside them."""
+    (``round_load_share``), the daemon's threads' CPU shares (``round_threads``) and every slice's
+    tok/s (``slice_tok_s``) beside them."""
     head = {"config": run.name, "kind": run.kind, "concurrency": n}
     if not loops:  # the daemon never served (it failed to start): its config row says why
         return []
     if not cfg.interleave_s or any(loop.error or not loop.timed for loop in loops):
         groups = [[loop] for loop in loops]
         extra: dict = dict.fromkeys(("slice_tok_s", "round_tok_s", "round_replica", "round_switches",
-                                     "round_load_share"))  # fmt: skip
+                                     "round_load_share", "round_threads"))  # fmt: skip
         each = [{"replica": k + 1} for k in replicas] if cfg.replicas > 1 else [{}] * len(groups)
     else:
         period = cycle_length(n, num_prompts)
@@ -197,7 +198,8 @@ def _rows(
                  "round_tok_s": [summarize(loop)["tokens_per_s"] for loop in loops],
                  "round_replica": [k + 1 for k in replicas] if cfg.replicas > 1 else None,
                  "round_switches": [loop.engine_switches for loop in loops],
-                 "round_load_share": [loop.load_share for loop in loops]}  # fmt: skip
+                 "round_load_share": [loop.load_share for loop in loops],
+                 "round_threads": [loop.thread_shares for loop in loops]}  # fmt: skip
         each = [{}] * len(groups)
     return [{**pass_row({**head, "pass": p}, parts, ref), **extra, **own}
             for p, (parts, own) in enumerate(zip(groups, each, strict=True), 1)]  # fmt: skip

@@ -10,7 +10,12 @@ one CPU, so the cause is elsewhere; these counters are the first suspects, cheap
   its queue);
 - the CPU it last ran on (``processor`` of its ``stat``);
 - the process's anonymous memory in transparent huge pages (``AnonHugePages`` of ``smaps_rollup``): a
-  heap that got huge pages walks its objects with fewer TLB misses than one that did not.
+  heap that got huge pages walks its objects with fewer TLB misses than one that did not;
+- the CPU seconds of the engine, IO and log-writer threads (``schedstat``: ns on a CPU, and for the
+  engine thread the ns it was runnable but waited for one) and of the whole process: over a loop,
+  their deltas over its wall time say how busy each thread was (on CUDA the engine thread spins
+  while it waits for the device, so its own share is near 1 regardless; the IO and log threads' shares
+  are the interpreter lock they take from it).
 
 Read on the IO thread when a ``stats`` reply is built, not per step: ``smaps_rollup`` walks the
 process's mappings (a millisecond or so on a large CUDA process), so a client polling ``stats`` in a
@@ -20,10 +25,11 @@ tight loop pays for it.
 from __future__ import annotations
 
 import os
+import time
 
 from specsched.daemon.messages import HostStats
 
-__all__ = ["host_stats", "read_switches", "read_last_cpu", "read_anon_huge_pages"]
+__all__ = ["host_stats", "read_switches", "read_last_cpu", "read_anon_huge_pages", "read_schedstat"]
 
 
 def read_switches(status_text: str) -> tuple[int, int] | None:
@@ -56,6 +62,14 @@ def read_anon_huge_pages(smaps_rollup_text: str) -> int | None:
     return None
 
 
+def read_schedstat(text: str) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of a /proc ``schedstat`` line (ns)."""
+    parts = text.split()
+    if len(parts) < 2:
+        return None
+    return int(parts[0]) / 1e9, int(parts[1]) / 1e9
+
+
 def _read(path: str) -> str | None:
     try:
         with open(path) as f:
@@ -64,19 +78,38 @@ def _read(path: str) -> str | None:
         return None
 
 
-def host_stats(engine_tid: int | None, proc: str = "/proc") -> HostStats | None:
+def host_stats(
+    engine_tid: int | None, io_tid: int | None = None, log_tid: int | None = None, proc: str = "/proc"
+) -> HostStats | None:
     """The counters of the module docstring for thread ``engine_tid`` of this process (None: the
-    process's only), or None where /proc has none of them (not Linux)."""
+    process's only) and the CPU seconds of threads ``io_tid`` and ``log_tid`` (kernel ids; None: not
+    read), or None where /proc has none of them (not Linux)."""
     task = f"{proc}/self/task/{engine_tid}" if engine_tid is not None else f"{proc}/self"
     status, stat = _read(f"{task}/status"), _read(f"{task}/stat")
     rollup = _read(f"{proc}/self/smaps_rollup")
     switches = read_switches(status) if status else None
     if switches is None and stat is None and rollup is None:
         return None
+    engine = _schedstat(proc, engine_tid) if engine_tid is not None else None
     return HostStats(
         engine_voluntary_switches=switches[0] if switches else None,
         engine_nonvoluntary_switches=switches[1] if switches else None,
         engine_last_cpu=read_last_cpu(stat) if stat else None,
         anon_huge_pages_bytes=read_anon_huge_pages(rollup) if rollup else None,
         num_threads=len(os.listdir(f"{proc}/self/task")) if os.path.isdir(f"{proc}/self/task") else None,
+        engine_cpu_s=engine[0] if engine else None,
+        engine_runqueue_s=engine[1] if engine else None,
+        io_cpu_s=_cpu_s(proc, io_tid),
+        log_cpu_s=_cpu_s(proc, log_tid),
+        process_cpu_s=time.process_time(),
     )
+
+
+def _schedstat(proc: str, tid: int) -> tuple[float, float] | None:
+    text = _read(f"{proc}/self/task/{tid}/schedstat")
+    return read_schedstat(text) if text else None
+
+
+def _cpu_s(proc: str, tid: int | None) -> float | None:
+    found = _schedstat(proc, tid) if tid is not None else None
+    return found[0] if found else None

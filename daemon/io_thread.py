@@ -320,5 +320,7 @@ class IOThread:
             num_kernels_built_at_start=watch.num_built - watch.num_after_ready,
             num_compiles_after_start=watch.num_after_ready,
             startup=server.startup_stats,
-            host=host_stats(server.engine_tid),
+            host=host_stats(
+                server.engine_tid, threading.get_native_id(), log.native_id if log is not None else None
+            ),  # fmt: skip
         )

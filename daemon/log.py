@@ -87,6 +87,11 @@ class LogWriter:
         self._thread.start()
 
     # ---- serving side -------------------------------------------------------------------------------
+    @property
+    def native_id(self) -> int | None:
+        """The writer thread's kernel id (daemon/host_stats.py reads its CPU time)."""
+        return self._thread.native_id
+
     def start_run(
         self, config: dict, model: str, device: str, version: str, timeout: float = 10.0
     ) -> int | None:

@@ -198,6 +198,13 @@ class HostStats:
     engine_last_cpu: int | None = None  # the CPU it last ran on
     anon_huge_pages_bytes: int | None = None  # the process's anonymous memory in transparent huge pages
     num_threads: int | None = None  # the process's threads
+    # CPU seconds so far (/proc schedstat: ns on a CPU): the engine, IO and log-writer threads, the
+    # engine thread's seconds runnable but waiting for a CPU, and the whole process (time.process_time)
+    engine_cpu_s: float | None = None
+    engine_runqueue_s: float | None = None
+    io_cpu_s: float | None = None
+    log_cpu_s: float | None = None
+    process_cpu_s: float | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from specsched.bench.serve_drift import (
     main,
     round_host_ms,
     rounds_table,
+    threads_table,
     with_indices,
 )
 from specsched.daemon.log import LogWriter
@@ -100,3 +101,17 @@ def test_the_rounds_table_sets_each_loops_tok_s_host_ms_switches_and_load_side_b
     want = ("Load-bound loops (a load process at ≥ 0.8 of a core: its clients may have set the pace, not the "
             "daemon): k8 at N = 64, round 2.")  # fmt: skip
     assert rounds_table(busy).endswith(want)
+
+
+def test_the_threads_table_sums_the_python_threads_of_each_loop():
+    rows = [
+        {"config": "goodput", "concurrency": 64, "pass": p, "round_threads": [
+            {"engine": 0.61, "io": 0.22, "log": 0.09, "process": 1.4, "engine_runqueue": 0.01},
+            {"engine": 0.5, "process": 1.0},
+        ]} for p in (1, 2)
+    ] + [{"config": "k8", "concurrency": 64, "round_threads": [None, None]}]  # fmt: skip
+    lines = [ln for ln in threads_table(rows).splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    # one line per (config, N); a counter the daemon did not report shows a dash; no numbers, no line
+    want = "| goodput | 64 | 0.61 / 0.22 / 0.09 / 0.92 / 1.40 / 0.01; 0.50 / – / – / 0.50 / 1.00 / – |"
+    assert lines == [want]
+    assert threads_table([{"config": "x", "concurrency": 1}]) == ""

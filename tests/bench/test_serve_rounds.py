@@ -132,6 +132,11 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
                 assert len(r["round_switches"]) == num and all(x >= 0 for x in r["round_switches"]), r
                 # the busiest load process's core share in each loop (its clients did run: > 0)
                 assert len(r["round_load_share"]) == num and all(0 < x < 4 for x in r["round_load_share"]), r
+                if os.path.isdir("/proc/self/task"):  # the daemon's threads' CPU in each loop (host_stats)
+                    assert len(r["round_threads"]) == num, r
+                    for x in r["round_threads"]:
+                        assert 0 < x["engine"] <= 1.05 and 0 < x["io"] <= 1.05, r
+                        assert x["process"] >= x["engine"], r
                 assert r["window_s"] == pytest.approx(num * 0.6)
                 assert 0.5 * min(r["round_tok_s"]) < r["tokens_per_s"] < 2 * max(r["round_tok_s"])
             else:
