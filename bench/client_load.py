@@ -7,7 +7,8 @@ ROUTER in its own process that answers each ``generate`` with one chunk per stre
 as a decoding step does, and a ``done`` after ``--tokens``; each chunk's text is its send time) and
 ``--procs`` load processes of ``--clients`` :class:`~specsched.client.AsyncClient` each (one DEALER
 socket a client, as bench/serve_clients.py runs them; ``--one-socket``: one client with that many
-streams, as the gateway runs), each client streaming request after request for ``--seconds``.
+streams, as the gateway runs), each client streaming request after request for ``--seconds``; the
+clients of a process share one ZeroMQ context (``--context-each``: one each, as before 2026-12-08).
 
 Per load process: chunks/s, CPU µs per chunk (its process time, every thread, over the chunks), the
 share of one core that is, and each chunk's latency from the scripted daemon's send to its client's
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import os
 import sys
 import time
 
@@ -66,9 +66,11 @@ def scripted_daemon(endpoint: str, step_ms: float, tokens: int, seconds: float) 
     ctx.term()
 
 
-def load_process(endpoint: str, clients: int, is_one_socket: bool, seconds: float, out) -> None:
+def load_process(endpoint: str, clients: int, is_one_socket: bool, seconds: float, out,
+                 is_shared_context: bool = True) -> None:  # fmt: skip
     """A process: ``clients`` streams, each sending its next request when one ends, for ``seconds``;
-    puts (chunks, CPU seconds, latencies) on ``out``."""
+    puts (chunks, CPU seconds, latencies) on ``out``. ``is_shared_context``: the clients open their
+    sockets in one ZeroMQ context (as bench/serve_clients.py does), else each in its own."""
     from specsched.client.sync_client import AsyncClient
 
     latencies: list[float] = []
@@ -79,8 +81,12 @@ def load_process(endpoint: str, clients: int, is_one_socket: bool, seconds: floa
             async for chunk in client.stream(prompt_ids=[1, 2, 3], max_tokens=1_000_000):
                 latencies.append(time.time() - float(chunk.text))
 
+    ctx = zmq.Context() if is_shared_context else None
+
     async def main() -> None:
-        made = [AsyncClient(endpoint, timeout_s=30) for _ in range(1 if is_one_socket else clients)]
+        made = [
+            AsyncClient(endpoint, timeout_s=30, context=ctx) for _ in range(1 if is_one_socket else clients)
+        ]
         per_stream = made * clients if is_one_socket else made
         try:
             await asyncio.wait_for(asyncio.gather(*map(stream_until_stop, per_stream)), seconds + 10)
@@ -95,17 +101,22 @@ def load_process(endpoint: str, clients: int, is_one_socket: bool, seconds: floa
     except Exception as e:  # noqa: BLE001 -- the parent reports it instead of waiting
         out.put(("failed", repr(e), []))
         return
+    finally:
+        if ctx is not None:
+            ctx.term()
     out.put((len(latencies), time.process_time() - cpu0, latencies))
 
 
-def measure(procs: int, clients: int, step_ms: float, tokens: int, seconds: float, layout: str) -> list[dict]:
+def measure(procs: int, clients: int, step_ms: float, tokens: int, seconds: float, layout: str,
+            is_shared_context: bool = True) -> list[dict]:  # fmt: skip
     """One run: a scripted daemon and ``procs`` load processes; one row per load process."""
     ctx = mp.get_context("spawn")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     daemon = ctx.Process(target=scripted_daemon, args=(endpoint, step_ms, tokens, seconds + 5))
     daemon.start()
     out = ctx.Queue()
-    loads = [ctx.Process(target=load_process, args=(endpoint, clients, layout == "one-socket", seconds, out))
+    loads = [ctx.Process(target=load_process,
+                         args=(endpoint, clients, layout == "one-socket", seconds, out, is_shared_context))
              for _ in range(procs)]  # fmt: skip
     for p in loads:
         p.start()
@@ -134,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="each run's length")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    ap.add_argument("--context-each", action="store_true",
+                    help="each client in a ZeroMQ context of its own (default: one a process)")  # fmt: skip
     args = ap.parse_args(argv)
     if min(args.procs, args.clients, args.tokens, args.repeats) < 1 or args.step_ms <= 0 or args.seconds <= 0:
         ap.error("--procs, --clients, --tokens, --repeats must be >= 1; --step-ms and --seconds > 0")
@@ -141,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):
         order = args.layouts if r % 2 == 0 else args.layouts[::-1]
         for layout in order:
-            got = measure(args.procs, args.clients, args.step_ms, args.tokens, args.seconds, layout)
+            got = measure(args.procs, args.clients, args.step_ms, args.tokens, args.seconds, layout,
+                          not args.context_each)  # fmt: skip
             rows += [{"repeat": r + 1, "proc": i + 1, **row} for i, row in enumerate(got)]
     header = ["layout", "repeat", "process", "chunks/s", "CPU µs a chunk", "core share", "latency p50 ms",
               "p99 ms"]  # fmt: skip
@@ -150,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in sorted(rows, key=lambda r: (r["layout"], r["repeat"], r["proc"]))]  # fmt: skip
     sys.stdout.write(
         f"load process per streamed chunk: {args.procs} process(es) x {args.clients} streams, a chunk per "
-        f"stream every {args.step_ms} ms, {args.seconds} s a run, pid {os.getpid()}\n\n"
+        f"stream every {args.step_ms} ms, {args.seconds} s a run, "
+        f"{'a ZeroMQ context a client' if args.context_each else 'one ZeroMQ context a process'}\n\n"
     )
     sys.stdout.write(table(header, body) + "\n")
     return 0

@@ -15,6 +15,8 @@ import math
 import time
 from collections.abc import Callable
 
+import zmq
+
 from specsched.bench.serve_results import RequestResult
 from specsched.client.sync_client import AsyncClient
 
@@ -183,7 +185,8 @@ async def run_clients(
     0.25 s. Returns ((request index or -1, result) of every request, stopped early, this process's
     core share while they ran: its CPU seconds, every thread, over the wall seconds; near 1 the load
     generator itself sets the pace, bench/client_load.py)."""
-    clients = [AsyncClient(endpoint, timeout_s=timeout_s) for _ in client_ids]
+    ctx = zmq.Context()  # one for the process's clients: one ZeroMQ IO thread, not one a client
+    clients = [AsyncClient(endpoint, timeout_s=timeout_s, context=ctx) for _ in client_ids]
     results: list[tuple[int, RequestResult]] = []
     try:
         await asyncio.gather(*(c.health() for c in clients))  # connected before the clock starts
@@ -245,3 +248,4 @@ async def run_clients(
     finally:
         for c in clients:
             await c.close()
+        ctx.term()

@@ -60,8 +60,9 @@ class AsyncClient(ClientSocket):
         timeout_s: float = 60.0,
         max_message_bytes: int = 1 << 20,
         curve: CurveKeys | None = None,
+        context: zmq.Context | None = None,
     ):
-        super().__init__(endpoint, timeout_s, max_message_bytes, zmq.Context(), curve)
+        super().__init__(endpoint, timeout_s, max_message_bytes, context, curve)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching the sockets, once reading
         self._waiting: dict[str, asyncio.Future] = {}  # request id -> settled when its next reply is there
 

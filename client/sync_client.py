@@ -12,7 +12,8 @@ to the daemon dropped while the request was in flight (the daemon aborts such re
 ZeroMQ reconnects by itself: after the daemon restarts, the same client serves new requests (those in
 flight when it went away raised :class:`ConnectionLost`). ``reconnect()`` starts over on a fresh socket
 (a new identity; everything pending fails with :class:`ConnectionLost`). ``curve=CurveKeys(...)``
-talks to a daemon that requires CURVE (docs/operations.md).
+talks to a daemon that requires CURVE (docs/operations.md); ``context=`` a ZeroMQ context shared by
+the process's clients (one IO thread for all; the client leaves it open).
 
     with Client("tcp://127.0.0.1:5555") as c:
         print(c.generate("Hello", max_tokens=16).text)
@@ -93,8 +94,9 @@ class Client(ClientSocket):
         timeout_s: float = 60.0,
         max_message_bytes: int = 1 << 20,
         curve: CurveKeys | None = None,
+        context: zmq.Context | None = None,
     ):
-        super().__init__(endpoint, timeout_s, max_message_bytes, zmq.Context(), curve)
+        super().__init__(endpoint, timeout_s, max_message_bytes, context, curve)
         self._register()
 
     def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,

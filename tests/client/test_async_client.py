@@ -226,3 +226,39 @@ def test_a_loop_without_add_reader_is_named_in_the_error(peer):
         loop.run_until_complete(main())
     finally:
         loop.close()
+
+
+def test_clients_sharing_a_context_leave_it_open_and_work_on(peer):
+    ctx = zmq.Context()
+
+    async def main():
+        a = AsyncClient(peer.endpoint, timeout_s=10, context=ctx)
+        b = AsyncClient(peer.endpoint, timeout_s=10, context=ctx)
+        task = asyncio.ensure_future(a.generate(prompt_ids=[1], max_tokens=1, id="a1"))
+        client, _ = await peer.take()
+        peer.reply(client, Done("a1", "length", Usage(1, 1), SpecUsage(0, 0, 1), text="x", token_ids=[4]))
+        assert (await task).token_ids == [4]
+        await a.close()
+        assert not ctx.closed  # the caller's context: the client leaves it open
+        task = asyncio.ensure_future(b.generate(prompt_ids=[1], max_tokens=1, id="b1"))
+        client, _ = await peer.take()
+        peer.reply(client, Done("b1", "length", Usage(1, 1), SpecUsage(0, 0, 1), text="y", token_ids=[5]))
+        assert (await task).token_ids == [5]
+        await b.close()
+
+    try:
+        asyncio.run(main())
+        assert not ctx.closed
+    finally:
+        ctx.term()
+
+
+def test_an_asyncio_context_is_refused_by_name():
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    try:
+        with pytest.raises(TypeError, match="plain zmq.Context, got zmq.asyncio.Context"):
+            AsyncClient("tcp://127.0.0.1:1", context=ctx)
+    finally:
+        ctx.term()
