@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import sys
 import time
 
 import zmq
 
 from specsched.bench.loopback import free_port, pct
-from specsched.bench.markdown import fmt, table
+from specsched.bench.markdown import emit, fmt, table
 from specsched.daemon.io_thread import encode_reply
 from specsched.daemon.protocol import Chunk, Done, Generate, SpecUsage, Usage, decode, encode
 
@@ -69,7 +68,8 @@ def scripted_daemon(endpoint: str, step_ms: float, tokens: int, seconds: float) 
 def load_process(endpoint: str, clients: int, is_one_socket: bool, seconds: float, out,
                  is_shared_context: bool = True) -> None:  # fmt: skip
     """A process: ``clients`` streams, each sending its next request when one ends, for ``seconds``;
-    puts (chunks, CPU seconds, latencies) on ``out``. ``is_shared_context``: the clients open their
+    puts (chunks, CPU seconds, wall seconds, latencies) on ``out`` (each stream's last request ends
+    after ``seconds``: the wall is the time to its end). ``is_shared_context``: the clients open their
     sockets in one ZeroMQ context (as bench/serve_clients.py does), else each in its own."""
     from specsched.client.sync_client import AsyncClient
 
@@ -95,16 +95,16 @@ def load_process(endpoint: str, clients: int, is_one_socket: bool, seconds: floa
         for c in made:
             await c.close()
 
-    cpu0 = time.process_time()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     try:
         asyncio.run(main())
     except Exception as e:  # noqa: BLE001 -- the parent reports it instead of waiting
-        out.put(("failed", repr(e), []))
+        out.put(("failed", repr(e), 0.0, []))
         return
     finally:
         if ctx is not None:
             ctx.term()
-    out.put((len(latencies), time.process_time() - cpu0, latencies))
+    out.put((len(latencies), time.process_time() - cpu0, time.perf_counter() - wall0, latencies))
 
 
 def measure(procs: int, clients: int, step_ms: float, tokens: int, seconds: float, layout: str,
@@ -121,17 +121,17 @@ def measure(procs: int, clients: int, step_ms: float, tokens: int, seconds: floa
     for p in loads:
         p.start()
     got = [out.get(timeout=seconds + 60) for _ in loads]
-    if failed := [why for num, why, _ in got if num == "failed"]:
+    if failed := [why for num, why, _, _ in got if num == "failed"]:
         raise RuntimeError(f"a load process failed: {failed[0]}")
     for p in loads:
         p.join()
     daemon.terminate()
     daemon.join()
     rows = []
-    for num, cpu_s, lat in got:
+    for num, cpu_s, wall_s, lat in got:
         lat.sort()
-        rows.append({"layout": layout, "chunks_per_s": num / seconds, "cpu_us": 1e6 * cpu_s / max(num, 1),
-                     "core_share": cpu_s / seconds, "p50_ms": 1e3 * pct(lat, 0.5),
+        rows.append({"layout": layout, "chunks_per_s": num / wall_s, "cpu_us": 1e6 * cpu_s / max(num, 1),
+                     "core_share": cpu_s / wall_s, "p50_ms": 1e3 * pct(lat, 0.5),
                      "p99_ms": 1e3 * pct(lat, 0.99)})  # fmt: skip
     return rows
 
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="each run's length")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    ap.add_argument("--out", help="also write the table to this file")
     ap.add_argument("--context-each", action="store_true",
                     help="each client in a ZeroMQ context of its own (default: one a process)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -162,12 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     body = [[r["layout"], str(r["repeat"]), str(r["proc"]), fmt(r["chunks_per_s"], 0), fmt(r["cpu_us"], 1),
              fmt(r["core_share"], 2), fmt(r["p50_ms"], 2), fmt(r["p99_ms"], 2)]
             for r in sorted(rows, key=lambda r: (r["layout"], r["repeat"], r["proc"]))]  # fmt: skip
-    sys.stdout.write(
-        f"load process per streamed chunk: {args.procs} process(es) x {args.clients} streams, a chunk per "
-        f"stream every {args.step_ms} ms, {args.seconds} s a run, "
-        f"{'a ZeroMQ context a client' if args.context_each else 'one ZeroMQ context a process'}\n\n"
-    )
-    sys.stdout.write(table(header, body) + "\n")
+    contexts = "a ZeroMQ context a client" if args.context_each else "one ZeroMQ context a process"
+    head = (f"load process per streamed chunk: {args.procs} process(es) x {args.clients} streams, a chunk "
+            f"per stream every {args.step_ms} ms, {args.seconds} s a run, {contexts}")  # fmt: skip
+    emit(f"{head}\n\n{table(header, body)}\n", args.out)
     return 0
 
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from specsched.bench.loopback import free_port
-from specsched.bench.markdown import fmt, table
+from specsched.bench.markdown import emit, fmt, table
 from specsched.client.sync_client import AsyncClient, Client
 
 
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--no-log", action="store_true", help="serve without the decision log")
+    ap.add_argument("--out", help="also write the table to this file")
     args = ap.parse_args(argv)
     if args.seconds <= 0 or min(args.streams) < 1:
         ap.error("--seconds must be > 0 and every --streams >= 1")
@@ -97,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     body = [[str(r["streams"]), fmt(r["chunks_per_s"], 0), fmt(r["io_us"], 1), fmt(r["log_us"], 1),
              fmt(r["engine_us"], 1), " / ".join(fmt(r[f"{k}_share"]) for k in shares)]
             for r in rows]  # fmt: skip
-    sys.stdout.write(f"the daemon's threads (CPU, tiny model, {args.seconds} s a run, "
-                     f"{'no log' if args.no_log else 'SQLite log'})\n\n{table(header, body)}\n")  # fmt: skip
+    emit(f"the daemon's threads (CPU, tiny model, {args.seconds} s a run, "
+         f"{'no log' if args.no_log else 'SQLite log'})\n\n{table(header, body)}\n", args.out)  # fmt: skip
     return 0
 
 
