@@ -110,6 +110,8 @@ def test_rounds_keep_every_daemon_up_and_interleave_the_configs(tmp_path, interl
     shown = capsys.readouterr().out
     assert shown.startswith("Partial results") and "Targets (issue 12)" in shown
     assert "| ngram goodput |" in shown
+    if interleave_s and os.path.isdir("/proc/self/task"):  # each loop's load and daemon threads, rendered
+        assert "load process core share (busiest)" in shown and "The daemon's threads in each round" in shown
     assert res["errors"] == {}
     serve = res["serve"]
     info = {c["name"]: c for c in serve["configs"]}
