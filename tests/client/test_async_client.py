@@ -262,3 +262,21 @@ def test_an_asyncio_context_is_refused_by_name():
             AsyncClient("tcp://127.0.0.1:1", context=ctx)
     finally:
         ctx.term()
+
+
+def test_reconnect_fails_what_is_pending_and_reads_the_new_socket(peer):
+    async def main():
+        async with AsyncClient(peer.endpoint, timeout_s=10) as c:
+            pending = asyncio.ensure_future(c.generate(prompt_ids=[1], max_tokens=1, id="old"))
+            first, _ = await peer.take()
+            await c.reconnect()
+            with pytest.raises(ConnectionLost):
+                await pending
+            task = asyncio.ensure_future(c.generate(prompt_ids=[1], max_tokens=1, id="new"))
+            second, msg = await peer.take()
+            assert second != first and isinstance(msg, Generate) and msg.id == "new"  # a new identity
+            done_new = Done("new", "length", Usage(1, 1), SpecUsage(0, 0, 1), text="z", token_ids=[6])
+            peer.reply(second, done_new)
+            assert (await task).token_ids == [6]
+
+    asyncio.run(main())
