@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from specsched.bench.loopback import free_port
 from specsched.bench.markdown import emit, fmt, table
+from specsched.bench.serve_daemon import Daemon
 from specsched.client.sync_client import AsyncClient, Client
 
 
@@ -45,27 +43,24 @@ async def stream_load(endpoint: str, streams: int, seconds: float) -> int:
     return num_chunks
 
 
-def measure(streams: int, seconds: float, log_dir: Path | None) -> dict:
-    """One daemon, ``streams`` streams: chunks/s and each thread's CPU per chunk and share of the wall."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    log = [f"log.path={log_dir / f'threads_{streams}.sqlite'}"] if log_dir else ["log=none"]
-    args = ["model=tiny", "model.device=cpu", "model.dtype=float32", "cache.num_blocks=512",
-            f"daemon.endpoint={endpoint}", *log]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "specsched.daemon", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+def measure(streams: int, seconds: float, log_dir: Path, is_logged: bool = True) -> dict:
+    """One daemon (its output and, with ``is_logged``, its SQLite log in ``log_dir``), ``streams``
+    streams: chunks/s and each thread's CPU per chunk and share of the wall."""
+    log = [f"log.path={log_dir / f'threads_{streams}.sqlite'}"] if is_logged else ["log=none"]
+    overrides = ["model=tiny", "model.device=cpu", "model.dtype=float32", "cache.num_blocks=512", *log]
+    daemon = Daemon(overrides, log_dir / f"threads_{streams}.log", {})
     try:
-        with Client(endpoint, timeout_s=120) as c:
-            c.health()
+        daemon.wait_ready(120)
+        with Client(daemon.endpoint, timeout_s=60) as c:
             before = c.stats()
-        num_chunks = asyncio.run(stream_load(endpoint, streams, seconds))
-        with Client(endpoint, timeout_s=60) as c:
+        num_chunks = asyncio.run(stream_load(daemon.endpoint, streams, seconds))
+        with Client(daemon.endpoint, timeout_s=60) as c:
             after = c.stats()
     finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=60)
+        daemon.stop(30)
     a, b = before.host, after.host
     if a is None or b is None or b.io_cpu_s is None:
-        raise SystemExit(f"the daemon reports no thread counters here (Linux /proc); stderr: {err[-500:]}")
+        raise SystemExit(f"the daemon reports no thread counters here (Linux /proc); see {daemon.log_file}")
     wall = after.uptime_s - before.uptime_s
 
     def delta(name: str) -> float | None:
@@ -91,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.seconds <= 0 or min(args.streams) < 1:
         ap.error("--seconds must be > 0 and every --streams >= 1")
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [measure(s, args.seconds, None if args.no_log else Path(tmp)) for s in args.streams]
+        rows = [measure(s, args.seconds, Path(tmp), not args.no_log) for s in args.streams]
     header = ["streams", "chunks/s", "IO µs a chunk", "log µs a chunk", "engine µs a chunk",
               "IO / log / engine / process share of the wall"]  # fmt: skip
     shares = ("io", "log", "engine", "process")

@@ -167,9 +167,6 @@ class AsyncClient(ClientSocket):
         """The next reply for ``rid``, waiting at most ``timeout_s`` (then it is cancelled). The wait is
         one future and one timer (not ``asyncio.wait_for``, which costs a task a call): a streamed
         request waits once per chunk."""
-        msg = self._core.next_reply(rid)
-        if msg is not None:
-            return msg
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         while (msg := self._core.next_reply(rid)) is None:

@@ -322,5 +322,5 @@ class IOThread:
             startup=server.startup_stats,
             host=host_stats(
                 server.engine_tid, threading.get_native_id(), log.native_id if log is not None else None
-            ),  # fmt: skip
+            ),
         )

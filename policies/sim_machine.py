@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specsched.policies.step_cost import StepCost
+
 __all__ = ["MACHINES", "Machine", "ScorerCost", "StepTimes", "get_machine"]
 
 LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)  # graph bucket sizes
@@ -73,18 +75,9 @@ class ScorerCost:
         )
 
 
-@dataclass
-class StepTimes:
-    """One step's ms per component, as the engine's ``StepRecord`` holds them."""
-
-    propose_ms: float
-    score_ms: float
-    verify_ms: float
-    overhead_ms: float
-
-    @property
-    def total_ms(self) -> float:
-        return self.propose_ms + self.score_ms + self.verify_ms + self.overhead_ms
+class StepTimes(StepCost):
+    """One step's ms per component, as the engine's ``StepRecord`` holds them (the fields and
+    ``total_ms`` of the cost models' :class:`~specsched.policies.step_cost.StepCost`)."""
 
     def noisy(self, rng: np.random.Generator, rel_std: float) -> StepTimes:
         """Measured times: each component times (1 + rel_std·N(0, 1)), at least 0."""
